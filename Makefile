@@ -1,0 +1,100 @@
+# contextd developer entry points. `make help` lists them.
+# Every target bootstraps what it needs through its prerequisites, so `make run` and
+# `make test` work on a fresh machine with Python 3.11, pip and cargo.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMPS := .stamps
+PROTO_FILES := $(wildcard proto/contextd/v1/*.proto)
+PROTO_OUT := service/contextd/v1
+RUST_SOURCES := $(shell find rust_core/src -name '*.rs') rust_core/Cargo.toml $(wildcard rust_core/Cargo.lock) $(wildcard rust_core/data/*)
+
+CONTEXTD_ADDR ?= 127.0.0.1:50051
+CONTEXTD_DATA_DIR ?= ./data
+export CONTEXTD_ADDR CONTEXTD_DATA_DIR
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMPS):
+	@mkdir -p $(STAMPS)
+
+$(STAMPS)/venv: pyproject.toml | $(STAMPS)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "maturin>=1.7,<2"
+	@touch $@
+
+# Dependencies are installed from pyproject.toml without building the package, so that
+# editing Rust code only rebuilds the extension (below), not the whole environment.
+$(STAMPS)/deps: $(STAMPS)/venv pyproject.toml
+	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print('\n'.join(d['dependencies'] + d['optional-dependencies']['dev']))" > $(STAMPS)/requirements.txt
+	$(PIP) install --quiet -r $(STAMPS)/requirements.txt
+	@touch $@
+
+$(STAMPS)/rust: $(STAMPS)/deps $(RUST_SOURCES)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
+	@touch $@
+
+$(STAMPS)/proto: $(STAMPS)/deps $(PROTO_FILES)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=service --grpc_python_out=service \
+	  --pyi_out=service $(PROTO_FILES)
+	@touch $@
+
+.PHONY: proto
+proto: $(STAMPS)/proto ## Generate the gRPC code from proto/ into service/contextd/v1/
+
+.PHONY: build
+build: $(STAMPS)/rust $(STAMPS)/proto ## Set up everything `run` needs (venv, deps, release Rust build, gRPC code)
+
+.PHONY: run
+run: build ## Start the server on $CONTEXTD_ADDR with its DuckDB file in $CONTEXTD_DATA_DIR
+	$(VENV)/bin/contextd serve
+
+.PHONY: test
+test: build $(STAMPS)/bench-deps ## Run the whole suite: cargo test, pytest, and the quick benchmark once
+	cd rust_core && cargo test --quiet
+	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory bench-quick
+
+$(STAMPS)/bench-deps: $(STAMPS)/deps
+	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print('\n'.join(d['optional-dependencies']['bench']))" > $(STAMPS)/bench-requirements.txt
+	$(PIP) install --quiet -r $(STAMPS)/bench-requirements.txt
+	@touch $@
+
+.PHONY: bench
+bench: build $(STAMPS)/bench-deps ## Run the full benchmark suite and write docs/benchmarks.md
+	$(PY) -m bench --size full
+
+.PHONY: bench-quick
+bench-quick: build $(STAMPS)/bench-deps ## Run a small benchmark to keep the suite working (writes to bench/results/)
+	$(PY) -m bench --size quick
+
+.PHONY: lint
+lint: build ## ruff, mypy, cargo fmt --check, cargo clippy -D warnings
+	$(VENV)/bin/ruff check service tests bench
+	$(VENV)/bin/ruff format --check service tests bench
+	$(VENV)/bin/mypy
+	cd rust_core && cargo fmt --check
+	cd rust_core && cargo clippy --all-targets -- -D warnings
+	cd rust_core && cargo clippy --all-targets --features python -- -D warnings
+
+.PHONY: fmt
+fmt: $(STAMPS)/deps ## Format Python and Rust code
+	$(VENV)/bin/ruff format service tests bench
+	$(VENV)/bin/ruff check --fix service tests bench
+	cd rust_core && cargo fmt
+
+.PHONY: clean
+clean: ## Remove the venv, builds, generated code and stamps (keeps ./data)
+	rm -rf $(VENV) $(STAMPS) rust_core/target target .pytest_cache .mypy_cache .ruff_cache
+	find service -name '*_pb2*.py*' -delete
+	find service -name '_core*.so' -delete
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
