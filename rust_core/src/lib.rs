@@ -1,12 +1,25 @@
-//! contextd's pure core: token estimation, budget trimming and relevance scoring.
+//! contextd's pure core: token estimation and counting, the model registry, budget
+//! trimming and relevance scoring.
 //!
 //! Everything here is a pure function or a small value type with no I/O, so it can be
 //! tested with `cargo test` alone. The Python bindings live in `python.rs` behind the
-//! `python` feature.
+//! `python` feature; they only convert arguments and release the interpreter.
 
+pub mod bm25;
+pub mod error;
 pub mod estimate;
+pub mod models;
+pub mod relevance;
+pub mod specifics;
+pub mod text;
+pub mod tokens;
+pub mod trim;
 
 #[cfg(feature = "python")]
 mod python;
 
+pub use error::{CoreError, CoreResult};
 pub use estimate::{estimate_tokens, estimate_tokens_chars_div4};
+pub use models::{list_models, model_info, ModelInfo};
+pub use tokens::{count_tokens, count_tokens_batch, Encoding};
+pub use trim::{trim_to_budget, Messages, Role, Trimmed};

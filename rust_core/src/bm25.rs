@@ -1,0 +1,500 @@
+//! An incremental BM25 (Okapi) index over short documents (conversation messages).
+//!
+//! Scoring, with `N` live documents, `n(t)` of them containing term `t`, `tf` the term's
+//! count in the document, `|D|` its length in words and `avgdl` the mean length:
+//!
+//! ```text
+//! idf(t)      = ln(1 + (N - n(t) + 0.5) / (n(t) + 0.5))        (never negative)
+//! score(D, Q) = sum over distinct t in Q of
+//!               idf(t) * tf * (k1 + 1) / (tf + k1 * (1 - b + b * |D| / avgdl))
+//! ```
+//!
+//! with `k1 = 1.2`, `b = 0.75` by default (the usual Okapi values: term-frequency saturation
+//! and length normalisation of Robertson & Zaragoza). Repeated query words count once, as in
+//! keyword overlap. Only documents containing at least one query term are returned.
+//!
+//! Layout, chosen to stay small at a million messages:
+//! - terms are interned in one string arena behind a `hashbrown::HashTable` of term ids (no
+//!   per-term `String`),
+//! - each term has one posting list of packed 6-byte `(doc, tf)` entries, appended in doc
+//!   order, so adding documents never rebuilds anything,
+//! - per document only its external id, its length and a liveness bit are kept.
+//!
+//! Removal marks a tombstone and fixes `N` and `avgdl` at once; document frequencies of
+//! lists holding dead entries are recounted at query time, and once dead documents pass a
+//! quarter of the live ones every list is compacted and documents renumbered. Term
+//! frequencies saturate at 65,535 (BM25's tf saturation makes the difference nil).
+//!
+//! Search is term-at-a-time into a dense score array, then a k-sized heap; ties are broken
+//! by ascending document id so results are deterministic.
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+use std::hash::BuildHasher;
+
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+
+use crate::error::{CoreError, CoreResult};
+use crate::text::for_each_word;
+
+/// Default term-frequency saturation.
+pub const DEFAULT_K1: f64 = 1.2;
+/// Default length normalisation.
+pub const DEFAULT_B: f64 = 0.75;
+
+/// One posting: a document index and the term's count in it, packed to 6 bytes.
+#[derive(Clone, Copy)]
+#[repr(C, packed(2))]
+struct Posting {
+    doc: u32,
+    tf: u16,
+}
+
+/// Interned vocabulary: term id -> text via one arena, text -> id via a hash table.
+#[derive(Default)]
+struct Vocab {
+    table: HashTable<u32>,
+    arena: String,
+    /// `starts[id]..starts[id + 1]` is term `id` in `arena`.
+    starts: Vec<usize>,
+    hasher: DefaultHashBuilder,
+}
+
+impl Vocab {
+    fn term<'a>(arena: &'a str, starts: &[usize], id: u32) -> &'a str {
+        let id = id as usize;
+        &arena[starts[id]..starts[id + 1]]
+    }
+
+    fn get(&self, word: &str) -> Option<u32> {
+        let hash = self.hasher.hash_one(word);
+        self.table
+            .find(hash, |&id| {
+                Self::term(&self.arena, &self.starts, id) == word
+            })
+            .copied()
+    }
+
+    /// Id of `word`, adding it if new; the flag says whether it was new.
+    fn intern(&mut self, word: &str) -> (u32, bool) {
+        let hash = self.hasher.hash_one(word);
+        let Vocab {
+            table,
+            arena,
+            starts,
+            hasher,
+        } = self;
+        if starts.is_empty() {
+            starts.push(0);
+        }
+        if let Some(&id) = table.find(hash, |&id| Self::term(arena, starts, id) == word) {
+            return (id, false);
+        }
+        let id = (starts.len() - 1) as u32;
+        arena.push_str(word);
+        starts.push(arena.len());
+        table.insert_unique(hash, id, |&i| hasher.hash_one(Self::term(arena, starts, i)));
+        (id, true)
+    }
+}
+
+/// The words of one document, counted, ready to append (computed without the index, so
+/// many can be prepared in parallel).
+#[derive(Debug, Clone, Default)]
+pub struct DocTerms {
+    lowered: String,
+    /// `(start, end, tf)` byte ranges into `lowered`, one per distinct word.
+    terms: Vec<(u32, u32, u16)>,
+    len: u32,
+}
+
+impl DocTerms {
+    /// Tokenize `text` (see [`crate::text`]) and count each distinct word.
+    pub fn new(text: &str, stop_words: bool) -> Self {
+        let lowered = text.to_lowercase();
+        let mut words: Vec<&str> = Vec::new();
+        for_each_word(&lowered, stop_words, |w| words.push(w));
+        let len = u32::try_from(words.len()).unwrap_or(u32::MAX);
+        words.sort_unstable();
+        let base = lowered.as_ptr() as usize;
+        let mut terms: Vec<(u32, u32, u16)> = Vec::new();
+        for w in words {
+            let start = (w.as_ptr() as usize - base) as u32;
+            match terms.last_mut() {
+                Some(last) if &lowered[last.0 as usize..last.1 as usize] == w => {
+                    last.2 = last.2.saturating_add(1);
+                }
+                _ => terms.push((start, start + w.len() as u32, 1)),
+            }
+        }
+        DocTerms {
+            lowered,
+            terms,
+            len,
+        }
+    }
+}
+
+/// An incremental BM25 index; see the module docs.
+pub struct Bm25Index {
+    k1: f64,
+    b: f64,
+    stop_words: bool,
+    vocab: Vocab,
+    postings: Vec<Vec<Posting>>,
+    doc_ids: Vec<i64>,
+    doc_len: Vec<u32>,
+    alive: Vec<bool>,
+    by_id: HashMap<i64, u32>,
+    live: usize,
+    dead: usize,
+    total_len: u64,
+}
+
+#[derive(PartialEq)]
+struct Hit {
+    score: f64,
+    id: i64,
+}
+
+impl Eq for Hit {}
+
+impl Ord for Hit {
+    /// "Better" is greater: higher score, then lower id.
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.score
+            .total_cmp(&other.score)
+            .then_with(|| other.id.cmp(&self.id))
+    }
+}
+
+impl PartialOrd for Hit {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Bm25Index {
+    /// An empty index. `k1` must be finite and >= 0, `b` within [0, 1].
+    pub fn new(k1: f64, b: f64, stop_words: bool) -> CoreResult<Self> {
+        if !(k1.is_finite() && k1 >= 0.0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "k1 must be a finite number >= 0, got {k1}"
+            )));
+        }
+        if !(0.0..=1.0).contains(&b) {
+            return Err(CoreError::InvalidArgument(format!(
+                "b must be within [0, 1], got {b}"
+            )));
+        }
+        Ok(Bm25Index {
+            k1,
+            b,
+            stop_words,
+            vocab: Vocab::default(),
+            postings: Vec::new(),
+            doc_ids: Vec::new(),
+            doc_len: Vec::new(),
+            alive: Vec::new(),
+            by_id: HashMap::new(),
+            live: 0,
+            dead: 0,
+            total_len: 0,
+        })
+    }
+
+    /// Term-frequency saturation parameter.
+    pub fn k1(&self) -> f64 {
+        self.k1
+    }
+
+    /// Length normalisation parameter.
+    pub fn b(&self) -> f64 {
+        self.b
+    }
+
+    /// Whether English stop words are dropped from documents and queries.
+    pub fn stop_words(&self) -> bool {
+        self.stop_words
+    }
+
+    /// Number of live documents.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// Whether the index holds no live document.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// Whether a live document has this id.
+    pub fn contains(&self, id: i64) -> bool {
+        self.by_id.contains_key(&id)
+    }
+
+    /// Number of distinct terms ever indexed.
+    pub fn vocabulary_size(&self) -> usize {
+        self.postings.len()
+    }
+
+    /// Tokenize a document with this index's settings (no index access: parallelisable).
+    pub fn prepare(&self, text: &str) -> DocTerms {
+        DocTerms::new(text, self.stop_words)
+    }
+
+    /// Add a prepared document. An existing document with the same id is replaced.
+    pub fn add_prepared(&mut self, id: i64, doc: &DocTerms) -> CoreResult<()> {
+        self.remove_one(id);
+        let idx = u32::try_from(self.doc_ids.len())
+            .ok()
+            .filter(|&i| i < u32::MAX)
+            .ok_or_else(|| CoreError::InvalidArgument("index is full (2^32 documents)".into()))?;
+        for &(start, end, tf) in &doc.terms {
+            let (term, new) = self
+                .vocab
+                .intern(&doc.lowered[start as usize..end as usize]);
+            if new {
+                self.postings.push(Vec::with_capacity(1));
+            }
+            self.postings[term as usize].push(Posting { doc: idx, tf });
+        }
+        self.doc_ids.push(id);
+        self.doc_len.push(doc.len);
+        self.alive.push(true);
+        self.by_id.insert(id, idx);
+        self.live += 1;
+        self.total_len += u64::from(doc.len);
+        Ok(())
+    }
+
+    /// Tokenize and add one document (replacing any with the same id).
+    pub fn add(&mut self, id: i64, text: &str) -> CoreResult<()> {
+        let doc = self.prepare(text);
+        self.add_prepared(id, &doc)
+    }
+
+    fn remove_one(&mut self, id: i64) -> bool {
+        let Some(idx) = self.by_id.remove(&id) else {
+            return false;
+        };
+        let idx = idx as usize;
+        self.alive[idx] = false;
+        self.live -= 1;
+        self.dead += 1;
+        self.total_len -= u64::from(self.doc_len[idx]);
+        true
+    }
+
+    /// Remove documents by id (unknown ids are ignored); returns how many were removed.
+    pub fn remove(&mut self, ids: &[i64]) -> usize {
+        let removed = ids.iter().filter(|&&id| self.remove_one(id)).count();
+        if self.dead > 0 && self.dead * 4 > self.live {
+            self.compact();
+        }
+        removed
+    }
+
+    /// Drop dead postings and renumber live documents densely.
+    fn compact(&mut self) {
+        let mut new_index = vec![u32::MAX; self.doc_ids.len()];
+        let mut next = 0u32;
+        for (old, &alive) in self.alive.iter().enumerate() {
+            if alive {
+                new_index[old] = next;
+                next += 1;
+            }
+        }
+        for list in &mut self.postings {
+            list.retain(|p| new_index[p.doc as usize] != u32::MAX);
+            for p in list.iter_mut() {
+                p.doc = new_index[p.doc as usize];
+            }
+            list.shrink_to_fit();
+        }
+        let alive = std::mem::take(&mut self.alive);
+        retain_alive(&mut self.doc_ids, &alive);
+        retain_alive(&mut self.doc_len, &alive);
+        self.alive = vec![true; self.doc_ids.len()];
+        self.by_id = self
+            .doc_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (id, i as u32))
+            .collect();
+        self.dead = 0;
+    }
+
+    /// The `k` best documents for `query`: `(id, score)` pairs, best first.
+    pub fn search(&self, query: &str, k: usize) -> Vec<(i64, f64)> {
+        if k == 0 || self.live == 0 {
+            return Vec::new();
+        }
+        let lowered = query.to_lowercase();
+        let mut terms: Vec<u32> = Vec::new();
+        for_each_word(&lowered, self.stop_words, |w| {
+            if let Some(t) = self.vocab.get(w) {
+                terms.push(t);
+            }
+        });
+        terms.sort_unstable();
+        terms.dedup();
+        if terms.is_empty() {
+            return Vec::new();
+        }
+        let n = self.live as f64;
+        let avgdl = self.total_len as f64 / n;
+        let mut scores = vec![0.0f64; self.doc_ids.len()];
+        let mut touched: Vec<u32> = Vec::new();
+        for &t in &terms {
+            let list = &self.postings[t as usize];
+            let df = if self.dead == 0 {
+                list.len()
+            } else {
+                list.iter().filter(|p| self.alive[p.doc as usize]).count()
+            };
+            if df == 0 {
+                continue;
+            }
+            let df = df as f64;
+            let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+            let scale = idf * (self.k1 + 1.0);
+            for p in list {
+                let doc = p.doc as usize;
+                if !self.alive[doc] {
+                    continue;
+                }
+                let tf = f64::from(p.tf);
+                let norm = self.k1 * (1.0 - self.b + self.b * f64::from(self.doc_len[doc]) / avgdl);
+                let s = &mut scores[doc];
+                if *s == 0.0 {
+                    touched.push(p.doc);
+                }
+                *s += scale * tf / (tf + norm);
+            }
+        }
+        // Min-heap of the k best so far (Reverse order via the wrapper's Ord).
+        let mut heap: BinaryHeap<std::cmp::Reverse<Hit>> = BinaryHeap::with_capacity(k + 1);
+        for doc in touched {
+            let hit = Hit {
+                score: scores[doc as usize],
+                id: self.doc_ids[doc as usize],
+            };
+            if heap.len() < k {
+                heap.push(std::cmp::Reverse(hit));
+            } else if let Some(worst) = heap.peek() {
+                if hit > worst.0 {
+                    heap.pop();
+                    heap.push(std::cmp::Reverse(hit));
+                }
+            }
+        }
+        let mut hits: Vec<Hit> = heap.into_iter().map(|r| r.0).collect();
+        hits.sort_unstable_by(|a, b| b.cmp(a));
+        hits.into_iter().map(|h| (h.id, h.score)).collect()
+    }
+}
+
+/// Keep the entries of `v` whose `alive` flag is set.
+fn retain_alive<T>(v: &mut Vec<T>, alive: &[bool]) {
+    let mut flags = alive.iter();
+    v.retain(|_| flags.next().copied().unwrap_or(false));
+    v.shrink_to_fit();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(docs: &[(i64, &str)]) -> Bm25Index {
+        let mut ix = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        for &(id, text) in docs {
+            ix.add(id, text).unwrap();
+        }
+        ix
+    }
+
+    /// Straight from the formula, for a hand-checkable case.
+    fn bm25(tf: f64, df: f64, n: f64, len: f64, avgdl: f64) -> f64 {
+        let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+        idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * len / avgdl))
+    }
+
+    #[test]
+    fn posting_is_six_bytes() {
+        assert_eq!(std::mem::size_of::<Posting>(), 6);
+    }
+
+    #[test]
+    fn scores_follow_the_formula() {
+        let ix = index(&[
+            (10, "rust borrow checker rust"),
+            (20, "python garbage collector"),
+            (30, "rust and python bindings"),
+        ]);
+        // lengths 4, 3, 4 ("and" is kept: no stop words); avgdl 11/3.
+        let avgdl = 11.0 / 3.0;
+        let hits = ix.search("rust", 10);
+        assert_eq!(hits.len(), 2);
+        assert_eq!(hits[0].0, 10);
+        assert!((hits[0].1 - bm25(2.0, 2.0, 3.0, 4.0, avgdl)).abs() < 1e-12);
+        assert_eq!(hits[1].0, 30);
+        assert!((hits[1].1 - bm25(1.0, 2.0, 3.0, 4.0, avgdl)).abs() < 1e-12);
+        let both = ix.search("rust python rust", 10);
+        assert_eq!(both[0].0, 30);
+        let expected = bm25(1.0, 2.0, 3.0, 4.0, avgdl) * 2.0;
+        assert!((both[0].1 - expected).abs() < 1e-12);
+    }
+
+    #[test]
+    fn top_k_orders_by_score_then_id() {
+        let ix = index(&[(5, "same text"), (3, "same text"), (9, "same text here")]);
+        let hits = ix.search("same", 2);
+        assert_eq!(hits.iter().map(|h| h.0).collect::<Vec<_>>(), [3, 5]);
+        assert!(ix.search("same", 0).is_empty());
+        assert!(ix.search("absent", 5).is_empty());
+        assert!(ix.search("", 5).is_empty());
+    }
+
+    #[test]
+    fn remove_updates_statistics_and_replace_works() {
+        let mut ix = index(&[(1, "alpha beta"), (2, "alpha gamma"), (3, "delta")]);
+        let fresh = index(&[(2, "alpha gamma"), (3, "delta")]);
+        assert_eq!(ix.remove(&[1, 99]), 1);
+        assert_eq!(ix.len(), 2);
+        assert!(!ix.contains(1) && ix.contains(2));
+        assert_eq!(ix.search("alpha beta", 5), fresh.search("alpha beta", 5));
+        ix.add(3, "alpha alpha").unwrap();
+        let replaced = index(&[(2, "alpha gamma"), (3, "alpha alpha")]);
+        assert_eq!(ix.search("alpha", 5), replaced.search("alpha", 5));
+        assert_eq!(ix.len(), 2);
+    }
+
+    #[test]
+    fn compaction_keeps_results() {
+        let mut ix = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        for i in 0..100 {
+            ix.add(i, &format!("word{} common text{}", i % 10, i % 3))
+                .unwrap();
+        }
+        let mut fresh = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        for i in 60..100 {
+            fresh
+                .add(i, &format!("word{} common text{}", i % 10, i % 3))
+                .unwrap();
+        }
+        ix.remove(&(0..60).collect::<Vec<_>>());
+        assert_eq!(ix.dead, 0, "compacted");
+        assert_eq!(ix.doc_ids.len(), 40);
+        for q in ["common", "word3 text1", "word7"] {
+            assert_eq!(ix.search(q, 100), fresh.search(q, 100), "{q}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_rejected() {
+        assert!(Bm25Index::new(-1.0, 0.75, false).is_err());
+        assert!(Bm25Index::new(f64::NAN, 0.75, false).is_err());
+        assert!(Bm25Index::new(1.2, 1.5, false).is_err());
+    }
+}

@@ -1,0 +1,162 @@
+//! Extraction of "specifics": the exact strings a summary must not paraphrase away.
+//!
+//! When old messages are summarised, a model tends to keep the gist and lose the details an
+//! agent needs later: which file, which command, which error. This pulls those out verbatim
+//! so the summariser can be told to keep them (or they can be appended to the summary).
+//!
+//! Kinds, from most to least specific: URLs, inline code in backticks (usually a shell
+//! command or a symbol), file paths, numbers with units, identifiers (CamelCase,
+//! camelCase, snake_case, or words with digits such as `sha256`), and error lines (whole
+//! lines containing `Error`, `Exception`, `Traceback` or `failed`). A match that lies inside
+//! a span already claimed by a more specific kind is skipped, so `src/my_mod.rs` does not
+//! also yield `my_mod`. Error lines are reported whole in addition to what they contain.
+//! The result is in order of first appearance, without duplicates.
+
+use std::sync::LazyLock;
+
+use regex::Regex;
+
+/// Longest error line reported; longer lines are cut (on a character boundary).
+pub const MAX_LINE_CHARS: usize = 300;
+
+struct Patterns {
+    url: Regex,
+    code: Regex,
+    path: Regex,
+    number: Regex,
+    ident: Regex,
+    error_line: Regex,
+}
+
+static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| Patterns {
+    url: Regex::new(r#"\b(?:https?|ftp|file)://[^\s<>"'`)\]]+"#).expect("url"),
+    code: Regex::new(r"`([^`\n]+)`").expect("code"),
+    path: Regex::new(concat!(
+        // absolute, home, ./ or ../ paths, and relative paths with at least one slash
+        r"(?:(?:~|\.{1,2})?/)?(?:[\w.@+-]+/)+[\w.@+-]+/?",
+        // or a Windows path
+        r"|[A-Za-z]:\\(?:[\w.@+ -]+\\)*[\w.@+-]+",
+        // or a bare file name with a common extension
+        r"|\b[\w-]+(?:\.[\w-]+)*\.(?:rs|py|pyi|toml|json|jsonl|yaml|yml|md|txt|csv|tsv|log|sh|js|ts|tsx|jsx|go|java|kt|c|h|cc|cpp|hpp|cs|rb|php|swift|sql|proto|html|css|xml|ini|cfg|conf|lock|env|parquet|db|sqlite|tar|gz|zip)\b",
+    ))
+    .expect("path"),
+    number: Regex::new(concat!(
+        r"\b\d+(?:[.,]\d+)?\s?",
+        r"(?:%|(?:ns|us|µs|ms|s|sec|secs|seconds?|min|mins|minutes?|h|hrs?|hours?|days?|",
+        r"B|KB|KiB|MB|MiB|GB|GiB|TB|TiB|bytes?|tokens?|chars?|lines?|px|k|K|M|x|",
+        r"GHz|MHz|Hz|rps|qps|req/s)\b)"
+    ))
+    .expect("number"),
+    ident: Regex::new(concat!(
+        r"\b(?:[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+",  // CamelCase
+        r"|[a-z][a-z0-9]*(?:[A-Z][a-z0-9]*)+",          // camelCase
+        r"|[A-Za-z][A-Za-z0-9]*(?:_[A-Za-z0-9]+)+",     // snake_case, SCREAMING_CASE
+        r"|_+[A-Za-z][A-Za-z0-9_]*",                    // _private, __dunder__
+        r"|[A-Za-z]+[0-9]+[A-Za-z0-9]*)\b",             // sha256, x86_64, v2
+    ))
+    .expect("ident"),
+    error_line: Regex::new(r"(?m)^.*(?:Error|Exception|Traceback|failed|FAILED|Failed).*$")
+        .expect("error line"),
+});
+
+fn overlaps(claimed: &[(usize, usize)], start: usize, end: usize) -> bool {
+    claimed.iter().any(|&(s, e)| start < e && s < end)
+}
+
+/// The specifics of `text`, in order of first appearance, without duplicates.
+pub fn extract_specifics(text: &str) -> Vec<String> {
+    let p = &*PATTERNS;
+    let mut found: Vec<(usize, String)> = Vec::new();
+    let mut claimed: Vec<(usize, usize)> = Vec::new();
+    let mut take = |start: usize, end: usize, s: &str, claimed: &mut Vec<(usize, usize)>| {
+        if !overlaps(claimed, start, end) {
+            claimed.push((start, end));
+            found.push((start, s.to_owned()));
+        }
+    };
+    for m in p.url.find_iter(text) {
+        let s = m.as_str().trim_end_matches(['.', ',', ';', ':', '!', '?']);
+        take(m.start(), m.start() + s.len(), s, &mut claimed);
+    }
+    for c in p.code.captures_iter(text) {
+        let (whole, inner) = (c.get(0).expect("match"), c.get(1).expect("group"));
+        let s = inner.as_str().trim();
+        if !s.is_empty() {
+            take(whole.start(), whole.end(), s, &mut claimed);
+        }
+    }
+    for m in p.path.find_iter(text) {
+        let s = m.as_str().trim_end_matches(['.', ',', ';', ':']);
+        // A lone "/" or "a/b" of single letters is more likely prose ("and/or") than a path.
+        if s.len() >= 3 && !s.split('/').all(|seg| seg.chars().all(char::is_alphabetic)) || s.contains('.') || s.starts_with('/') && s.len() > 1 {
+            take(m.start(), m.start() + s.len(), s, &mut claimed);
+        }
+    }
+    for m in p.number.find_iter(text) {
+        take(m.start(), m.end(), m.as_str(), &mut claimed);
+    }
+    for m in p.ident.find_iter(text) {
+        take(m.start(), m.end(), m.as_str(), &mut claimed);
+    }
+    for m in p.error_line.find_iter(text) {
+        let line = m.as_str().trim();
+        let cut: String = line.chars().take(MAX_LINE_CHARS).collect();
+        found.push((m.start(), cut));
+    }
+    found.sort_by_key(|&(start, _)| start);
+    let mut seen = hashbrown::HashSet::new();
+    found
+        .into_iter()
+        .filter_map(|(_, s)| seen.insert(s.clone()).then_some(s))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_each_kind() {
+        let text = "Edit src/main.rs and ~/notes/todo.md, then run `cargo test --release` \
+                    (see https://docs.rs/regex/latest/regex/.). It took 350 ms and 1.5 GB; \
+                    HttpServer calls parse_args and sha256 in getUserById.";
+        assert_eq!(
+            extract_specifics(text),
+            [
+                "src/main.rs",
+                "~/notes/todo.md",
+                "cargo test --release",
+                "https://docs.rs/regex/latest/regex/",
+                "350 ms",
+                "1.5 GB",
+                "HttpServer",
+                "parse_args",
+                "sha256",
+                "getUserById",
+            ]
+        );
+    }
+
+    #[test]
+    fn error_lines_are_kept_whole_and_deduplicated() {
+        let text = "ok\nTraceback (most recent call last):\n  File \"app.py\", line 3\n\
+                    ValueError: bad input\nok\nValueError: bad input\nbuild failed";
+        let got = extract_specifics(text);
+        assert!(got.contains(&"Traceback (most recent call last):".to_string()));
+        assert!(got.contains(&"ValueError: bad input".to_string()));
+        assert!(got.contains(&"build failed".to_string()));
+        assert!(got.contains(&"app.py".to_string()));
+        assert_eq!(got.iter().filter(|s| *s == "ValueError: bad input").count(), 1);
+    }
+
+    #[test]
+    fn prose_yields_nothing() {
+        assert!(extract_specifics("We talked about the weather and/or lunch.").is_empty());
+        assert!(extract_specifics("").is_empty());
+    }
+
+    #[test]
+    fn identifiers_inside_paths_are_not_repeated() {
+        assert_eq!(extract_specifics("open ./my_pkg/data_v2.json"), ["./my_pkg/data_v2.json"]);
+    }
+}

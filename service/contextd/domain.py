@@ -1,0 +1,140 @@
+"""Plain types of the domain: what the service reasons about, free of proto and SQL.
+
+Times are integers of microseconds since the Unix epoch throughout the domain and the store:
+they compare and subtract exactly, and they are what DuckDB stores without conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_TENANT = "default"
+DEFAULT_THREAD = "main"
+DEFAULT_ROLLING_WINDOW_US = 86_400 * 1_000_000
+MICROS_PER_SECOND = 1_000_000
+
+
+class Role(IntEnum):
+    """Message roles; the values equal the proto enum's and are what the store keeps."""
+
+    USER = 1
+    ASSISTANT = 2
+    TOOL_USE = 3
+    TOOL_RESULT = 4
+
+
+class MessageRange(IntEnum):
+    WINDOW = 1
+    ALL = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AgentDoc:
+    name: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    tenant: str
+    name: str
+    system_prompt: str
+    docs: tuple[AgentDoc, ...]
+    rolling_window_us: int
+    create_time_us: int
+    update_time_us: int
+    last_clear_time_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """The mutable settings of an agent, as given to create or update."""
+
+    system_prompt: str = ""
+    docs: tuple[AgentDoc, ...] = ()
+    rolling_window_us: int = DEFAULT_ROLLING_WINDOW_US
+
+
+@dataclass(frozen=True, slots=True)
+class ContextKey:
+    """One context: the unit of isolation. Nothing reads across two keys' scopes."""
+
+    tenant: str
+    agent: str
+    scope: str
+    thread: str
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    """A message as a client appends it, validated, with its token estimate."""
+
+    role: Role
+    content: str
+    tool_calls: str = ""
+    tool_call_id: str = ""
+    external_id: str = ""
+    metadata: str = ""
+    create_time_us: int | None = None
+    token_estimate: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    id: int
+    tenant: str
+    agent: str
+    scope: str
+    thread: str
+    role: Role
+    content: str
+    tool_calls: str
+    tool_call_id: str
+    external_id: str
+    metadata: str
+    token_estimate: int
+    create_time_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceipt:
+    id: int
+    create_time_us: int
+    token_estimate: int
+
+
+@dataclass(frozen=True, slots=True)
+class Thread:
+    tenant: str
+    agent: str
+    scope: str
+    thread: str
+    create_time_us: int
+    last_message_time_us: int
+    message_count: int
+    token_estimate: int
+    last_clear_time_us: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextStats:
+    window_start_time_us: int
+    last_clear_time_us: int
+    rolling_window_us: int
+    window_message_count: int
+    window_token_estimate: int
+    total_message_count: int
+    total_token_estimate: int
+    oldest_message_time_us: int | None
+    newest_message_time_us: int | None
+    thread_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    items: list[T] = field(default_factory=list)
+    next_page_token: str = ""

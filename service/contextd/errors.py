@@ -1,0 +1,63 @@
+"""Domain errors, each bound to the canonical gRPC status it means.
+
+The domain raises these; one interceptor (`contextd.grpc_errors`) turns them into statuses,
+so no servicer method has its own try/except and every error message reads the same way.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Code(Enum):
+    """Canonical status codes the domain may ask for (a subset of grpc.StatusCode)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class ContextdError(Exception):
+    """An error the caller can act on: a code, a human message and a machine reason."""
+
+    code: Code = Code.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, reason: str | None = None, field: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.field = field
+
+
+class InvalidArgument(ContextdError):
+    code = Code.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFound(ContextdError):
+    code = Code.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class AlreadyExists(ContextdError):
+    code = Code.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(ContextdError):
+    code = Code.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ContextdError):
+    code = Code.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class StoreLocked(Exception):
+    """The DuckDB file is held by another process; raised at start-up only."""

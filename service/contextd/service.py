@@ -1,0 +1,289 @@
+"""The domain operations behind the gRPC API: plain Python over plain types.
+
+This layer owns the rules (validation, defaults, windows, paging); the store owns the SQL;
+the servicer only translates. Every method takes the tenant explicitly so that, once
+authentication exists, isolation is a matter of passing the caller's tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from contextd import _core
+from contextd.clock import wall_clock_us
+from contextd.domain import (
+    DEFAULT_THREAD,
+    Agent,
+    AgentDoc,
+    AgentSettings,
+    ContextKey,
+    ContextStats,
+    MessageRange,
+    MessageReceipt,
+    NewMessage,
+    Page,
+    StoredMessage,
+    Thread,
+)
+from contextd.errors import InvalidArgument, NotFound, ResourceExhausted
+from contextd.paging import PageToken, decode, encode, page_size
+from contextd.storage import Store, ThreadFilter
+from contextd.validation import (
+    MAX_DOC_NAME_CHARS,
+    MAX_EXTERNAL_ID_CHARS,
+    check_json,
+    check_name,
+    check_size,
+)
+from contextd.window import window_start_us
+
+UPDATABLE_AGENT_FIELDS = frozenset({"system_prompt", "docs", "rolling_window"})
+# A client-set create_time may lead the server's clock by this much (clock skew).
+MAX_CLOCK_SKEW_US = 5 * 60 * 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = 1 << 20
+    max_batch_messages: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePage:
+    messages: list[StoredMessage]
+    next_page_token: str
+    window_start_us: int | None
+
+
+class ContextService:
+    def __init__(self, store: Store, limits: Limits | None = None) -> None:
+        self._store = store
+        self._limits = limits or Limits()
+
+    # ----------------------------------------------------------------- agents
+
+    def create_agent(self, tenant: str, name: str, settings: AgentSettings) -> Agent:
+        check_name(name, "agent.name")
+        return self._store.create_agent(tenant, name, _checked_settings(settings))
+
+    def get_agent(self, tenant: str, name: str) -> Agent:
+        check_name(name, "name")
+        return self._store.get_agent(tenant, name)
+
+    def update_agent(
+        self, tenant: str, name: str, settings: AgentSettings, fields: Sequence[str]
+    ) -> Agent:
+        check_name(name, "agent.name")
+        unknown = sorted(set(fields) - UPDATABLE_AGENT_FIELDS)
+        if unknown:
+            raise InvalidArgument(
+                f"update_mask names fields that cannot be updated: {', '.join(unknown)} "
+                f"(updatable: {', '.join(sorted(UPDATABLE_AGENT_FIELDS))})",
+                field="update_mask",
+            )
+        chosen = frozenset(fields) if fields else UPDATABLE_AGENT_FIELDS
+        return self._store.update_agent(tenant, name, _checked_settings(settings), chosen)
+
+    def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
+        size = page_size(requested_size)
+        params = ("agents", tenant)
+        position = decode(token, params)
+        after = str(position.position[0]) if position else None
+        agents = self._store.list_agents(tenant, after, size + 1)
+        next_token = ""
+        if len(agents) > size:
+            agents = agents[:size]
+            next_token = encode(PageToken((agents[-1].name,)), params)
+        return Page(agents, next_token)
+
+    def delete_agent(self, tenant: str, name: str) -> int:
+        check_name(name, "name")
+        return self._store.delete_agent(tenant, name)
+
+    # ----------------------------------------------------------------- messages
+
+    def append_messages(
+        self, tenant: str, agent: str, scope: str, thread: str, messages: Sequence[NewMessage]
+    ) -> list[MessageReceipt]:
+        """Validate the whole batch, estimate its tokens in one Rust call, append durably."""
+        key = _context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
+        if not messages:
+            raise InvalidArgument("messages must hold at least one message", field="messages")
+        if len(messages) > self._limits.max_batch_messages:
+            raise ResourceExhausted(
+                f"a batch holds at most {self._limits.max_batch_messages:,} messages; "
+                f"got {len(messages):,}",
+                reason="BATCH_TOO_LARGE",
+                field="messages",
+            )
+        latest_allowed = wall_clock_us() + MAX_CLOCK_SKEW_US
+        for i, message in enumerate(messages):
+            _check_message(message, i, self._limits.max_message_bytes, latest_allowed)
+        estimates = _core.estimate_tokens_batch([m.content + m.tool_calls for m in messages])
+        estimated = [
+            replace(m, token_estimate=e) for m, e in zip(messages, estimates, strict=True)
+        ]
+        return self._store.append(key, estimated, AgentSettings())
+
+    def list_messages(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        message_range: MessageRange,
+        requested_size: int,
+        token: str,
+    ) -> MessagePage:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        check_name(thread, "thread", allow_empty=True)
+        size = page_size(requested_size)
+        params = ("messages", tenant, agent, scope, thread, int(message_range))
+        position = decode(token, params)
+        found = self._store.get_agent(tenant, agent)
+        window: int | None = None
+        if message_range == MessageRange.WINDOW:
+            if position is not None and position.window_start_us is not None:
+                window = position.window_start_us
+            else:
+                window = window_start_us(
+                    wall_clock_us(), found.rolling_window_us, found.last_clear_time_us
+                )
+        after = (int(position.position[0]), int(position.position[1])) if position else None
+        where = ThreadFilter(tenant, agent, scope, thread or None)
+        rows = self._store.list_messages(where, window, after, size + 1)
+        next_token = ""
+        if len(rows) > size:
+            rows = rows[:size]
+            last = rows[-1]
+            next_token = encode(PageToken((last.create_time_us, last.id), window), params)
+        return MessagePage(rows, next_token, window)
+
+    # ----------------------------------------------------------------- clears
+
+    def clear_context(self, tenant: str, agent: str, scope: str, thread: str) -> int:
+        """Advance the agent's (thread empty) or one thread's clear marker; return it."""
+        check_name(agent, "agent")
+        if not thread:
+            return self._store.clear_agent(tenant, agent)
+        return self._store.clear_thread(_context_key(tenant, agent, scope, thread))
+
+    # ----------------------------------------------------------------- threads and stats
+
+    def list_threads(
+        self, tenant: str, agent: str, scope: str, requested_size: int, token: str
+    ) -> Page[Thread]:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        size = page_size(requested_size)
+        params = ("threads", tenant, agent, scope)
+        position = decode(token, params)
+        self._store.get_agent(tenant, agent)
+        after = str(position.position[0]) if position else None
+        threads = self._store.list_threads(tenant, agent, scope, after, size + 1)
+        next_token = ""
+        if len(threads) > size:
+            threads = threads[:size]
+            next_token = encode(PageToken((threads[-1].thread,)), params)
+        return Page(threads, next_token)
+
+    def context_stats(self, tenant: str, agent: str, scope: str, thread: str) -> ContextStats:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        check_name(thread, "thread", allow_empty=True)
+        found = self._store.get_agent(tenant, agent)
+        thread_clear: int | None = None
+        if thread:
+            one = self._store.get_thread(ContextKey(tenant, agent, scope, thread))
+            if one is None:
+                raise NotFound(
+                    f"agent {agent!r} has no thread {thread!r} in scope {scope!r}",
+                    reason="THREAD_NOT_FOUND",
+                )
+            thread_clear = one.last_clear_time_us
+        agent_start = window_start_us(
+            wall_clock_us(), found.rolling_window_us, found.last_clear_time_us
+        )
+        start = window_start_us(
+            wall_clock_us(), found.rolling_window_us, found.last_clear_time_us, thread_clear
+        )
+        counts = self._store.context_counts(
+            ThreadFilter(tenant, agent, scope, thread or None), agent_start
+        )
+        window_count, window_tokens, total_count, total_tokens, oldest, newest, threads = counts
+        return ContextStats(
+            window_start_time_us=start,
+            last_clear_time_us=max(found.last_clear_time_us, thread_clear or 0),
+            rolling_window_us=found.rolling_window_us,
+            window_message_count=int(window_count),
+            window_token_estimate=int(window_tokens),
+            total_message_count=int(total_count),
+            total_token_estimate=int(total_tokens),
+            oldest_message_time_us=oldest,
+            newest_message_time_us=newest,
+            thread_count=int(threads),
+        )
+
+
+def _context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey:
+    return ContextKey(
+        tenant=tenant,
+        agent=check_name(agent, "agent"),
+        scope=check_name(scope, "scope", allow_empty=True),
+        thread=check_name(thread, "thread"),
+    )
+
+
+def _checked_settings(settings: AgentSettings) -> AgentSettings:
+    if settings.rolling_window_us <= 0:
+        raise InvalidArgument(
+            "agent.rolling_window must be positive (e.g. 86400s for one day)",
+            field="agent.rolling_window",
+        )
+    seen: set[str] = set()
+    for i, doc in enumerate(settings.docs):
+        _check_doc(doc, i, seen)
+    return settings
+
+
+def _check_doc(doc: AgentDoc, index: int, seen: set[str]) -> None:
+    field = f"agent.docs[{index}].name"
+    if not doc.name or len(doc.name) > MAX_DOC_NAME_CHARS:
+        raise InvalidArgument(
+            f"{field} must be 1 to {MAX_DOC_NAME_CHARS} characters long", field=field
+        )
+    if doc.name in seen:
+        raise InvalidArgument(f"{field}: two docs are named {doc.name!r}", field=field)
+    seen.add(doc.name)
+
+
+def _utf8_len(text: str) -> int:
+    # Four bytes per character bounds UTF-8, so most texts skip the encode.
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_message(message: NewMessage, index: int, max_bytes: int, latest_us: int) -> None:
+    prefix = f"messages[{index}]"
+    check_json(message.tool_calls, f"{prefix}.tool_calls")
+    check_json(message.metadata, f"{prefix}.metadata", object_only=True)
+    if len(message.external_id) > MAX_EXTERNAL_ID_CHARS:
+        raise InvalidArgument(
+            f"{prefix}.external_id is longer than {MAX_EXTERNAL_ID_CHARS} characters",
+            field=f"{prefix}.external_id",
+        )
+    if len(message.tool_call_id) > MAX_EXTERNAL_ID_CHARS:
+        raise InvalidArgument(
+            f"{prefix}.tool_call_id is longer than {MAX_EXTERNAL_ID_CHARS} characters",
+            field=f"{prefix}.tool_call_id",
+        )
+    size = (
+        _utf8_len(message.content) + _utf8_len(message.tool_calls) + _utf8_len(message.metadata)
+    )
+    check_size(size, max_bytes, f"{prefix} (content + tool_calls + metadata)")
+    if message.create_time_us is not None and message.create_time_us > latest_us:
+        raise InvalidArgument(
+            f"{prefix}.create_time is in the future; leave it unset to use the server's time",
+            field=f"{prefix}.create_time",
+        )

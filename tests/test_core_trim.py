@@ -1,0 +1,139 @@
+"""Budget trimming: the Rust core against a brute-force reference, plus its invariants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from contextd import core
+from core_reference import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, trim_reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@dataclass
+class Conversation:
+    roles: list[int]
+    tokens: list[int]
+    chars: list[int]
+    groups: list[int]
+    truncated_tokens: list[int] | None
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> Conversation:
+    """Well-formed histories: each tool group is one tool_use followed, possibly with
+    other messages in between, by zero or more results; some orphan results (-1)."""
+    roles: list[int] = []
+    groups: list[int] = []
+    pending: list[int] = []
+    used: set[int] = set()
+    for _ in range(draw(st.integers(0, 25))):
+        kind = draw(st.sampled_from(["user", "assistant", "call", "result", "orphan"]))
+        if kind == "call":
+            gid = draw(st.integers(0, 10**12).filter(lambda g: g not in used))
+            used.add(gid)
+            pending.append(gid)
+            roles.append(TOOL_USE)
+            groups.append(gid)
+        elif kind == "result" and pending:
+            roles.append(TOOL_RESULT)
+            groups.append(draw(st.sampled_from(pending)))
+        elif kind == "orphan":
+            roles.append(TOOL_RESULT)
+            groups.append(-1)
+        else:
+            roles.append(USER if kind == "user" else ASSISTANT)
+            groups.append(-1)
+    n = len(roles)
+    tokens = draw(st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    chars = draw(st.lists(st.integers(0, 300), min_size=n, max_size=n))
+    truncated = draw(st.none() | st.lists(st.integers(0, 60), min_size=n, max_size=n))
+    return Conversation(roles, tokens, chars, groups, truncated)
+
+
+def _check_invariants(c: Conversation, budget: int, max_chars: int, r: core.TrimResult) -> None:
+    n = len(c.roles)
+    kept = r.kept
+    assert r.total_tokens <= budget
+    if kept:
+        assert kept == list(range(kept[0], n)), "a contiguous newest suffix"
+        assert c.roles[kept[0]] != TOOL_RESULT, "never starts with a tool_result"
+    kept_set = set(kept)
+    for g in {g for g in c.groups if g >= 0}:
+        members = {i for i, x in enumerate(c.groups) if x == g}
+        assert members <= kept_set or not (members & kept_set), f"group {g} split"
+    assert set(r.truncated) <= kept_set
+    assert len(r.truncated) == len(r.truncated_chars)
+    assert all(cut <= max_chars for cut in r.truncated_chars)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    c=conversations(),
+    budget=st.integers(0, 600),
+    max_chars=st.sampled_from([1, 50, 120, 4000]),
+)
+def test_matches_reference_and_keeps_invariants(
+    c: Conversation, budget: int, max_chars: int
+) -> None:
+    r = core.trim_to_budget(
+        c.roles, c.tokens, c.chars, c.groups, budget, max_chars, c.truncated_tokens
+    )
+    ref = trim_reference(
+        c.roles, c.tokens, c.chars, c.groups, budget, max_chars, c.truncated_tokens
+    )
+    assert (r.kept, r.truncated, r.truncated_chars, r.total_tokens) == (
+        ref.kept,
+        ref.truncated,
+        ref.truncated_chars,
+        ref.total_tokens,
+    )
+    _check_invariants(c, budget, max_chars, r)
+
+
+@given(c=conversations(), budget=st.integers(0, 600))
+def test_more_budget_never_keeps_less(c: Conversation, budget: int) -> None:
+    small = core.trim_to_budget(c.roles, c.tokens, c.chars, c.groups, budget)
+    large = core.trim_to_budget(c.roles, c.tokens, c.chars, c.groups, budget + 50)
+    if small.kept != [len(c.roles) - 1] or not small.truncated:  # not the cut-to-fit case
+        assert set(small.kept) <= set(large.kept)
+
+
+def test_parallel_results_stay_with_their_call() -> None:
+    roles = [USER, TOOL_USE, TOOL_RESULT, TOOL_RESULT, TOOL_RESULT, ASSISTANT]
+    groups = [-1, 5, 5, 5, 5, -1]
+    tokens = [10, 10, 10, 10, 10, 10]
+    chars = [40] * 6
+    assert core.trim_to_budget(roles, tokens, chars, groups, 45).kept == [5]
+    assert core.trim_to_budget(roles, tokens, chars, groups, 50).kept == [1, 2, 3, 4, 5]
+
+
+def test_newest_message_too_big_is_cut_not_dropped() -> None:
+    r = core.trim_to_budget([USER, USER], [5, 2000], [20, 8000], [-1, -1], 500)
+    # 8000 chars is first truncated to 4000 (cost 1000), then cut to fit 500 tokens.
+    assert (r.kept, r.truncated, r.truncated_chars, r.total_tokens) == ([1], [1], [2000], 500)
+
+
+def test_defaults_follow_seed_004() -> None:
+    assert core.DEFAULT_MAX_CHARS == 4000
+    r = core.trim_to_budget([USER], [5000], [20000], [-1], 10_000)
+    assert (r.truncated, r.truncated_chars, r.total_tokens) == ([0], [4000], 1000)
+    assert "TrimResult(kept=[0]" in repr(r)
+
+
+def test_bad_columns_are_value_errors() -> None:
+    with pytest.raises(ValueError, match='column "tokens" has 1 entries'):
+        core.trim_to_budget([USER, USER], [1], [1, 1], [-1, -1], 10)
+    with pytest.raises(ValueError, match="role code 9"):
+        core.trim_to_budget([9], [1], [1], [-1], 10)
+    with pytest.raises(OverflowError):
+        core.trim_to_budget([USER], [-1], [1], [-1], 10)
+
+
+def test_work_stops_at_the_budget() -> None:
+    """A long history costs what is kept: the invalid role at index 0 is never reached."""
+    n = 200_000
+    roles = [0] + [USER] * (n - 1)
+    r = core.trim_to_budget(roles, [1] * n, [4] * n, [-1] * n, 100)
+    assert r.kept == list(range(n - 100, n))
