@@ -137,3 +137,27 @@ def test_work_stops_at_the_budget() -> None:
     roles = [0] + [USER] * (n - 1)
     r = core.trim_to_budget(roles, [1] * n, [4] * n, [-1] * n, 100)
     assert r.kept == list(range(n - 100, n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(0, 40), st.integers(0, 200), st.integers(-1, 3)),
+        max_size=20,
+    ),
+    budget=st.integers(0, 300),
+)
+def test_arbitrary_groups_are_still_safe(
+    rows: list[tuple[int, int, int, int]], budget: int
+) -> None:
+    """Inputs that break the group contract (results before or without their tool_use,
+    several tool_uses per group) may keep less, but never break the budget or start
+    with a tool_result."""
+    roles = [r[0] for r in rows]
+    r = core.trim_to_budget(
+        roles, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], budget, 100
+    )
+    assert r.total_tokens <= budget
+    if r.kept:
+        assert r.kept == list(range(r.kept[0], len(rows)))
+        assert roles[r.kept[0]] != TOOL_RESULT

@@ -18,8 +18,12 @@ pub mod trim;
 #[cfg(feature = "python")]
 mod python;
 
+pub use bm25::Bm25Index;
 pub use error::{CoreError, CoreResult};
 pub use estimate::{estimate_tokens, estimate_tokens_chars_div4};
 pub use models::{list_models, model_info, ModelInfo};
+pub use relevance::{keyword_scores, keyword_select};
+pub use specifics::extract_specifics;
+pub use text::tokenize;
 pub use tokens::{count_tokens, count_tokens_batch, Encoding};
 pub use trim::{trim_to_budget, Messages, Role, Trimmed};

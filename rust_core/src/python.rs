@@ -17,6 +17,7 @@ use crate::bm25;
 use crate::error::CoreError;
 use crate::models;
 use crate::relevance;
+use crate::specifics;
 use crate::text;
 use crate::tokens::Encoding;
 use crate::trim;
@@ -222,6 +223,13 @@ fn keyword_select(py: Python<'_>, query: &str, texts: Vec<String>, stop_words: b
     py.detach(move || relevance::keyword_select(query, &texts, stop_words))
 }
 
+/// Verbatim details a summary must keep: URLs, inline code, paths, numbers with units,
+/// identifiers and error lines, in order of first appearance, without duplicates.
+#[pyfunction]
+fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
+    py.detach(|| specifics::extract_specifics(text))
+}
+
 /// Batches with at least this many texts are tokenized on all cores.
 const PARALLEL_MIN_DOCS: usize = 64;
 
@@ -359,6 +367,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tokenize, m)?)?;
     m.add_function(wrap_pyfunction!(keyword_scores, m)?)?;
     m.add_function(wrap_pyfunction!(keyword_select, m)?)?;
+    m.add_function(wrap_pyfunction!(extract_specifics, m)?)?;
     m.add_class::<PyBm25Index>()?;
     m.add_class::<PyModelInfo>()?;
     m.add_class::<PyTrimResult>()?;

@@ -28,7 +28,8 @@ struct Patterns {
     error_line: Regex,
 }
 
-static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| Patterns {
+static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| {
+    Patterns {
     url: Regex::new(r#"\b(?:https?|ftp|file)://[^\s<>"'`)\]]+"#).expect("url"),
     code: Regex::new(r"`([^`\n]+)`").expect("code"),
     path: Regex::new(concat!(
@@ -57,10 +58,23 @@ static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| Patterns {
     .expect("ident"),
     error_line: Regex::new(r"(?m)^.*(?:Error|Exception|Traceback|failed|FAILED|Failed).*$")
         .expect("error line"),
+}
 });
 
 fn overlaps(claimed: &[(usize, usize)], start: usize, end: usize) -> bool {
     claimed.iter().any(|&(s, e)| start < e && s < end)
+}
+
+/// Whether a path-shaped match is a path rather than prose such as "and/or" or
+/// "input/output": it needs a dot, a leading `/` or `~/`, three or more segments, or a
+/// segment with something other than letters.
+fn looks_like_path(s: &str) -> bool {
+    s.contains('.')
+        || (s.starts_with('/') && s.len() > 1)
+        || s.starts_with("~/")
+        || s.split('/').filter(|seg| !seg.is_empty()).count() >= 3
+        || s.contains('\\')
+        || !s.split('/').all(|seg| seg.chars().all(char::is_alphabetic))
 }
 
 /// The specifics of `text`, in order of first appearance, without duplicates.
@@ -68,6 +82,12 @@ pub fn extract_specifics(text: &str) -> Vec<String> {
     let p = &*PATTERNS;
     let mut found: Vec<(usize, String)> = Vec::new();
     let mut claimed: Vec<(usize, usize)> = Vec::new();
+    // Error lines first, so that on a tie in position the whole line precedes its parts.
+    for m in p.error_line.find_iter(text) {
+        let line = m.as_str().trim();
+        let cut: String = line.chars().take(MAX_LINE_CHARS).collect();
+        found.push((m.start(), cut));
+    }
     let mut take = |start: usize, end: usize, s: &str, claimed: &mut Vec<(usize, usize)>| {
         if !overlaps(claimed, start, end) {
             claimed.push((start, end));
@@ -87,8 +107,7 @@ pub fn extract_specifics(text: &str) -> Vec<String> {
     }
     for m in p.path.find_iter(text) {
         let s = m.as_str().trim_end_matches(['.', ',', ';', ':']);
-        // A lone "/" or "a/b" of single letters is more likely prose ("and/or") than a path.
-        if s.len() >= 3 && !s.split('/').all(|seg| seg.chars().all(char::is_alphabetic)) || s.contains('.') || s.starts_with('/') && s.len() > 1 {
+        if looks_like_path(s) {
             take(m.start(), m.start() + s.len(), s, &mut claimed);
         }
     }
@@ -97,11 +116,6 @@ pub fn extract_specifics(text: &str) -> Vec<String> {
     }
     for m in p.ident.find_iter(text) {
         take(m.start(), m.end(), m.as_str(), &mut claimed);
-    }
-    for m in p.error_line.find_iter(text) {
-        let line = m.as_str().trim();
-        let cut: String = line.chars().take(MAX_LINE_CHARS).collect();
-        found.push((m.start(), cut));
     }
     found.sort_by_key(|&(start, _)| start);
     let mut seen = hashbrown::HashSet::new();
@@ -146,17 +160,29 @@ mod tests {
         assert!(got.contains(&"ValueError: bad input".to_string()));
         assert!(got.contains(&"build failed".to_string()));
         assert!(got.contains(&"app.py".to_string()));
-        assert_eq!(got.iter().filter(|s| *s == "ValueError: bad input").count(), 1);
+        assert_eq!(
+            got.iter().filter(|s| *s == "ValueError: bad input").count(),
+            1
+        );
     }
 
     #[test]
     fn prose_yields_nothing() {
         assert!(extract_specifics("We talked about the weather and/or lunch.").is_empty());
+        assert!(extract_specifics("input/output is fine").is_empty());
+        assert_eq!(extract_specifics("in src/utils/io"), ["src/utils/io"]);
+        assert_eq!(
+            extract_specifics(r"C:\Users\me\x.txt"),
+            [r"C:\Users\me\x.txt"]
+        );
         assert!(extract_specifics("").is_empty());
     }
 
     #[test]
     fn identifiers_inside_paths_are_not_repeated() {
-        assert_eq!(extract_specifics("open ./my_pkg/data_v2.json"), ["./my_pkg/data_v2.json"]);
+        assert_eq!(
+            extract_specifics("open ./my_pkg/data_v2.json"),
+            ["./my_pkg/data_v2.json"]
+        );
     }
 }

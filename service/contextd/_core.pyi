@@ -20,6 +20,7 @@ __all__ = [
     "count_tokens_for_model_batch",
     "estimate_tokens",
     "estimate_tokens_batch",
+    "extract_specifics",
     "keyword_scores",
     "keyword_select",
     "list_models",
@@ -102,3 +103,5 @@ class Bm25Index:
     def stop_words(self) -> bool: ...
     @property
     def vocabulary_size(self) -> int: ...
+
+def extract_specifics(text: str) -> list[str]: ...

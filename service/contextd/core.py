@@ -59,6 +59,7 @@ __all__ = [
     "count_tokens_for_model_batch",
     "estimate_tokens",
     "estimate_tokens_batch",
+    "extract_specifics",
     "keyword_scores",
     "keyword_select",
     "list_models",
@@ -194,3 +195,16 @@ def keyword_select(query: str, texts: list[str], stop_words: bool = False) -> li
     because the wording missed is worse than an unfiltered one.
     """
     return _core.keyword_select(query, texts, stop_words)
+
+
+def extract_specifics(text: str) -> list[str]:
+    """Details a summary must keep verbatim, in order of first appearance, deduplicated.
+
+    URLs, inline code in backticks (usually shell commands), file paths, numbers with
+    units (``350 ms``, ``1.5 GB``), identifiers (CamelCase, camelCase, snake_case, words
+    with digits such as ``sha256``) and whole error lines (containing ``Error``,
+    ``Exception``, ``Traceback`` or ``failed``; cut at 300 characters). A match inside a
+    more specific one (an identifier inside a path) is not repeated. Summaries tend to keep
+    the gist and lose exactly these, which an agent needs to carry on.
+    """
+    return _core.extract_specifics(text)

@@ -277,7 +277,7 @@ class Store:
             "CREATE TABLE IF NOT EXISTS schema_migrations "
             "(version INTEGER PRIMARY KEY, applied_time_us BIGINT NOT NULL)"
         )
-        row = con.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
+        row = _first(con.execute("SELECT coalesce(max(version), 0) FROM schema_migrations"))
         current = int(row[0]) if row else 0
         for version, statements in MIGRATIONS:
             if version <= current:
@@ -296,24 +296,24 @@ class Store:
             log.info("migrated schema", extra={"schema_version": version})
 
     def schema_version(self) -> int:
-        row = self._cursor().execute("SELECT max(version) FROM schema_migrations").fetchone()
+        row = _first(self._cursor().execute("SELECT max(version) FROM schema_migrations"))
         return int(row[0]) if row and row[0] is not None else 0
 
     def _newest_time_us(self) -> int:
-        row = self._con.execute(
+        row = _first(self._con.execute(
             "SELECT greatest("
             "  (SELECT coalesce(max(create_time_us), 0) FROM messages),"
             "  (SELECT coalesce(max(last_clear_us), 0) FROM agents),"
             "  (SELECT coalesce(max(update_time_us), 0) FROM agents),"
             "  (SELECT coalesce(max(last_clear_us), 0) FROM threads))"
-        ).fetchone()
+        ))
         return int(row[0]) if row else 0
 
     def _next_ids(self) -> tuple[int, int]:
-        row = self._con.execute(
+        row = _first(self._con.execute(
             "SELECT (SELECT coalesce(max(id), 0) FROM messages),"
             " (SELECT coalesce(max(context_id), 0) FROM threads)"
-        ).fetchone()
+        ))
         assert row is not None
         return int(row[0]) + 1, int(row[1]) + 1
 
@@ -422,11 +422,11 @@ class Store:
         cached = self._context_ids.get(key)
         if cached is not None:
             return cached
-        row = writer.execute(
+        row = _first(writer.execute(
             "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
             "AND thread = ?",
             [key.tenant, key.agent, key.scope, key.thread],
-        ).fetchone()
+        ))
         if row is None:
             return None
         self._context_ids[key] = int(row[0])
@@ -529,9 +529,9 @@ class Store:
 
     def create_agent(self, tenant: str, name: str, settings: AgentSettings) -> Agent:
         def create(cur: duckdb.DuckDBPyConnection) -> Agent:
-            exists = cur.execute(
+            exists = _first(cur.execute(
                 "SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
-            ).fetchone()
+            ))
             if exists:
                 raise AlreadyExists(f"agent {name!r} already exists", reason="AGENT_EXISTS")
             now_us = self.clock.tick()
@@ -587,9 +587,9 @@ class Store:
     def delete_agent(self, tenant: str, name: str) -> int:
         def delete(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, tenant, name)
-            row = cur.execute(
+            row = _first(cur.execute(
                 "SELECT count(*) FROM messages WHERE tenant = ? AND agent = ?", [tenant, name]
-            ).fetchone()
+            ))
             cur.execute("DELETE FROM messages WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM threads WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
@@ -667,11 +667,11 @@ class Store:
     def clear_thread(self, key: ContextKey) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, key.tenant, key.agent)
-            row = cur.execute(
+            row = _first(cur.execute(
                 "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
                 "AND thread = ?",
                 [key.tenant, key.agent, key.scope, key.thread],
-            ).fetchone()
+            ))
             if row is None:
                 raise NotFound(
                     f"agent {key.agent!r} has no thread {key.thread!r} in scope {key.scope!r}",
@@ -688,11 +688,11 @@ class Store:
     # ----------------------------------------------------------------- threads and stats
 
     def get_thread(self, key: ContextKey) -> Thread | None:
-        row = self._cursor().execute(
+        row = _first(self._cursor().execute(
             f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
             "AND scope = ? AND thread = ?",
             [key.tenant, key.agent, key.scope, key.thread],
-        ).fetchone()
+        ))
         return _thread_from_row(row) if row else None
 
     def list_threads(
@@ -717,7 +717,7 @@ class Store:
             thread_clause = "AND t.thread = ?"
             params.append(where.thread)
         in_window = "m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?))"
-        row = self._cursor().execute(
+        row = _first(self._cursor().execute(
             f"""
             SELECT count(m.id) FILTER (WHERE {in_window}),
                    coalesce(sum(m.token_estimate) FILTER (WHERE {in_window}), 0),
@@ -730,15 +730,25 @@ class Store:
             WHERE t.tenant = ? AND t.agent = ? AND t.scope = ? {thread_clause}
             """,
             params,
-        ).fetchone()
+        ))
         assert row is not None
         return tuple(row)
 
 
+def _first(result: duckdb.DuckDBPyConnection) -> Any:
+    """The first row, reading the result to its end.
+
+    DuckDB keeps a partly read result open on its connection and refuses other work on it
+    (e.g. registering an Arrow batch) until the result is finished, so never fetchone().
+    """
+    rows = result.fetchall()
+    return rows[0] if rows else None
+
+
 def _find_agent(cur: duckdb.DuckDBPyConnection, tenant: str, name: str) -> Agent | None:
-    row = cur.execute(
+    row = _first(cur.execute(
         f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
-    ).fetchone()
+    ))
     return _agent_from_row(row) if row else None
 
 

@@ -1,0 +1,168 @@
+"""Shared fixtures: a real server on a loopback port over a real DuckDB file.
+
+`server` runs the server in this process (fast, still a real gRPC server and real
+DuckDB file); `spawn_server` runs `contextd serve` as its own process, for restarts,
+signals and kill -9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from contextd.config import Settings
+from contextd.server import RunningServer, create_server
+from contextd.v1 import context_service_pb2 as pb
+from contextd.v1 import context_service_pb2_grpc as pb_grpc
+
+USER = pb.ROLE_USER
+ASSISTANT = pb.ROLE_ASSISTANT
+TOOL_USE = pb.ROLE_TOOL_USE
+TOOL_RESULT = pb.ROLE_TOOL_RESULT
+
+
+@dataclass
+class Client:
+    """A thin test client over the real stub, with shorthands for common calls."""
+
+    stub: pb_grpc.ContextServiceStub
+    channel: grpc.Channel
+    address: str
+
+    def append(
+        self, agent: str, *contents: str, thread: str = "t1", scope: str = "",
+        role: int = USER, **fields: Any,
+    ) -> pb.AppendMessagesResponse:
+        messages = [pb.Message(role=role, content=c, **fields) for c in contents]
+        return self.stub.AppendMessages(
+            pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=messages)
+        )
+
+    def window(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
+        return self.list(agent, thread=thread, scope=scope)
+
+    def history(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
+        return self.list(agent, thread=thread, scope=scope, range=pb.MESSAGE_RANGE_ALL)
+
+    def list(self, agent: str, **kwargs: Any) -> list[pb.Message]:
+        """Every page of ListMessages, concatenated."""
+        out: list[pb.Message] = []
+        token = ""
+        while True:
+            resp = self.stub.ListMessages(
+                pb.ListMessagesRequest(agent=agent, page_token=token, **kwargs)
+            )
+            out.extend(resp.messages)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def contents(self, messages: list[pb.Message]) -> list[str]:
+        return [m.content for m in messages]
+
+
+def connect(address: str) -> Client:
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=15)
+    return Client(pb_grpc.ContextServiceStub(channel), channel, address)
+
+
+@dataclass
+class InProcessServer:
+    running: RunningServer
+    client: Client
+    data_dir: Path
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[InProcessServer]:
+    settings = Settings(addr="127.0.0.1:0", data_dir=tmp_path / "data")
+    running = create_server(settings)
+    client = connect(f"127.0.0.1:{running.port}")
+    yield InProcessServer(running, client, settings.data_dir)
+    client.channel.close()
+    running.stop(grace=1)
+
+
+@pytest.fixture
+def client(server: InProcessServer) -> Client:
+    return server.client
+
+
+@dataclass
+class ServerProcess:
+    """`contextd serve` as a child process on a free loopback port."""
+
+    data_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[str] | None = None
+    port: int = 0
+    log_path: Path = Path()
+
+    def start(self) -> Client:
+        env = {**os.environ, "CONTEXTD_DATA_DIR": str(self.data_dir),
+               "CONTEXTD_ADDR": "127.0.0.1:0", "CONTEXTD_LOG_FORMAT": "json",
+               **self.extra_env}
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Logs go to a file, not a pipe: an unread pipe would fill and block the server.
+        self.log_path = self.data_dir.parent / f"server-{time.monotonic_ns()}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "contextd", "serve"],
+                env=env, stderr=log, stdout=subprocess.DEVNULL, text=True,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for line in self.log_path.read_text().splitlines():
+                if '"contextd serving"' in line:
+                    self.port = int(json.loads(line)["port"])
+                    return connect(f"127.0.0.1:{self.port}")
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.proc.kill()
+        raise AssertionError("server did not start:\n" + self.log_path.read_text())
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def signal(self, signum: int) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        return self.proc.wait(timeout=30)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+
+
+@pytest.fixture
+def spawn_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    class Tracked(ServerProcess):
+        def __init__(self, data_dir: Path | None = None, **kwargs: Any) -> None:
+            super().__init__(data_dir or tmp_path / "data", **kwargs)
+            started.append(self)
+
+    yield Tracked
+    for proc in started:
+        if proc.proc is not None and proc.proc.poll() is None:
+            proc.proc.kill()
+            proc.proc.wait()
