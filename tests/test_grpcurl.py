@@ -20,11 +20,11 @@ def _grpcurl() -> str:
     return found
 
 
-def _run(server: InProcessServer, *args: str) -> str:
+def _run(server: InProcessServer, *args: str, flags: tuple[str, ...] = ()) -> str:
+    """grpcurl [flags] ADDRESS args..., exactly as a person types it."""
     address = f"127.0.0.1:{server.running.port}"
     result = subprocess.run(
-        [_grpcurl(), "-plaintext", *args[:-1], address, args[-1]] if args[-1] != "list"
-        else [_grpcurl(), "-plaintext", address, "list"],
+        [_grpcurl(), "-plaintext", *flags, address, *args],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
@@ -46,10 +46,10 @@ def test_grpcurl_appends_and_lists_with_json(server: InProcessServer) -> None:
     body = {"agent": "demo", "thread": "t1", "messages": [
         {"role": "ROLE_USER", "content": "What is 2 + 2?"},
         {"role": "ROLE_ASSISTANT", "content": "4"}]}
-    appended = json.loads(_run(server, "-d", json.dumps(body),
-                               "contextd.v1.ContextService/AppendMessages"))
+    appended = json.loads(_run(server, "contextd.v1.ContextService/AppendMessages",
+                               flags=("-d", json.dumps(body))))
     assert len(appended["receipts"]) == 2
-    listed = json.loads(_run(server, "-d", '{"agent": "demo", "thread": "t1"}',
-                             "contextd.v1.ContextService/ListMessages"))
+    listed = json.loads(_run(server, "contextd.v1.ContextService/ListMessages",
+                             flags=("-d", '{"agent": "demo", "thread": "t1"}')))
     assert [m["content"] for m in listed["messages"]] == ["What is 2 + 2?", "4"]
     assert listed["messages"][0]["role"] == "ROLE_USER"
