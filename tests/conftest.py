@@ -41,8 +41,13 @@ class Client:
     address: str
 
     def append(
-        self, agent: str, *contents: str, thread: str = "t1", scope: str = "",
-        role: int = USER, **fields: Any,
+        self,
+        agent: str,
+        *contents: str,
+        thread: str = "t1",
+        scope: str = "",
+        role: int = USER,
+        **fields: Any,
     ) -> pb.AppendMessagesResponse:
         messages = [pb.Message(role=role, content=c, **fields) for c in contents]
         return self.stub.AppendMessages(
@@ -111,16 +116,23 @@ class ServerProcess:
     log_path: Path = Path()
 
     def start(self) -> Client:
-        env = {**os.environ, "CONTEXTD_DATA_DIR": str(self.data_dir),
-               "CONTEXTD_ADDR": "127.0.0.1:0", "CONTEXTD_LOG_FORMAT": "json",
-               **self.extra_env}
+        env = {
+            **os.environ,
+            "CONTEXTD_DATA_DIR": str(self.data_dir),
+            "CONTEXTD_ADDR": "127.0.0.1:0",
+            "CONTEXTD_LOG_FORMAT": "json",
+            **self.extra_env,
+        }
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # Logs go to a file, not a pipe: an unread pipe would fill and block the server.
         self.log_path = self.data_dir.parent / f"server-{time.monotonic_ns()}.log"
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "contextd", "serve"],
-                env=env, stderr=log, stdout=subprocess.DEVNULL, text=True,
+                env=env,
+                stderr=log,
+                stdout=subprocess.DEVNULL,
+                text=True,
             )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -22,31 +22,47 @@ def _code(call: object) -> grpc.StatusCode:
     return _error(call).code()  # type: ignore[no-any-return]
 
 
-def _append(client: Client, *messages: pb.Message, agent: str = "a1", thread: str = "t1",
-            scope: str = "") -> pb.AppendMessagesResponse:
-    return client.stub.AppendMessages(pb.AppendMessagesRequest(
-        agent=agent, scope=scope, thread=thread, messages=list(messages)))
+def _append(
+    client: Client, *messages: pb.Message, agent: str = "a1", thread: str = "t1", scope: str = ""
+) -> pb.AppendMessagesResponse:
+    return client.stub.AppendMessages(
+        pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=list(messages))
+    )
 
 
 def _count(client: Client) -> int:
-    return sum(t.message_count for t in client.stub.ListThreads(
-        pb.ListThreadsRequest(agent="a1")).threads)
+    return sum(
+        t.message_count for t in client.stub.ListThreads(pb.ListThreadsRequest(agent="a1")).threads
+    )
 
 
 # ----------------------------------------------------------------- CRUD
 
 
 def test_create_get_update_delete_agent(client: Client) -> None:
-    created = client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(
-        name="writer", system_prompt="You write.",
-        docs=[pb.AgentDoc(name="style.md", content="Be brief.")]))).agent
+    created = client.stub.CreateAgent(
+        pb.CreateAgentRequest(
+            agent=pb.Agent(
+                name="writer",
+                system_prompt="You write.",
+                docs=[pb.AgentDoc(name="style.md", content="Be brief.")],
+            )
+        )
+    ).agent
     assert (created.system_prompt, created.docs[0].content) == ("You write.", "Be brief.")
     assert created.tenant == "default"
     got = client.stub.GetAgent(pb.GetAgentRequest(name="writer")).agent
     assert got == created
-    updated = client.stub.UpdateAgent(pb.UpdateAgentRequest(
-        agent=pb.Agent(name="writer", system_prompt="You edit.", rolling_window=duration_pb2.Duration(seconds=60)),
-        update_mask=field_mask_pb2.FieldMask(paths=["system_prompt"]))).agent
+    updated = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(
+                name="writer",
+                system_prompt="You edit.",
+                rolling_window=duration_pb2.Duration(seconds=60),
+            ),
+            update_mask=field_mask_pb2.FieldMask(paths=["system_prompt"]),
+        )
+    ).agent
     assert updated.system_prompt == "You edit."
     assert updated.rolling_window.ToSeconds() == 86_400  # not in the mask: unchanged
     assert list(updated.docs) == list(created.docs)
@@ -54,8 +70,10 @@ def test_create_get_update_delete_agent(client: Client) -> None:
     client.append("writer", "m1", "m2")
     deleted = client.stub.DeleteAgent(pb.DeleteAgentRequest(name="writer"))
     assert deleted.deleted_message_count == 2
-    assert _code(lambda: client.stub.GetAgent(pb.GetAgentRequest(name="writer"))) == \
-        grpc.StatusCode.NOT_FOUND
+    assert (
+        _code(lambda: client.stub.GetAgent(pb.GetAgentRequest(name="writer")))
+        == grpc.StatusCode.NOT_FOUND
+    )
     # Re-creating the name starts from nothing: the history went with the agent.
     client.append("writer", "new life")
     assert client.contents(client.history("writer")) == ["new life"]
@@ -63,8 +81,13 @@ def test_create_get_update_delete_agent(client: Client) -> None:
 
 def test_update_with_empty_mask_replaces_all_settings(client: Client) -> None:
     client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1", system_prompt="x")))
-    agent = client.stub.UpdateAgent(pb.UpdateAgentRequest(agent=pb.Agent(
-        name="a1", system_prompt="y", rolling_window=duration_pb2.Duration(seconds=30)))).agent
+    agent = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(
+                name="a1", system_prompt="y", rolling_window=duration_pb2.Duration(seconds=30)
+            )
+        )
+    ).agent
     assert (agent.system_prompt, agent.rolling_window.seconds) == ("y", 30)
 
 
@@ -74,14 +97,17 @@ def test_list_agents_pages(client: Client) -> None:
     first = client.stub.ListAgents(pb.ListAgentsRequest(page_size=3))
     assert [a.name for a in first.agents] == ["a", "b", "c"] and first.next_page_token
     second = client.stub.ListAgents(
-        pb.ListAgentsRequest(page_size=3, page_token=first.next_page_token))
+        pb.ListAgentsRequest(page_size=3, page_token=first.next_page_token)
+    )
     assert [a.name for a in second.agents] == ["d"] and second.next_page_token == ""
 
 
 def test_create_existing_agent_is_already_exists(client: Client) -> None:
     client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1")))
-    assert _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(
-        agent=pb.Agent(name="a1")))) == grpc.StatusCode.ALREADY_EXISTS
+    assert (
+        _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1"))))
+        == grpc.StatusCode.ALREADY_EXISTS
+    )
 
 
 # ----------------------------------------------------------------- bad input
@@ -89,18 +115,22 @@ def test_create_existing_agent_is_already_exists(client: Client) -> None:
 
 @pytest.mark.parametrize("name", ["", "x" * 129, "has space", "-leading", "ünï", "a\nb"])
 def test_bad_agent_names_are_invalid_argument(client: Client, name: str) -> None:
-    assert _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(
-        agent=pb.Agent(name=name)))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: _append(client, pb.Message(role=USER, content="x"), agent=name)) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name=name))))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        _code(lambda: _append(client, pb.Message(role=USER, content="x"), agent=name))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_bad_thread_and_scope_names_are_invalid_argument(client: Client) -> None:
     msg = pb.Message(role=USER, content="x")
-    assert _code(lambda: _append(client, msg, thread="t" * 200)) == \
-        grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: _append(client, msg, scope="bad scope")) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: _append(client, msg, thread="t" * 200)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(lambda: _append(client, msg, scope="bad scope")) == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_longest_name_is_accepted(client: Client) -> None:
@@ -111,30 +141,49 @@ def test_unspecified_and_unknown_roles_are_invalid_argument(client: Client) -> N
     error = _error(lambda: _append(client, pb.Message(content="no role")))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "role is required" in (error.details() or "")
-    assert _code(lambda: _append(client, pb.Message(role=99, content="x"))) == \
-        grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[arg-type]
+    assert (
+        _code(lambda: _append(client, pb.Message(role=99, content="x")))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("seconds", [0, -5])
 def test_non_positive_windows_are_invalid_argument(client: Client, seconds: int) -> None:
     window = duration_pb2.Duration(seconds=seconds)
-    assert _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(
-        agent=pb.Agent(name="a1", rolling_window=window)))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(
+            lambda: client.stub.CreateAgent(
+                pb.CreateAgentRequest(agent=pb.Agent(name="a1", rolling_window=window))
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a2")))
-    assert _code(lambda: client.stub.UpdateAgent(pb.UpdateAgentRequest(
-        agent=pb.Agent(name="a2", rolling_window=window),
-        update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"])))) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(
+            lambda: client.stub.UpdateAgent(
+                pb.UpdateAgentRequest(
+                    agent=pb.Agent(name="a2", rolling_window=window),
+                    update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"]),
+                )
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_malformed_json_is_invalid_argument(client: Client) -> None:
     error = _error(lambda: _append(client, pb.Message(role=USER, tool_calls="[{oops")))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "messages[0].tool_calls is not valid JSON" in (error.details() or "")
-    assert _code(lambda: _append(client, pb.Message(role=USER, metadata="{"))) == \
-        grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: _append(client, pb.Message(role=USER, metadata="[1, 2]"))) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(lambda: _append(client, pb.Message(role=USER, metadata="{")))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        _code(lambda: _append(client, pb.Message(role=USER, metadata="[1, 2]")))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_message_over_size_limit_is_resource_exhausted(client: Client) -> None:
@@ -142,15 +191,20 @@ def test_message_over_size_limit_is_resource_exhausted(client: Client) -> None:
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "limit is 1,048,576 bytes" in (error.details() or "")
     # Multi-byte characters count as their UTF-8 bytes.
-    assert _code(lambda: _append(client, pb.Message(role=USER, content="é" * 600_000))) == \
-        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        _code(lambda: _append(client, pb.Message(role=USER, content="é" * 600_000)))
+        == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
     _append(client, pb.Message(role=USER, content="x" * (1 << 20)))  # exactly the limit
 
 
 def test_rejected_batch_writes_nothing(client: Client) -> None:
     _append(client, pb.Message(role=USER, content="kept"))
-    for bad in (pb.Message(role=USER, metadata="nope"), pb.Message(content="no role"),
-                pb.Message(role=USER, content="x" * (2 << 20))):
+    for bad in (
+        pb.Message(role=USER, metadata="nope"),
+        pb.Message(content="no role"),
+        pb.Message(role=USER, content="x" * (2 << 20)),
+    ):
         with pytest.raises(grpc.RpcError):
             _append(client, pb.Message(role=USER, content="good"), bad)
     assert client.contents(client.history("a1")) == ["kept"]
@@ -167,15 +221,18 @@ def test_future_create_time_is_invalid_argument(client: Client) -> None:
     assert _code(lambda: _append(client, message)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize("call", [
-    lambda s: s.GetAgent(pb.GetAgentRequest(name="ghost")),
-    lambda s: s.UpdateAgent(pb.UpdateAgentRequest(agent=pb.Agent(name="ghost"))),
-    lambda s: s.DeleteAgent(pb.DeleteAgentRequest(name="ghost")),
-    lambda s: s.ListMessages(pb.ListMessagesRequest(agent="ghost")),
-    lambda s: s.ClearContext(pb.ClearContextRequest(agent="ghost")),
-    lambda s: s.ListThreads(pb.ListThreadsRequest(agent="ghost")),
-    lambda s: s.GetContextStats(pb.GetContextStatsRequest(agent="ghost")),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.GetAgent(pb.GetAgentRequest(name="ghost")),
+        lambda s: s.UpdateAgent(pb.UpdateAgentRequest(agent=pb.Agent(name="ghost"))),
+        lambda s: s.DeleteAgent(pb.DeleteAgentRequest(name="ghost")),
+        lambda s: s.ListMessages(pb.ListMessagesRequest(agent="ghost")),
+        lambda s: s.ClearContext(pb.ClearContextRequest(agent="ghost")),
+        lambda s: s.ListThreads(pb.ListThreadsRequest(agent="ghost")),
+        lambda s: s.GetContextStats(pb.GetContextStatsRequest(agent="ghost")),
+    ],
+)
 def test_unknown_agent_is_not_found(client: Client, call: object) -> None:
     error = _error(lambda: call(client.stub))  # type: ignore[operator]
     assert error.code() == grpc.StatusCode.NOT_FOUND
@@ -184,39 +241,72 @@ def test_unknown_agent_is_not_found(client: Client, call: object) -> None:
 
 def test_unknown_thread_is_not_found(client: Client) -> None:
     _append(client, pb.Message(role=USER, content="x"))
-    assert _code(lambda: client.stub.ClearContext(pb.ClearContextRequest(
-        agent="a1", thread="nope"))) == grpc.StatusCode.NOT_FOUND
-    assert _code(lambda: client.stub.GetContextStats(pb.GetContextStatsRequest(
-        agent="a1", thread="nope"))) == grpc.StatusCode.NOT_FOUND
+    assert (
+        _code(lambda: client.stub.ClearContext(pb.ClearContextRequest(agent="a1", thread="nope")))
+        == grpc.StatusCode.NOT_FOUND
+    )
+    assert (
+        _code(
+            lambda: client.stub.GetContextStats(
+                pb.GetContextStatsRequest(agent="a1", thread="nope")
+            )
+        )
+        == grpc.StatusCode.NOT_FOUND
+    )
 
 
 def test_bad_update_mask_is_invalid_argument(client: Client) -> None:
     client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1")))
-    error = _error(lambda: client.stub.UpdateAgent(pb.UpdateAgentRequest(
-        agent=pb.Agent(name="a1"), update_mask=field_mask_pb2.FieldMask(paths=["name"]))))
+    error = _error(
+        lambda: client.stub.UpdateAgent(
+            pb.UpdateAgentRequest(
+                agent=pb.Agent(name="a1"), update_mask=field_mask_pb2.FieldMask(paths=["name"])
+            )
+        )
+    )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "cannot be updated: name" in (error.details() or "")
 
 
 def test_duplicate_doc_names_are_invalid_argument(client: Client) -> None:
     docs = [pb.AgentDoc(name="a.md", content="1"), pb.AgentDoc(name="a.md", content="2")]
-    assert _code(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(
-        agent=pb.Agent(name="a1", docs=docs)))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(
+            lambda: client.stub.CreateAgent(
+                pb.CreateAgentRequest(agent=pb.Agent(name="a1", docs=docs))
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_bad_paging_is_invalid_argument(client: Client) -> None:
     _append(client, pb.Message(role=USER, content="x"))
-    assert _code(lambda: client.stub.ListMessages(pb.ListMessagesRequest(
-        agent="a1", page_size=-1))) == grpc.StatusCode.INVALID_ARGUMENT
-    assert _code(lambda: client.stub.ListMessages(pb.ListMessagesRequest(
-        agent="a1", page_token="garbage!"))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(lambda: client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", page_size=-1)))
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert (
+        _code(
+            lambda: client.stub.ListMessages(
+                pb.ListMessagesRequest(agent="a1", page_token="garbage!")
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
     _append(client, pb.Message(role=USER, content="y"))
-    token = client.stub.ListMessages(pb.ListMessagesRequest(
-        agent="a1", page_size=1)).next_page_token
+    token = client.stub.ListMessages(
+        pb.ListMessagesRequest(agent="a1", page_size=1)
+    ).next_page_token
     # A token is only valid with the parameters it was issued for.
-    assert _code(lambda: client.stub.ListMessages(pb.ListMessagesRequest(
-        agent="a1", thread="t1", page_size=1, page_token=token))) == \
-        grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        _code(
+            lambda: client.stub.ListMessages(
+                pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1, page_token=token)
+            )
+        )
+        == grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 def test_errors_carry_error_info_details(client: Client) -> None:
@@ -233,12 +323,19 @@ def test_batch_over_limit_is_resource_exhausted(tmp_path: object) -> None:
     from contextd.config import Settings
     from contextd.server import create_server
 
-    running = create_server(Settings(addr="127.0.0.1:0", data_dir=tmp_path / "d",  # type: ignore[operator]
-                                     max_batch_messages=3))
+    running = create_server(
+        Settings(
+            addr="127.0.0.1:0",
+            data_dir=tmp_path / "d",  # type: ignore[operator]
+            max_batch_messages=3,
+        )
+    )
     try:
         client = connect(f"127.0.0.1:{running.port}")
-        assert _code(lambda: _append(client, *[pb.Message(role=USER, content="x")] * 4)) == \
-            grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (
+            _code(lambda: _append(client, *[pb.Message(role=USER, content="x")] * 4))
+            == grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
         _append(client, *[pb.Message(role=USER, content="x")] * 3)
         client.channel.close()
     finally:

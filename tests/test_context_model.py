@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 
-import duckdb
 from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, InProcessServer
@@ -70,14 +69,29 @@ def test_messages_queryable_by_agent(client: Client) -> None:
 
 def test_all_fields_round_trip(client: Client) -> None:
     calls = json.dumps([{"id": "c1", "name": "grep", "input": {"q": "x"}}])
-    client.stub.AppendMessages(pb.AppendMessagesRequest(agent="a1", thread="t1", messages=[
-        pb.Message(role=TOOL_USE, content="", tool_calls=calls, external_id="discord:42",
-                   metadata='{"model": "m"}'),
-        pb.Message(role=TOOL_RESULT, content="3 matches", tool_call_id="c1"),
-    ]))
+    client.stub.AppendMessages(
+        pb.AppendMessagesRequest(
+            agent="a1",
+            thread="t1",
+            messages=[
+                pb.Message(
+                    role=TOOL_USE,
+                    content="",
+                    tool_calls=calls,
+                    external_id="discord:42",
+                    metadata='{"model": "m"}',
+                ),
+                pb.Message(role=TOOL_RESULT, content="3 matches", tool_call_id="c1"),
+            ],
+        )
+    )
     use, result = client.window("a1")
     assert (use.role, use.tool_calls, use.external_id, use.metadata) == (
-        TOOL_USE, calls, "discord:42", '{"model": "m"}')
+        TOOL_USE,
+        calls,
+        "discord:42",
+        '{"model": "m"}',
+    )
     assert (result.role, result.tool_call_id, result.content) == (TOOL_RESULT, "c1", "3 matches")
 
 
@@ -115,8 +129,9 @@ def test_rolling_window_returns_messages_within_window(client: Client) -> None:
 
 
 def test_rolling_window_excludes_old_messages(client: Client) -> None:
-    client.stub.CreateAgent(pb.CreateAgentRequest(
-        agent=pb.Agent(name="a1", rolling_window=_window(0.5))))
+    client.stub.CreateAgent(
+        pb.CreateAgentRequest(agent=pb.Agent(name="a1", rolling_window=_window(0.5)))
+    )
     client.append("a1", "old")
     time.sleep(0.7)
     client.append("a1", "new")
@@ -138,9 +153,12 @@ def test_rolling_window_configurable(client: Client) -> None:
     time.sleep(0.6)
     client.append("a1", "new")
     assert client.contents(client.window("a1")) == ["old", "new"]
-    client.stub.UpdateAgent(pb.UpdateAgentRequest(
-        agent=pb.Agent(name="a1", rolling_window=_window(0.4)),
-        update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"])))
+    client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", rolling_window=_window(0.4)),
+            update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"]),
+        )
+    )
     assert client.contents(client.window("a1")) == ["new"]
     stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1", thread="t1")).stats
     assert stats.rolling_window.ToMicroseconds() == 400_000
@@ -150,7 +168,8 @@ def test_rolling_window_configurable(client: Client) -> None:
 def test_window_boundary_is_exclusive(client: Client) -> None:
     client.append("a1", "before")
     marker = client.stub.ClearContext(
-        pb.ClearContextRequest(agent="a1")).clear_time.ToMicroseconds()
+        pb.ClearContextRequest(agent="a1")
+    ).clear_time.ToMicroseconds()
     # Imported messages exactly at the marker are out; one microsecond later is in.
     client.append("a1", "at marker", create_time=_ts(marker))
     client.append("a1", "just after", create_time=_ts(marker + 1))
@@ -260,7 +279,8 @@ def test_scopes_are_isolated(client: Client) -> None:
     client.append("a1", "guild-a", scope="guild:1/channel:2/user:3", thread="main")
     client.append("a1", "dm", scope="dm:3", thread="main")
     assert client.contents(
-        client.window("a1", thread="main", scope="guild:1/channel:2/user:3")) == ["guild-a"]
+        client.window("a1", thread="main", scope="guild:1/channel:2/user:3")
+    ) == ["guild-a"]
     assert client.contents(client.window("a1", thread="main", scope="dm:3")) == ["dm"]
     assert client.window("a1", thread="main") == []  # the default scope holds nothing
 
@@ -285,7 +305,8 @@ def test_list_threads_pages_by_name(client: Client) -> None:
     token = ""
     while True:
         resp = client.stub.ListThreads(
-            pb.ListThreadsRequest(agent="a1", page_size=2, page_token=token))
+            pb.ListThreadsRequest(agent="a1", page_size=2, page_token=token)
+        )
         names += [t.thread for t in resp.threads]
         token = resp.next_page_token
         if not token:

@@ -7,6 +7,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from contextd import core
 from core_reference import (
     Bm25Reference,
@@ -14,8 +17,6 @@ from core_reference import (
     keyword_select_reference,
     tokenize_reference,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 STOP = frozenset(core.STOP_WORDS)
 

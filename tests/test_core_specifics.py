@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from contextd import core
 from hypothesis import given
 from hypothesis import strategies as st
+
+from contextd import core
 
 
 def test_extracts_each_kind_in_order() -> None:

@@ -9,10 +9,11 @@ import random
 from typing import Any
 
 import pytest
-from contextd import core
-from core_reference import chars_div4, estimate, tiktoken_encoding
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from contextd import core
+from core_reference import chars_div4, estimate, tiktoken_encoding
 
 EXACT = ("o200k_base", "cl100k_base")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from contextd import core
-from core_reference import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, trim_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from contextd import core
+from core_reference import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, trim_reference
 
 
 @dataclass

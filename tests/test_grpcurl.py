@@ -25,7 +25,9 @@ def _run(server: InProcessServer, *args: str, flags: tuple[str, ...] = ()) -> st
     address = f"127.0.0.1:{server.running.port}"
     result = subprocess.run(
         [_grpcurl(), "-plaintext", *flags, address, *args],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -43,13 +45,24 @@ def test_grpcurl_describes_without_proto_files(server: InProcessServer) -> None:
 
 
 def test_grpcurl_appends_and_lists_with_json(server: InProcessServer) -> None:
-    body = {"agent": "demo", "thread": "t1", "messages": [
-        {"role": "ROLE_USER", "content": "What is 2 + 2?"},
-        {"role": "ROLE_ASSISTANT", "content": "4"}]}
-    appended = json.loads(_run(server, "contextd.v1.ContextService/AppendMessages",
-                               flags=("-d", json.dumps(body))))
+    body = {
+        "agent": "demo",
+        "thread": "t1",
+        "messages": [
+            {"role": "ROLE_USER", "content": "What is 2 + 2?"},
+            {"role": "ROLE_ASSISTANT", "content": "4"},
+        ],
+    }
+    appended = json.loads(
+        _run(server, "contextd.v1.ContextService/AppendMessages", flags=("-d", json.dumps(body)))
+    )
     assert len(appended["receipts"]) == 2
-    listed = json.loads(_run(server, "contextd.v1.ContextService/ListMessages",
-                             flags=("-d", '{"agent": "demo", "thread": "t1"}')))
+    listed = json.loads(
+        _run(
+            server,
+            "contextd.v1.ContextService/ListMessages",
+            flags=("-d", '{"agent": "demo", "thread": "t1"}'),
+        )
+    )
     assert [m["content"] for m in listed["messages"]] == ["What is 2 + 2?", "4"]
     assert listed["messages"][0]["role"] == "ROLE_USER"

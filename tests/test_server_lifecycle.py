@@ -46,7 +46,8 @@ def test_clear_time_survives_restart(spawn_server: type[ServerProcess]) -> None:
     marker = client.stub.ClearContext(pb.ClearContextRequest(agent="a1")).clear_time
     client.append("a1", "x-after", thread="x")
     thread_marker = client.stub.ClearContext(
-        pb.ClearContextRequest(agent="a1", thread="x")).clear_time
+        pb.ClearContextRequest(agent="a1", thread="x")
+    ).clear_time
     client.channel.close()
     first.signal(signal.SIGTERM)
 
@@ -145,9 +146,19 @@ def test_second_server_on_held_file_fails_clearly(
 ) -> None:
     spawn_server().start()
     result = subprocess.run(
-        [sys.executable, "-m", "contextd", "serve", "--addr", "127.0.0.1:0",
-         "--data-dir", str(tmp_path / "data")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "contextd",
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "in use by another process" in result.stderr
@@ -164,10 +175,21 @@ def test_health_is_serving(client: Client) -> None:
 def test_flags_override_environment(spawn_server: type[ServerProcess], tmp_path: Path) -> None:
     # CONTEXTD_DATA_DIR points at one directory, --data-dir at another: the flag wins.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "contextd", "serve", "--addr", "127.0.0.1:0",
-         "--data-dir", str(tmp_path / "flag-dir"), "--log-format", "json"],
+        [
+            sys.executable,
+            "-m",
+            "contextd",
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "flag-dir"),
+            "--log-format",
+            "json",
+        ],
         env={**__import__("os").environ, "CONTEXTD_DATA_DIR": str(tmp_path / "env-dir")},
-        stderr=subprocess.PIPE, text=True,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stderr is not None

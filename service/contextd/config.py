@@ -39,34 +39,54 @@ def _env(name: str, default: str) -> str:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings()
-    parser.add_argument("--addr", default=_env("CONTEXTD_ADDR", d.addr),
-                        help="host:port to listen on (env CONTEXTD_ADDR; default %(default)s)")
-    parser.add_argument("--data-dir", default=_env("CONTEXTD_DATA_DIR", str(d.data_dir)),
-                        help="directory of the DuckDB file (env CONTEXTD_DATA_DIR; "
-                        "default %(default)s)")
-    parser.add_argument("--max-message-bytes", type=int,
-                        default=int(_env("CONTEXTD_MAX_MESSAGE_BYTES", str(d.max_message_bytes))),
-                        help="largest message accepted, content + tool_calls + metadata "
-                        "(env CONTEXTD_MAX_MESSAGE_BYTES; default %(default)s)")
-    parser.add_argument("--max-batch-messages", type=int,
-                        default=int(_env("CONTEXTD_MAX_BATCH_MESSAGES",
-                                         str(d.max_batch_messages))),
-                        help="most messages in one AppendMessages call "
-                        "(env CONTEXTD_MAX_BATCH_MESSAGES; default %(default)s)")
-    parser.add_argument("--workers", type=int,
-                        default=int(_env("CONTEXTD_WORKERS", str(d.workers))),
-                        help="gRPC handler threads (env CONTEXTD_WORKERS; default %(default)s)")
-    parser.add_argument("--grace-seconds", type=float,
-                        default=float(_env("CONTEXTD_GRACE_SECONDS", str(d.grace_seconds))),
-                        help="how long shutdown waits for calls in flight "
-                        "(env CONTEXTD_GRACE_SECONDS; default %(default)s)")
-    parser.add_argument("--log-level", default=_env("CONTEXTD_LOG_LEVEL", d.log_level),
-                        help="DEBUG, INFO, WARNING or ERROR (env CONTEXTD_LOG_LEVEL; "
-                        "default %(default)s)")
-    parser.add_argument("--log-format", choices=["json", "text"],
-                        default=_env("CONTEXTD_LOG_FORMAT", d.log_format),
-                        help="json lines or plain text (env CONTEXTD_LOG_FORMAT; "
-                        "default %(default)s)")
+    parser.add_argument(
+        "--addr",
+        default=_env("CONTEXTD_ADDR", d.addr),
+        help="host:port to listen on (env CONTEXTD_ADDR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=_env("CONTEXTD_DATA_DIR", str(d.data_dir)),
+        help="directory of the DuckDB file (env CONTEXTD_DATA_DIR; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=int(_env("CONTEXTD_MAX_MESSAGE_BYTES", str(d.max_message_bytes))),
+        help="largest message accepted, content + tool_calls + metadata "
+        "(env CONTEXTD_MAX_MESSAGE_BYTES; default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-batch-messages",
+        type=int,
+        default=int(_env("CONTEXTD_MAX_BATCH_MESSAGES", str(d.max_batch_messages))),
+        help="most messages in one AppendMessages call "
+        "(env CONTEXTD_MAX_BATCH_MESSAGES; default %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=int(_env("CONTEXTD_WORKERS", str(d.workers))),
+        help="gRPC handler threads (env CONTEXTD_WORKERS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=float(_env("CONTEXTD_GRACE_SECONDS", str(d.grace_seconds))),
+        help="how long shutdown waits for calls in flight "
+        "(env CONTEXTD_GRACE_SECONDS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=_env("CONTEXTD_LOG_LEVEL", d.log_level),
+        help="DEBUG, INFO, WARNING or ERROR (env CONTEXTD_LOG_LEVEL; default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default=_env("CONTEXTD_LOG_FORMAT", d.log_format),
+        help="json lines or plain text (env CONTEXTD_LOG_FORMAT; default %(default)s)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -48,6 +48,7 @@ class Agent:
     create_time_us: int
     update_time_us: int
     last_clear_time_us: int
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class AgentSettings:
     system_prompt: str = ""
     docs: tuple[AgentDoc, ...] = ()
     rolling_window_us: int = DEFAULT_ROLLING_WINDOW_US
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,11 @@ class NewMessage:
     metadata: str = ""
     create_time_us: int | None = None
     token_estimate: int = 0
+    # Filled by the service before storing: see the messages table in storage.py.
+    token_count: int = 0
+    tokenizer: str = "estimate"
+    chars: int = 0
+    tool_call_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,8 @@ class StoredMessage:
     metadata: str
     token_estimate: int
     create_time_us: int
+    token_count: int = 0
+    group_id: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,7 @@ class MessageReceipt:
     id: int
     create_time_us: int
     token_estimate: int
+    token_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)

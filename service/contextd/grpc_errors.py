@@ -43,29 +43,34 @@ def _wrap(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str) -> 
             code = getattr(grpc.StatusCode, exc.code.value)
             log.info(
                 "rejected call",
-                extra={"method": method, "code": exc.code.value, "reason": exc.reason,
-                       "detail": exc.message},
+                extra={
+                    "method": method,
+                    "code": exc.code.value,
+                    "reason": exc.reason,
+                    "detail": exc.message,
+                },
             )
             context.abort_with_status(_status(code, exc.message, exc.reason, exc.field))
         except Exception:
-            if context.code() is not None:  # already aborted on purpose
-                raise
             log.exception("unexpected error", extra={"method": method})
             context.abort_with_status(
-                _status(grpc.StatusCode.INTERNAL,
-                        "internal error; the server logged the details", "INTERNAL")
+                _status(
+                    grpc.StatusCode.INTERNAL,
+                    "internal error; the server logged the details",
+                    "INTERNAL",
+                )
             )
         return None  # unreachable: abort_with_status raises
 
     return handle
 
 
-class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class ErrorMappingInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler

@@ -68,7 +68,9 @@ def create_server(settings: Settings) -> RunningServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_ContextServiceServicer_to_server(ContextServicer(service), server)
+        pb_grpc.add_ContextServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            ContextServicer(service), server
+        )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
@@ -91,9 +93,12 @@ def serve(settings: Settings) -> None:
     running = create_server(settings)
     log.info(
         "contextd serving",
-        extra={"addr": settings.addr, "port": running.port,
-               "database": str(settings.database_path),
-               "schema_version": running.store.schema_version()},
+        extra={
+            "addr": settings.addr,
+            "port": running.port,
+            "database": str(settings.database_path),
+            "schema_version": running.store.schema_version(),
+        },
     )
     stopping = threading.Event()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from contextd import _core
+from contextd import core
 from contextd.clock import wall_clock_us
 from contextd.domain import (
     DEFAULT_THREAD,
@@ -35,10 +35,11 @@ from contextd.validation import (
     check_json,
     check_name,
     check_size,
+    tool_call_ids,
 )
 from contextd.window import window_start_us
 
-UPDATABLE_AGENT_FIELDS = frozenset({"system_prompt", "docs", "rolling_window"})
+UPDATABLE_AGENT_FIELDS = frozenset({"system_prompt", "docs", "rolling_window", "model"})
 # A client-set create_time may lead the server's clock by this much (clock skew).
 MAX_CLOCK_SKEW_US = 5 * 60 * 1_000_000
 
@@ -60,6 +61,19 @@ class ContextService:
     def __init__(self, store: Store, limits: Limits | None = None) -> None:
         self._store = store
         self._limits = limits or Limits()
+        # The model of each agent, read on every append to count its tokens. This process
+        # is the file's only writer, so invalidating on update and delete keeps it true.
+        self._models: dict[tuple[str, str], str] = {}
+
+    def _model_of(self, tenant: str, agent: str) -> str:
+        key = (tenant, agent)
+        model = self._models.get(key)
+        if model is None:
+            found = self._store.find_agent(tenant, agent)
+            model = found.model if found else ""
+            if found:
+                self._models[key] = model
+        return model
 
     # ----------------------------------------------------------------- agents
 
@@ -83,6 +97,7 @@ class ContextService:
                 field="update_mask",
             )
         chosen = frozenset(fields) if fields else UPDATABLE_AGENT_FIELDS
+        self._models.pop((tenant, name), None)
         return self._store.update_agent(tenant, name, _checked_settings(settings), chosen)
 
     def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
@@ -99,6 +114,7 @@ class ContextService:
 
     def delete_agent(self, tenant: str, name: str) -> int:
         check_name(name, "name")
+        self._models.pop((tenant, name), None)
         return self._store.delete_agent(tenant, name)
 
     # ----------------------------------------------------------------- messages
@@ -118,13 +134,31 @@ class ContextService:
                 field="messages",
             )
         latest_allowed = wall_clock_us() + MAX_CLOCK_SKEW_US
-        for i, message in enumerate(messages):
-            _check_message(message, i, self._limits.max_message_bytes, latest_allowed)
-        estimates = _core.estimate_tokens_batch([m.content + m.tool_calls for m in messages])
-        estimated = [
-            replace(m, token_estimate=e) for m, e in zip(messages, estimates, strict=True)
+        call_ids = [
+            _check_message(m, i, self._limits.max_message_bytes, latest_allowed)
+            for i, m in enumerate(messages)
         ]
-        return self._store.append(key, estimated, AgentSettings())
+        texts = [m.content + m.tool_calls for m in messages]
+        estimates = core.estimate_tokens_batch(texts)
+        model = self._model_of(tenant, key.agent)
+        if model:
+            counts = core.count_tokens_for_model_batch(texts, model)
+            info = core.model_info(model)
+            tokenizer = info.tokenizer if info.margin == 1.0 else f"{info.tokenizer}*{info.margin}"
+        else:
+            counts, tokenizer = estimates, "estimate"
+        prepared = [
+            replace(
+                m,
+                token_estimate=e,
+                token_count=c,
+                tokenizer=tokenizer,
+                chars=len(m.content),
+                tool_call_ids=ids,
+            )
+            for m, e, c, ids in zip(messages, estimates, counts, call_ids, strict=True)
+        ]
+        return self._store.append(key, prepared, AgentSettings())
 
     def list_messages(
         self,
@@ -237,6 +271,15 @@ def _context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey
 
 
 def _checked_settings(settings: AgentSettings) -> AgentSettings:
+    if settings.model:
+        try:
+            core.model_info(settings.model)
+        except core.UnknownModelError as exc:
+            raise InvalidArgument(
+                f"agent.model {settings.model!r} is not in the model registry; known models: "
+                f"{', '.join(core.list_models())}",
+                field="agent.model",
+            ) from exc
     if settings.rolling_window_us <= 0:
         raise InvalidArgument(
             "agent.rolling_window must be positive (e.g. 86400s for one day)",
@@ -264,9 +307,12 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _check_message(message: NewMessage, index: int, max_bytes: int, latest_us: int) -> None:
+def _check_message(
+    message: NewMessage, index: int, max_bytes: int, latest_us: int
+) -> tuple[str, ...]:
+    """Reject what cannot be stored; return the tool-call ids the message declares."""
     prefix = f"messages[{index}]"
-    check_json(message.tool_calls, f"{prefix}.tool_calls")
+    ids = tool_call_ids(message.tool_calls, f"{prefix}.tool_calls")
     check_json(message.metadata, f"{prefix}.metadata", object_only=True)
     if len(message.external_id) > MAX_EXTERNAL_ID_CHARS:
         raise InvalidArgument(
@@ -278,12 +324,11 @@ def _check_message(message: NewMessage, index: int, max_bytes: int, latest_us: i
             f"{prefix}.tool_call_id is longer than {MAX_EXTERNAL_ID_CHARS} characters",
             field=f"{prefix}.tool_call_id",
         )
-    size = (
-        _utf8_len(message.content) + _utf8_len(message.tool_calls) + _utf8_len(message.metadata)
-    )
+    size = _utf8_len(message.content) + _utf8_len(message.tool_calls) + _utf8_len(message.metadata)
     check_size(size, max_bytes, f"{prefix} (content + tool_calls + metadata)")
     if message.create_time_us is not None and message.create_time_us > latest_us:
         raise InvalidArgument(
             f"{prefix}.create_time is in the future; leave it unset to use the server's time",
             field=f"{prefix}.create_time",
         )
+    return ids

@@ -52,6 +52,7 @@ def _agent_pb(agent: Agent) -> pb.Agent:
         create_time=_timestamp(agent.create_time_us),
         update_time=_timestamp(agent.update_time_us),
         last_clear_time=_timestamp(agent.last_clear_time_us),
+        model=agent.model,
     )
 
 
@@ -65,6 +66,7 @@ def _settings(agent: pb.Agent) -> AgentSettings:
         system_prompt=agent.system_prompt,
         docs=tuple(AgentDoc(d.name, d.content) for d in agent.docs),
         rolling_window_us=window,
+        model=agent.model,
     )
 
 
@@ -111,6 +113,7 @@ def _message_pb(m: StoredMessage) -> pb.Message:
         metadata=m.metadata,
         token_estimate=m.token_estimate,
         create_time=_timestamp(m.create_time_us),
+        token_count=m.token_count,
     )
 
 
@@ -212,8 +215,10 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         return pb.AppendMessagesResponse(
             receipts=[
                 pb.MessageReceipt(
-                    id=r.id, create_time=_timestamp(r.create_time_us),
+                    id=r.id,
+                    create_time=_timestamp(r.create_time_us),
                     token_estimate=r.token_estimate,
+                    token_count=r.token_count,
                 )
                 for r in receipts
             ]
@@ -249,7 +254,10 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ListThreadsRequest, context: grpc.ServicerContext
     ) -> pb.ListThreadsResponse:
         page = self._service.list_threads(
-            self._tenant(context), request.agent, request.scope, request.page_size,
+            self._tenant(context),
+            request.agent,
+            request.scope,
+            request.page_size,
             request.page_token,
         )
         return pb.ListThreadsResponse(

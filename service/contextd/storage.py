@@ -15,9 +15,11 @@ Why this shape:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                 create_time_us BIGINT NOT NULL,
                 update_time_us BIGINT NOT NULL,
                 last_clear_us BIGINT NOT NULL,
+                model VARCHAR NOT NULL DEFAULT '',
                 settings_json VARCHAR NOT NULL DEFAULT '{}',
                 PRIMARY KEY (tenant, name)
             )
@@ -96,7 +99,18 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                 external_id VARCHAR NOT NULL,
                 metadata VARCHAR NOT NULL,
                 token_estimate INTEGER NOT NULL,
-                create_time_us BIGINT NOT NULL
+                create_time_us BIGINT NOT NULL,
+                -- Tokens under the agent's model tokenizer at insert (`tokenizer` names it,
+                -- margin included); equal to token_estimate when the agent has no model.
+                token_count INTEGER NOT NULL,
+                tokenizer VARCHAR NOT NULL,
+                -- Length of content in Unicode scalar values, so trimming needs no content.
+                chars INTEGER NOT NULL,
+                -- The id of the tool_use message a tool_use or tool_result belongs to
+                -- (its own id for the tool_use), -1 otherwise: trimming keeps groups whole.
+                group_id BIGINT NOT NULL,
+                -- For messages that call tools: their call ids, comma-separated.
+                tool_call_ids VARCHAR NOT NULL
             )
             """,
             "CREATE INDEX messages_by_context ON messages (context_id)",
@@ -107,8 +121,11 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
-    "external_id, metadata, token_estimate, create_time_us"
+    "external_id, metadata, token_estimate, create_time_us, token_count, group_id"
 )
+# How many tool-call ids the writer remembers to tie results to their tool_use without a
+# query; older ones are looked up in the table.
+_REMEMBERED_CALLS = 100_000
 
 _ARROW_SCHEMA = pa.schema(
     [
@@ -126,7 +143,22 @@ _ARROW_SCHEMA = pa.schema(
         ("metadata", pa.string()),
         ("token_estimate", pa.int32()),
         ("create_time_us", pa.int64()),
+        ("token_count", pa.int32()),
+        ("tokenizer", pa.string()),
+        ("chars", pa.int32()),
+        ("group_id", pa.int64()),
+        ("tool_call_ids", pa.string()),
     ]
+)
+_ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
+_EMPTY_WINDOW = pa.table(
+    {
+        "id": pa.array([], pa.int64()),
+        "role": pa.array([], pa.uint8()),
+        "token_count": pa.array([], pa.int32()),
+        "chars": pa.array([], pa.int32()),
+        "group_id": pa.array([], pa.int64()),
+    }
 )
 
 
@@ -151,12 +183,13 @@ def _agent_from_row(row: Sequence[Any]) -> Agent:
         create_time_us=row[5],
         update_time_us=row[6],
         last_clear_time_us=row[7],
+        model=row[8],
     )
 
 
 _AGENT_COLUMNS = (
     "tenant, name, system_prompt, docs_json, rolling_window_us, create_time_us, "
-    "update_time_us, last_clear_us"
+    "update_time_us, last_clear_us, model"
 )
 _THREAD_COLUMNS = (
     "tenant, agent, scope, thread, create_time_us, last_message_time_us, message_count, "
@@ -183,7 +216,27 @@ def _message_from_row(row: Sequence[Any]) -> StoredMessage:
         metadata=row[10],
         token_estimate=row[11],
         create_time_us=row[12],
+        token_count=row[13],
+        group_id=row[14],
     )
+
+
+_INSERT_AGENT = f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> list[Any]:
+    """A new agent's row: its clear marker starts at its creation, as seed 000 says."""
+    return [
+        tenant,
+        name,
+        settings.system_prompt,
+        _docs_json(settings.docs),
+        settings.rolling_window_us,
+        now_us,
+        now_us,
+        now_us,
+        settings.model,
+    ]
 
 
 def _docs_json(docs: Sequence[AgentDoc]) -> str:
@@ -222,9 +275,12 @@ class Store:
         self.clock.advance_to(self._newest_time_us())
         self._next_message_id, self._next_context_id = self._next_ids()
         self._context_ids: dict[ContextKey, int] = {}
+        self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._queue: SimpleQueue[Any] = SimpleQueue()
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="contextd-writer", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="contextd-writer", daemon=True
+        )
         self._writer.start()
 
     # ----------------------------------------------------------------- life cycle
@@ -286,9 +342,7 @@ class Store:
             try:
                 for statement in statements:
                     con.execute(statement)
-                con.execute(
-                    "INSERT INTO schema_migrations VALUES (?, epoch_us(now()))", [version]
-                )
+                con.execute("INSERT INTO schema_migrations VALUES (?, epoch_us(now()))", [version])
                 con.execute("COMMIT")
             except Exception:
                 con.execute("ROLLBACK")
@@ -300,20 +354,24 @@ class Store:
         return int(row[0]) if row and row[0] is not None else 0
 
     def _newest_time_us(self) -> int:
-        row = _first(self._con.execute(
-            "SELECT greatest("
-            "  (SELECT coalesce(max(create_time_us), 0) FROM messages),"
-            "  (SELECT coalesce(max(last_clear_us), 0) FROM agents),"
-            "  (SELECT coalesce(max(update_time_us), 0) FROM agents),"
-            "  (SELECT coalesce(max(last_clear_us), 0) FROM threads))"
-        ))
+        row = _first(
+            self._con.execute(
+                "SELECT greatest("
+                "  (SELECT coalesce(max(create_time_us), 0) FROM messages),"
+                "  (SELECT coalesce(max(last_clear_us), 0) FROM agents),"
+                "  (SELECT coalesce(max(update_time_us), 0) FROM agents),"
+                "  (SELECT coalesce(max(last_clear_us), 0) FROM threads))"
+            )
+        )
         return int(row[0]) if row else 0
 
     def _next_ids(self) -> tuple[int, int]:
-        row = _first(self._con.execute(
-            "SELECT (SELECT coalesce(max(id), 0) FROM messages),"
-            " (SELECT coalesce(max(context_id), 0) FROM threads)"
-        ))
+        row = _first(
+            self._con.execute(
+                "SELECT (SELECT coalesce(max(id), 0) FROM messages),"
+                " (SELECT coalesce(max(context_id), 0) FROM threads)"
+            )
+        )
         assert row is not None
         return int(row[0]) + 1, int(row[1]) + 1
 
@@ -393,10 +451,8 @@ class Store:
 
     @staticmethod
     def _rollback(writer: duckdb.DuckDBPyConnection) -> None:
-        try:
+        with contextlib.suppress(duckdb.Error):  # no transaction was open
             writer.execute("ROLLBACK")
-        except duckdb.Error:
-            pass  # no transaction was open
 
     def _commit_appends(self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]) -> None:
         """Commit a group of appends in one transaction; isolate a failing job on error."""
@@ -408,6 +464,7 @@ class Store:
         except BaseException as exc:
             self._rollback(writer)
             self._next_message_id, self._next_context_id, self._context_ids = saved
+            self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
             if len(jobs) == 1:
                 jobs[0].future.set_exception(exc)
                 return
@@ -422,11 +479,13 @@ class Store:
         cached = self._context_ids.get(key)
         if cached is not None:
             return cached
-        row = _first(writer.execute(
-            "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-            "AND thread = ?",
-            [key.tenant, key.agent, key.scope, key.thread],
-        ))
+        row = _first(
+            writer.execute(
+                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+                "AND thread = ?",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
         if row is None:
             return None
         self._context_ids[key] = int(row[0])
@@ -449,18 +508,8 @@ class Store:
         now_us = self.clock.tick()
         for (tenant, name), settings in agents_seen.items():
             writer.execute(
-                f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT DO NOTHING",
-                [
-                    tenant,
-                    name,
-                    settings.system_prompt,
-                    _docs_json(settings.docs),
-                    settings.rolling_window_us,
-                    now_us,
-                    now_us,
-                    now_us,
-                ],
+                _INSERT_AGENT + " ON CONFLICT DO NOTHING",
+                _agent_row(tenant, name, settings, now_us),
             )
 
         for job in jobs:
@@ -471,37 +520,54 @@ class Store:
                 self._next_context_id += 1
                 new_contexts[key] = context_id
             commit_time = self.clock.tick()
-            receipts: list[MessageReceipt] = []
+            messages = job.messages
+            n = len(messages)
+            first_id = self._next_message_id
+            self._next_message_id += n
+            ids = range(first_id, first_id + n)
+            times = [
+                commit_time if m.create_time_us is None else m.create_time_us for m in messages
+            ]
+            columns["id"].extend(ids)
+            columns["context_id"].extend([context_id] * n)
+            columns["tenant"].extend([key.tenant] * n)
+            columns["agent"].extend([key.agent] * n)
+            columns["scope"].extend([key.scope] * n)
+            columns["thread"].extend([key.thread] * n)
+            columns["role"].extend([int(m.role) for m in messages])
+            columns["content"].extend([m.content for m in messages])
+            columns["tool_calls"].extend([m.tool_calls for m in messages])
+            columns["tool_call_id"].extend([m.tool_call_id for m in messages])
+            columns["external_id"].extend([m.external_id for m in messages])
+            columns["metadata"].extend([m.metadata for m in messages])
+            columns["token_estimate"].extend([m.token_estimate for m in messages])
+            columns["create_time_us"].extend(times)
+            columns["token_count"].extend([m.token_count for m in messages])
+            columns["tokenizer"].extend([m.tokenizer for m in messages])
+            columns["chars"].extend([m.chars for m in messages])
+            columns["group_id"].extend(
+                [self._group_of(writer, context_id, i, m) for i, m in zip(ids, messages)]
+            )
+            columns["tool_call_ids"].extend([",".join(m.tool_call_ids) for m in messages])
+            all_receipts.append(
+                [
+                    MessageReceipt(i, t, m.token_estimate, m.token_count)
+                    for i, t, m in zip(ids, times, messages, strict=True)
+                ]
+            )
             delta = thread_deltas.setdefault(key, [0, 0, 2**63 - 1, 0])
-            for message in job.messages:
-                message_id = self._next_message_id
-                self._next_message_id += 1
-                created = message.create_time_us if message.create_time_us is not None else commit_time
-                columns["id"].append(message_id)
-                columns["context_id"].append(context_id)
-                columns["tenant"].append(key.tenant)
-                columns["agent"].append(key.agent)
-                columns["scope"].append(key.scope)
-                columns["thread"].append(key.thread)
-                columns["role"].append(int(message.role))
-                columns["content"].append(message.content)
-                columns["tool_calls"].append(message.tool_calls)
-                columns["tool_call_id"].append(message.tool_call_id)
-                columns["external_id"].append(message.external_id)
-                columns["metadata"].append(message.metadata)
-                columns["token_estimate"].append(message.token_estimate)
-                columns["create_time_us"].append(created)
-                receipts.append(MessageReceipt(message_id, created, message.token_estimate))
-                delta[0] += 1
-                delta[1] += message.token_estimate
-                delta[2] = min(delta[2], created)
-                delta[3] = max(delta[3], created)
-            all_receipts.append(receipts)
+            delta[0] += n
+            delta[1] += sum(m.token_estimate for m in messages)
+            delta[2] = min(delta[2], min(times))
+            delta[3] = max(delta[3], max(times))
 
         batch = pa.table(columns, schema=_ARROW_SCHEMA)
         writer.register("contextd_append_batch", batch)
         try:
-            writer.execute("INSERT INTO messages SELECT * FROM contextd_append_batch")
+            writer.execute(
+                f"INSERT INTO messages ({_ARROW_COLUMNS}) "
+                f"SELECT {_ARROW_COLUMNS} FROM contextd_append_batch"
+            )
         finally:
             writer.unregister("contextd_append_batch")
 
@@ -510,8 +576,17 @@ class Store:
             if context_id is not None:
                 writer.execute(
                     "INSERT INTO threads VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                    [context_id, key.tenant, key.agent, key.scope, key.thread,
-                     first, last, count, tokens],
+                    [
+                        context_id,
+                        key.tenant,
+                        key.agent,
+                        key.scope,
+                        key.thread,
+                        first,
+                        last,
+                        count,
+                        tokens,
+                    ],
                 )
             else:
                 writer.execute(
@@ -525,21 +600,50 @@ class Store:
         self._context_ids.update(new_contexts)
         return all_receipts
 
+    def _group_of(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        context_id: int,
+        message_id: int,
+        message: NewMessage,
+    ) -> int:
+        """The tool group of a message: the id of the tool_use it belongs to, or -1.
+
+        Computed once at insert so that trimming reads integers, never JSON.
+        """
+        if message.tool_call_ids:
+            for call_id in message.tool_call_ids:
+                self._calls[(context_id, call_id)] = message_id
+                self._calls.move_to_end((context_id, call_id))
+            while len(self._calls) > _REMEMBERED_CALLS:
+                self._calls.popitem(last=False)
+            return message_id
+        if message.role != Role.TOOL_RESULT or not message.tool_call_id:
+            return -1
+        known = self._calls.get((context_id, message.tool_call_id))
+        if known is not None:
+            return known
+        row = _first(
+            writer.execute(
+                "SELECT id FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
+                "AND list_contains(string_split(tool_call_ids, ','), ?) "
+                "ORDER BY id DESC LIMIT 1",
+                [context_id, message.tool_call_id],
+            )
+        )
+        return int(row[0]) if row else -1
+
     # ----------------------------------------------------------------- agents
 
     def create_agent(self, tenant: str, name: str, settings: AgentSettings) -> Agent:
         def create(cur: duckdb.DuckDBPyConnection) -> Agent:
-            exists = _first(cur.execute(
-                "SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
-            ))
+            exists = _first(
+                cur.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
+            )
             if exists:
                 raise AlreadyExists(f"agent {name!r} already exists", reason="AGENT_EXISTS")
             now_us = self.clock.tick()
-            cur.execute(
-                f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [tenant, name, settings.system_prompt, _docs_json(settings.docs),
-                 settings.rolling_window_us, now_us, now_us, now_us],
-            )
+            cur.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
             return _require_agent(cur, tenant, name)
 
         return self._write(create)
@@ -566,6 +670,9 @@ class Store:
             if "rolling_window" in fields:
                 assignments.append("rolling_window_us = ?")
                 params.append(settings.rolling_window_us)
+            if "model" in fields:
+                assignments.append("model = ?")
+                params.append(settings.model)
             assignments.append("update_time_us = ?")
             params.append(self.clock.tick())
             cur.execute(
@@ -577,19 +684,25 @@ class Store:
         return self._write(update)
 
     def list_agents(self, tenant: str, after_name: str | None, limit: int) -> list[Agent]:
-        rows = self._cursor().execute(
-            f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name > ? "
-            "ORDER BY name LIMIT ?",
-            [tenant, after_name or "", limit],
-        ).fetchall()
+        rows = (
+            self._cursor()
+            .execute(
+                f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name > ? "
+                "ORDER BY name LIMIT ?",
+                [tenant, after_name or "", limit],
+            )
+            .fetchall()
+        )
         return [_agent_from_row(r) for r in rows]
 
     def delete_agent(self, tenant: str, name: str) -> int:
         def delete(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, tenant, name)
-            row = _first(cur.execute(
-                "SELECT count(*) FROM messages WHERE tenant = ? AND agent = ?", [tenant, name]
-            ))
+            row = _first(
+                cur.execute(
+                    "SELECT count(*) FROM messages WHERE tenant = ? AND agent = ?", [tenant, name]
+                )
+            )
             cur.execute("DELETE FROM messages WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM threads WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
@@ -611,8 +724,9 @@ class Store:
     ) -> list[MessageReceipt]:
         """Append durably; creates the agent with `default_settings` if it is missing."""
         receipts: list[MessageReceipt] = self._submit(
-            _AppendJob(key=key, messages=messages, default_settings=default_settings,
-                       future=Future())
+            _AppendJob(
+                key=key, messages=messages, default_settings=default_settings, future=Future()
+            )
         )
         return receipts
 
@@ -650,6 +764,48 @@ class Store:
         rows = self._cursor().execute(sql, params).fetchall()
         return [_message_from_row(r) for r in rows]
 
+    def window_columns(self, key: ContextKey, window_start_us: int) -> pa.Table:
+        """The window of one thread as columns, without content: the first read of a build.
+
+        Columns: id (int64), role (uint8), token_count (int32), chars (int32), group_id
+        (int64), oldest first. A build trims on these and then loads content only for what
+        it keeps (`messages_by_ids`), so its cost follows what is kept, not the window.
+        `window_start_us` is the full start (thread clear included).
+        """
+        cur = self._cursor()
+        row = _first(
+            cur.execute(
+                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+                "AND thread = ?",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
+        if row is None:
+            return _EMPTY_WINDOW
+        table: pa.Table = cur.sql(
+            "SELECT id, role, token_count, chars, group_id FROM messages "
+            "WHERE context_id = $1 AND create_time_us > $2 ORDER BY create_time_us, id",
+            params=[row[0], window_start_us],
+        ).to_arrow_table()
+        return table
+
+    def messages_by_ids(self, tenant: str, ids: Sequence[int]) -> list[StoredMessage]:
+        """Whole messages by id, ordered by (create_time, id); ids of other tenants are
+        never returned."""
+        if not ids:
+            return []
+        rows = (
+            self._cursor()
+            .execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages "
+                "WHERE tenant = ? AND id IN (SELECT unnest(?::BIGINT[])) "
+                "ORDER BY create_time_us, id",
+                [tenant, list(ids)],
+            )
+            .fetchall()
+        )
+        return [_message_from_row(r) for r in rows]
+
     # ----------------------------------------------------------------- clears
 
     def clear_agent(self, tenant: str, agent: str) -> int:
@@ -667,11 +823,13 @@ class Store:
     def clear_thread(self, key: ContextKey) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, key.tenant, key.agent)
-            row = _first(cur.execute(
-                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                "AND thread = ?",
-                [key.tenant, key.agent, key.scope, key.thread],
-            ))
+            row = _first(
+                cur.execute(
+                    "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+                    "AND thread = ?",
+                    [key.tenant, key.agent, key.scope, key.thread],
+                )
+            )
             if row is None:
                 raise NotFound(
                     f"agent {key.agent!r} has no thread {key.thread!r} in scope {key.scope!r}",
@@ -688,21 +846,27 @@ class Store:
     # ----------------------------------------------------------------- threads and stats
 
     def get_thread(self, key: ContextKey) -> Thread | None:
-        row = _first(self._cursor().execute(
-            f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
-            "AND scope = ? AND thread = ?",
-            [key.tenant, key.agent, key.scope, key.thread],
-        ))
+        row = _first(
+            self._cursor().execute(
+                f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
+                "AND scope = ? AND thread = ?",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
         return _thread_from_row(row) if row else None
 
     def list_threads(
         self, tenant: str, agent: str, scope: str, after_thread: str | None, limit: int
     ) -> list[Thread]:
-        rows = self._cursor().execute(
-            f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
-            "AND scope = ? AND thread > ? ORDER BY thread LIMIT ?",
-            [tenant, agent, scope, after_thread or "", limit],
-        ).fetchall()
+        rows = (
+            self._cursor()
+            .execute(
+                f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
+                "AND scope = ? AND thread > ? ORDER BY thread LIMIT ?",
+                [tenant, agent, scope, after_thread or "", limit],
+            )
+            .fetchall()
+        )
         return [_thread_from_row(r) for r in rows]
 
     def context_counts(self, where: ThreadFilter, window_start_us: int) -> tuple[int, ...]:
@@ -717,8 +881,9 @@ class Store:
             thread_clause = "AND t.thread = ?"
             params.append(where.thread)
         in_window = "m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?))"
-        row = _first(self._cursor().execute(
-            f"""
+        row = _first(
+            self._cursor().execute(
+                f"""
             SELECT count(m.id) FILTER (WHERE {in_window}),
                    coalesce(sum(m.token_estimate) FILTER (WHERE {in_window}), 0),
                    count(m.id),
@@ -729,8 +894,9 @@ class Store:
             FROM threads t LEFT JOIN messages m ON m.context_id = t.context_id
             WHERE t.tenant = ? AND t.agent = ? AND t.scope = ? {thread_clause}
             """,
-            params,
-        ))
+                params,
+            )
+        )
         assert row is not None
         return tuple(row)
 
@@ -746,9 +912,11 @@ def _first(result: duckdb.DuckDBPyConnection) -> Any:
 
 
 def _find_agent(cur: duckdb.DuckDBPyConnection, tenant: str, name: str) -> Agent | None:
-    row = _first(cur.execute(
-        f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
-    ))
+    row = _first(
+        cur.execute(
+            f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
+        )
+    )
     return _agent_from_row(row) if row else None
 
 
@@ -757,4 +925,3 @@ def _require_agent(cur: duckdb.DuckDBPyConnection, tenant: str, name: str) -> Ag
     if agent is None:
         raise NotFound(f"agent {name!r} does not exist", reason="AGENT_NOT_FOUND")
     return agent
-

@@ -54,3 +54,25 @@ def check_size(size_bytes: int, limit_bytes: int, what: str) -> None:
             reason="MESSAGE_TOO_LARGE",
             field=what,
         )
+
+
+def tool_call_ids(tool_calls: str, what: str) -> tuple[str, ...]:
+    """The call ids a message's tool_calls JSON declares ('' when none).
+
+    Accepted shapes: a list of calls, one call, or an object with a "tool_calls" list;
+    a call is an object whose "id" is a string. This covers Anthropic tool_use blocks
+    ({"id", "name", "input"}) and OpenAI tool calls ({"id", "type", "function"}).
+    """
+    if not tool_calls:
+        return ()
+    try:
+        parsed = json.loads(tool_calls)
+    except ValueError as exc:
+        raise InvalidArgument(f"{what} is not valid JSON: {exc}", field=what) from exc
+    if isinstance(parsed, dict):
+        parsed = parsed.get("tool_calls", [parsed])
+    if not isinstance(parsed, list):
+        return ()
+    return tuple(
+        call["id"] for call in parsed if isinstance(call, dict) and isinstance(call.get("id"), str)
+    )
