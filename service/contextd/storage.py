@@ -546,7 +546,10 @@ class Store:
             columns["tokenizer"].extend([m.tokenizer for m in messages])
             columns["chars"].extend([m.chars for m in messages])
             columns["group_id"].extend(
-                [self._group_of(writer, context_id, i, m) for i, m in zip(ids, messages)]
+                [
+                    self._group_of(writer, context_id, i, m)
+                    for i, m in zip(ids, messages, strict=True)
+                ]
             )
             columns["tool_call_ids"].extend([",".join(m.tool_call_ids) for m in messages])
             all_receipts.append(

@@ -1,0 +1,340 @@
+"""Plain types of context building: what goes into a BuildContext and what comes out.
+
+They are frozen dataclasses over plain values (no proto, no SQL) so the assembly,
+compaction and rendering code is pure and testable without a server. Times are integers
+of microseconds since the Unix epoch, as in :mod:`contextd.domain`.
+
+Tool calls
+    A message's ``tool_calls`` is JSON text. :func:`parse_tool_calls` is the one place
+    that interprets it, so every module agrees on what a call is. Accepted shapes, as a
+    list or a single object:
+
+    * Anthropic style ``{"id", "name", "input"}`` (an optional ``"type": "tool_use"``);
+    * OpenAI style ``{"id", "type": "function", "function": {"name", "arguments"}}``
+      where ``arguments`` is JSON text (or, leniently, an already decoded value).
+
+    Anything else (invalid JSON, entries without a name) yields no call rather than an
+    error: the text was validated as JSON at append time, and a context build must not
+    fail on a shape it does not understand. A call without an ``id`` cannot be answered
+    by a tool_result, so it is kept with ``id == ""`` and later treated as unanswered.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+from contextd import core
+from contextd.domain import AgentDoc, Role
+
+TokenCounter = Callable[[list[str]], list[int]]
+"""Counts tokens of each text, in order. The caller picks the tokenizer (seed 004's
+estimate, an exact BPE, or a model's count with its margin); see :func:`counter_for_model`."""
+
+DEFAULT_SAFETY_MARGIN = 0.20
+"""Seed 002: a 20% buffer for formatting and the per-message overhead of the APIs."""
+
+
+def estimate_counter(texts: list[str]) -> list[int]:
+    """Seed 004's ``(chars + 3) // 4`` for each text: cheap and model-independent."""
+    return core.estimate_tokens_batch(texts)
+
+
+def counter_for_model(model: str) -> TokenCounter:
+    """The model's tokenizer count times its registry margin (raises
+    :class:`contextd.core.UnknownModelError` now, not at the first count)."""
+    core.model_info(model)
+
+    def count(texts: list[str]) -> list[int]:
+        return core.count_tokens_for_model_batch(texts, model)
+
+    return count
+
+
+def counter_for_encoding(encoding: core.EncodingName) -> TokenCounter:
+    """An exact BPE (``o200k_base``, ``cl100k_base``) or a seed estimate by name."""
+
+    def count(texts: list[str]) -> list[int]:
+        return core.count_tokens_batch(texts, encoding)
+
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryItem:
+    """One message of the thread's window as context building sees it.
+
+    ``id`` is the stored message id; a summary item, which is not a stored message until
+    the caller stores it, has a negative id (``-summary_of[1]``). ``token_count`` is what
+    the item costs under the build's counter (assembly recounts it; a stored estimate in
+    the input is only informative). ``summary_of`` is the inclusive range of stored ids a
+    summary replaces.
+    """
+
+    id: int
+    role: Role
+    content: str
+    tool_calls: str = ""
+    tool_call_id: str = ""
+    token_count: int = 0
+    is_summary: bool = False
+    metadata: str = ""
+    summary_of: tuple[int, int] | None = None
+
+    @property
+    def counted_text(self) -> str:
+        """The text whose tokens the item costs: content plus tool calls, as the store's
+        token estimate counts them."""
+        return self.content + self.tool_calls if self.tool_calls else self.content
+
+
+class StatusKind(StrEnum):
+    """What a status entry describes: an execution thread or a running process."""
+
+    THREAD = "thread"
+    PROCESS = "process"
+
+
+@dataclass(frozen=True, slots=True)
+class StatusEntry:
+    """One line of the status preamble (seed 000's ThreadManager / ProcessManager view)."""
+
+    key: str
+    kind: StatusKind
+    state: str
+    summary: str
+    update_time_us: int
+    expire_time_us: int | None = None
+
+    def is_live(self, now_us: int) -> bool:
+        """Expired entries are stale claims about the world; they never reach a prompt."""
+        return self.expire_time_us is None or self.expire_time_us > now_us
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadActivity:
+    """The service's own view of one thread of the agent: what it stores, not a claim."""
+
+    thread: str
+    last_message_time_us: int
+    window_message_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How many tokens the prompt may use.
+
+    ``prompt_budget`` is ``explicit_tokens`` when given, else
+    ``floor((context_window - output_reserve) * (1 - safety_margin))``. The margin (seed
+    002's 20% by default) absorbs what per-part accounting does not see: role framing and
+    block overhead of the wire formats, and tokenizer drift for estimated counts.
+    """
+
+    context_window: int
+    output_reserve: int = 0
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    explicit_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_window < 0 or self.output_reserve < 0:
+            raise ValueError("context_window and output_reserve must be >= 0")
+        if not 0.0 <= self.safety_margin < 1.0:
+            raise ValueError("safety_margin must be in [0, 1)")
+        if self.explicit_tokens is not None and self.explicit_tokens < 0:
+            raise ValueError("explicit_tokens must be >= 0")
+
+    @property
+    def prompt_budget(self) -> int:
+        if self.explicit_tokens is not None:
+            return self.explicit_tokens
+        room = max(0, self.context_window - self.output_reserve)
+        return math.floor(room * (1.0 - self.safety_margin))
+
+    @classmethod
+    def tokens(cls, tokens: int) -> Budget:
+        """An explicit budget, used as is (the caller already took its margins)."""
+        return cls(context_window=tokens, explicit_tokens=tokens)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: str,
+        *,
+        output_reserve: int | None = None,
+        safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    ) -> Budget:
+        """The registry's window and output reserve for ``model`` (unknown names raise
+        :class:`contextd.core.UnknownModelError`; pass ``"default"`` explicitly)."""
+        info = core.model_info(model)
+        reserve = info.output_reserve if output_reserve is None else output_reserve
+        return cls(info.context_window, reserve, safety_margin)
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyOptions:
+    """How the history is made to fit. Dropping the oldest messages is always the last
+    resort, whatever is chosen, because the budget is a hard limit.
+
+    truncate
+        Cut any message longer than ``max_chars_per_message`` (seed 004), so one huge
+        paste or tool output does not evict the whole conversation.
+    summarize
+        pi-mono compaction: when the window does not fit, fold everything older than the
+        recent part into one checkpoint message. The recent part is at least
+        ``keep_recent_messages`` (seed 002's 10) and about ``keep_recent_tokens``, capped at
+        ``keep_recent_share`` of the history budget so the summary always has room.
+    elide_tool_results
+        Tool results older than the ``elide_keep_recent_turns`` most recent turns (a turn
+        starts at a user message) and longer than ``elide_threshold_chars`` become a stub
+        naming the tool and a ``message:<id>`` handle to fetch the full output.
+    """
+
+    truncate: bool = True
+    max_chars_per_message: int = core.DEFAULT_MAX_CHARS
+    summarize: bool = False
+    keep_recent_tokens: int = 20_000
+    keep_recent_share: float = 0.5
+    keep_recent_messages: int = 10
+    elide_tool_results: bool = False
+    elide_threshold_chars: int = 2_000
+    elide_keep_recent_turns: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_chars_per_message < 1:
+            raise ValueError("max_chars_per_message must be >= 1")
+        if self.keep_recent_tokens < 0 or self.keep_recent_messages < 0:
+            raise ValueError("keep_recent_tokens and keep_recent_messages must be >= 0")
+        if not 0.0 < self.keep_recent_share <= 1.0:
+            raise ValueError("keep_recent_share must be in (0, 1]")
+        if self.elide_threshold_chars < 0 or self.elide_keep_recent_turns < 0:
+            raise ValueError("elide thresholds must be >= 0")
+
+
+SummarizerPath = Literal["llm", "fallback", "reused"]
+"""How the summary in a context came to be: a fresh LLM summary, the extractive fallback,
+or the previous summary reused because nothing new had to be folded."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildStats:
+    """What a build did, for the caller's response and logs (seed 004's
+    ``context.compressed`` event: counts before and after, tokens against the budget)."""
+
+    budget: int
+    system_tokens: int = 0
+    docs_tokens: int = 0
+    status_tokens: int = 0
+    history_tokens: int = 0
+    new_message_tokens: int = 0
+    messages_before: int = 0
+    messages_after: int = 0
+    dropped_ids: tuple[int, ...] = ()
+    truncated_ids: tuple[int, ...] = ()
+    elided_ids: tuple[int, ...] = ()
+    repaired_ids: tuple[int, ...] = ()
+    summarized_range: tuple[int, int] | None = None
+    summarizer_path: SummarizerPath | None = None
+    summarizer_error: str | None = None
+    new_message_truncated: bool = False
+    status_dropped: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return (
+            self.system_tokens
+            + self.docs_tokens
+            + self.status_tokens
+            + self.history_tokens
+            + self.new_message_tokens
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AssembledContext:
+    """The context in seed 000's order: system prompt, docs, status, history, new message.
+
+    ``summary`` is the summary item at the head of ``history`` when there is one; when
+    ``stats.summarizer_path`` is ``"llm"`` or ``"fallback"`` it is new and the caller should
+    store it so the next build can reuse it instead of summarizing again.
+    """
+
+    system_prompt: str
+    docs: tuple[AgentDoc, ...]
+    status: str
+    history: tuple[HistoryItem, ...]
+    new_message: str | None
+    stats: BuildStats
+    summary: HistoryItem | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call, whatever style its JSON was written in."""
+
+    id: str
+    name: str
+    input: Any = field(default=None)
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def input_object(self) -> dict[str, Any]:
+        """The input as a JSON object, as Anthropic's ``tool_use.input`` requires."""
+        if isinstance(self.input, dict):
+            return self.input
+        if self.input is None:
+            return {}
+        return {"value": self.input}
+
+    @property
+    def arguments_json(self) -> str:
+        """The input as JSON text, as OpenAI's ``function.arguments`` requires."""
+        return json.dumps(self.input_object, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The calls in a ``tool_calls`` JSON text (see the module docstring for the shapes)."""
+    if not text.strip():
+        return []
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return []
+    entries: Sequence[Any] = data if isinstance(data, list) else [data]
+    calls: list[ToolCall] = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        call_id = entry.get("id")
+        call_id = call_id if isinstance(call_id, str) else ""
+        function = entry.get("function")
+        if isinstance(function, dict):
+            name = function.get("name")
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    value: Any = json.loads(arguments) if arguments.strip() else {}
+                except ValueError:
+                    value = {"arguments": arguments}
+            else:
+                value = arguments
+        else:
+            name = entry.get("name")
+            value = entry.get("input")
+        if isinstance(name, str) and name:
+            calls.append(ToolCall(call_id, name, value, entry))
+    return calls
+
+
+def tool_calls_json(calls: Sequence[ToolCall]) -> str:
+    """Serialize calls back in their original shape (used when unanswered calls are
+    removed from a message)."""
+    return json.dumps([c.raw for c in calls], ensure_ascii=False, separators=(",", ":"))
+
+
+def uses_tools(item: HistoryItem) -> bool:
+    """A tool_use turn, or an assistant turn carrying calls (the proto allows both)."""
+    return item.role in (Role.TOOL_USE, Role.ASSISTANT) and bool(item.tool_calls.strip())
