@@ -333,8 +333,3 @@ def tool_calls_json(calls: Sequence[ToolCall]) -> str:
     """Serialize calls back in their original shape (used when unanswered calls are
     removed from a message)."""
     return json.dumps([c.raw for c in calls], ensure_ascii=False, separators=(",", ":"))
-
-
-def uses_tools(item: HistoryItem) -> bool:
-    """A tool_use turn, or an assistant turn carrying calls (the proto allows both)."""
-    return item.role in (Role.TOOL_USE, Role.ASSISTANT) and bool(item.tool_calls.strip())

@@ -114,7 +114,6 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             )
             """,
             "CREATE INDEX messages_by_context ON messages (context_id)",
-            "CREATE INDEX messages_by_agent ON messages (tenant, agent)",
         ],
     ),
 ]
@@ -701,12 +700,16 @@ class Store:
     def delete_agent(self, tenant: str, name: str) -> int:
         def delete(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, tenant, name)
+            # Through the agent's context ids: messages are indexed by context_id only,
+            # which keeps appends cheap; deletes are rare.
+            contexts = "SELECT context_id FROM threads WHERE tenant = ? AND agent = ?"
             row = _first(
                 cur.execute(
-                    "SELECT count(*) FROM messages WHERE tenant = ? AND agent = ?", [tenant, name]
+                    f"SELECT count(*) FROM messages WHERE context_id IN ({contexts})",
+                    [tenant, name],
                 )
             )
-            cur.execute("DELETE FROM messages WHERE tenant = ? AND agent = ?", [tenant, name])
+            cur.execute(f"DELETE FROM messages WHERE context_id IN ({contexts})", [tenant, name])
             cur.execute("DELETE FROM threads WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             return int(row[0]) if row else 0
