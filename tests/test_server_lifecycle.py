@@ -193,7 +193,10 @@ def test_flags_override_environment(spawn_server: type[ServerProcess], tmp_path:
     )
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline() + proc.stderr.readline()
+        line = ""
+        while '"contextd serving"' not in line:
+            line = proc.stderr.readline()
+            assert line, "server exited before serving"
         assert "flag-dir" in line
     finally:
         proc.terminate()

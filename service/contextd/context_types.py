@@ -241,6 +241,9 @@ class BuildStats:
     summarizer_error: str | None = None
     new_message_truncated: bool = False
     status_dropped: bool = False
+    newest_turn_dropped: bool = False
+    """Only when the budget cannot hold even the newest turn's tool calls: it is then
+    listed in ``dropped_ids`` and flagged here, never dropped silently."""
 
     @property
     def total_tokens(self) -> int:

@@ -88,6 +88,8 @@ class NewMessage:
     tokenizer: str = "estimate"
     chars: int = 0
     tool_call_ids: tuple[str, ...] = ()
+    # For a compaction summary: the first and last message id it stands for.
+    summarized_ids: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,8 @@ class StoredMessage:
     create_time_us: int
     token_count: int = 0
     group_id: int = -1
+    is_summary: bool = False
+    summarized_ids: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +152,16 @@ class ContextStats:
 class Page(Generic[T]):
     items: list[T] = field(default_factory=list)
     next_page_token: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something the service did that operators and clients may audit (seed 004)."""
+
+    id: int
+    type: str
+    agent: str
+    scope: str
+    thread: str
+    create_time_us: int
+    data: str

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Any, TypeVar
@@ -31,11 +31,13 @@ import duckdb
 import pyarrow as pa
 
 from contextd.clock import MonotonicClock
+from contextd.context_types import StatusEntry, StatusKind, ThreadActivity
 from contextd.domain import (
     Agent,
     AgentDoc,
     AgentSettings,
     ContextKey,
+    Event,
     MessageReceipt,
     NewMessage,
     Role,
@@ -116,11 +118,47 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX messages_by_context ON messages (context_id)",
         ],
     ),
+    (
+        2,
+        [
+            # Compaction summaries are messages that stand for a range of their thread.
+            "ALTER TABLE messages ADD COLUMN is_summary BOOLEAN DEFAULT false",
+            "ALTER TABLE messages ADD COLUMN first_summarized_id BIGINT DEFAULT 0",
+            "ALTER TABLE messages ADD COLUMN last_summarized_id BIGINT DEFAULT 0",
+            """
+            CREATE TABLE status_entries (
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                key VARCHAR NOT NULL,
+                kind UTINYINT NOT NULL,
+                state VARCHAR NOT NULL,
+                summary VARCHAR NOT NULL,
+                update_time_us BIGINT NOT NULL,
+                expire_time_us BIGINT,
+                PRIMARY KEY (tenant, agent, scope, key)
+            )
+            """,
+            """
+            CREATE TABLE events (
+                id BIGINT NOT NULL,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                type VARCHAR NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                data VARCHAR NOT NULL
+            )
+            """,
+        ],
+    ),
 ]
 
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
-    "external_id, metadata, token_estimate, create_time_us, token_count, group_id"
+    "external_id, metadata, token_estimate, create_time_us, token_count, group_id, "
+    "is_summary, first_summarized_id, last_summarized_id"
 )
 # How many tool-call ids the writer remembers to tie results to their tool_use without a
 # query; older ones are looked up in the table.
@@ -147,6 +185,9 @@ _ARROW_SCHEMA = pa.schema(
         ("chars", pa.int32()),
         ("group_id", pa.int64()),
         ("tool_call_ids", pa.string()),
+        ("is_summary", pa.bool_()),
+        ("first_summarized_id", pa.int64()),
+        ("last_summarized_id", pa.int64()),
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
@@ -217,6 +258,8 @@ def _message_from_row(row: Sequence[Any]) -> StoredMessage:
         create_time_us=row[12],
         token_count=row[13],
         group_id=row[14],
+        is_summary=bool(row[15]),
+        summarized_ids=(row[16], row[17]) if row[15] else None,
     )
 
 
@@ -273,6 +316,8 @@ class Store:
         self.clock = MonotonicClock()
         self.clock.advance_to(self._newest_time_us())
         self._next_message_id, self._next_context_id = self._next_ids()
+        row = _first(self._con.execute("SELECT coalesce(max(id), 0) FROM events"))
+        self._next_event_id = int(row[0]) + 1
         self._context_ids: dict[ContextKey, int] = {}
         self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._queue: SimpleQueue[Any] = SimpleQueue()
@@ -551,6 +596,13 @@ class Store:
                 ]
             )
             columns["tool_call_ids"].extend([",".join(m.tool_call_ids) for m in messages])
+            columns["is_summary"].extend([m.summarized_ids is not None for m in messages])
+            columns["first_summarized_id"].extend(
+                [m.summarized_ids[0] if m.summarized_ids else 0 for m in messages]
+            )
+            columns["last_summarized_id"].extend(
+                [m.summarized_ids[1] if m.summarized_ids else 0 for m in messages]
+            )
             all_receipts.append(
                 [
                     MessageReceipt(i, t, m.token_estimate, m.token_count)
@@ -711,6 +763,8 @@ class Store:
             )
             cur.execute(f"DELETE FROM messages WHERE context_id IN ({contexts})", [tenant, name])
             cur.execute("DELETE FROM threads WHERE tenant = ? AND agent = ?", [tenant, name])
+            cur.execute("DELETE FROM status_entries WHERE tenant = ? AND agent = ?", [tenant, name])
+            cur.execute("DELETE FROM events WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             return int(row[0]) if row else 0
 
@@ -774,7 +828,7 @@ class Store:
         """The window of one thread as columns, without content: the first read of a build.
 
         Columns: id (int64), role (uint8), token_count (int32), chars (int32), group_id
-        (int64), oldest first. A build trims on these and then loads content only for what
+        (int64), oldest first. Stored summaries are left out (see `latest_summary`). A build trims on these and then loads content only for what
         it keeps (`messages_by_ids`), so its cost follows what is kept, not the window.
         `window_start_us` is the full start (thread clear included).
         """
@@ -790,7 +844,8 @@ class Store:
             return _EMPTY_WINDOW
         table: pa.Table = cur.sql(
             "SELECT id, role, token_count, chars, group_id FROM messages "
-            "WHERE context_id = $1 AND create_time_us > $2 ORDER BY create_time_us, id",
+            "WHERE context_id = $1 AND create_time_us > $2 AND NOT is_summary "
+            "ORDER BY create_time_us, id",
             params=[row[0], window_start_us],
         ).to_arrow_table()
         return table
@@ -811,6 +866,167 @@ class Store:
             .fetchall()
         )
         return [_message_from_row(r) for r in rows]
+
+    def latest_summary(self, key: ContextKey) -> StoredMessage | None:
+        """The newest stored summary of a thread, whatever the window."""
+        row = _first(
+            self._cursor().execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = "
+                "(SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+                "AND thread = ?) AND is_summary ORDER BY id DESC LIMIT 1",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
+        return _message_from_row(row) if row else None
+
+    def thread_activity(
+        self, tenant: str, agent: str, scope: str, window_start_us: int, limit: int
+    ) -> list[ThreadActivity]:
+        """The agent's threads with messages after the window start, most recent first,
+        with how many messages each has in its window."""
+        rows = (
+            self._cursor()
+            .execute(
+                """
+                SELECT t.thread, t.last_message_time_us,
+                       (SELECT count(*) FROM messages m WHERE m.context_id = t.context_id
+                        AND m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?)))
+                FROM threads t
+                WHERE t.tenant = ? AND t.agent = ? AND t.scope = ?
+                  AND t.last_message_time_us > greatest(?, coalesce(t.last_clear_us, ?))
+                ORDER BY t.last_message_time_us DESC, t.thread LIMIT ?
+                """,
+                [
+                    window_start_us,
+                    window_start_us,
+                    tenant,
+                    agent,
+                    scope,
+                    window_start_us,
+                    window_start_us,
+                    limit,
+                ],
+            )
+            .fetchall()
+        )
+        return [ThreadActivity(r[0], r[1], r[2]) for r in rows]
+
+    # ----------------------------------------------------------------- status entries
+
+    def set_status(self, tenant: str, agent: str, scope: str, entry: StatusEntry) -> StatusEntry:
+        def upsert(cur: duckdb.DuckDBPyConnection) -> StatusEntry:
+            _require_agent(cur, tenant, agent)
+            now_us = self.clock.tick()
+            cur.execute(
+                "INSERT OR REPLACE INTO status_entries VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    tenant,
+                    agent,
+                    scope,
+                    entry.key,
+                    1 if entry.kind == StatusKind.THREAD else 2,
+                    entry.state,
+                    entry.summary,
+                    now_us,
+                    entry.expire_time_us,
+                ],
+            )
+            return replace(entry, update_time_us=now_us)
+
+        return self._write(upsert)
+
+    def list_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        after_key: str | None,
+        limit: int,
+        live_at_us: int | None,
+    ) -> list[StatusEntry]:
+        """Entries by key; only those live at `live_at_us` unless it is None."""
+        rows = (
+            self._cursor()
+            .execute(
+                "SELECT key, kind, state, summary, update_time_us, expire_time_us "
+                "FROM status_entries WHERE tenant = ? AND agent = ? AND scope = ? AND key > ? "
+                "AND (? IS NULL OR expire_time_us IS NULL OR expire_time_us > ?) "
+                "ORDER BY key LIMIT ?",
+                [tenant, agent, scope, after_key or "", live_at_us, live_at_us, limit],
+            )
+            .fetchall()
+        )
+        return [_status_from_row(r) for r in rows]
+
+    def clear_status(self, tenant: str, agent: str, scope: str, key: str | None) -> int:
+        def clear(cur: duckdb.DuckDBPyConnection) -> int:
+            _require_agent(cur, tenant, agent)
+            where = "tenant = ? AND agent = ? AND scope = ?"
+            params: list[Any] = [tenant, agent, scope]
+            if key is not None:
+                where += " AND key = ?"
+                params.append(key)
+            row = _first(cur.execute(f"SELECT count(*) FROM status_entries WHERE {where}", params))
+            count = int(row[0]) if row else 0
+            if key is not None and count == 0:
+                raise NotFound(
+                    f"agent {agent!r} has no status entry {key!r} in scope {scope!r}",
+                    reason="STATUS_NOT_FOUND",
+                )
+            cur.execute(f"DELETE FROM status_entries WHERE {where}", params)
+            return count
+
+        return self._write(clear)
+
+    # ----------------------------------------------------------------- events
+
+    def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
+        def record(cur: duckdb.DuckDBPyConnection) -> Event:
+            event_id = self._next_event_id
+            now_us = self.clock.tick()
+            text = json.dumps(data, separators=(",", ":"))
+            cur.execute(
+                "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [event_id, key.tenant, key.agent, key.scope, key.thread, event_type, now_us, text],
+            )
+            self._next_event_id += 1
+            return Event(event_id, event_type, key.agent, key.scope, key.thread, now_us, text)
+
+        return self._write(record)
+
+    def list_events(
+        self,
+        tenant: str,
+        agent: str,
+        event_type: str,
+        start_us: int | None,
+        end_us: int | None,
+        after_id: int,
+        limit: int,
+    ) -> list[Event]:
+        rows = (
+            self._cursor()
+            .execute(
+                "SELECT id, type, agent, scope, thread, create_time_us, data FROM events "
+                "WHERE tenant = ? AND agent = ? AND (? = '' OR type = ?) "
+                "AND (? IS NULL OR create_time_us >= ?) AND (? IS NULL OR create_time_us < ?) "
+                "AND id > ? ORDER BY id LIMIT ?",
+                [
+                    tenant,
+                    agent,
+                    event_type,
+                    event_type,
+                    start_us,
+                    start_us,
+                    end_us,
+                    end_us,
+                    after_id,
+                    limit,
+                ],
+            )
+            .fetchall()
+        )
+        return [Event(*r) for r in rows]
 
     # ----------------------------------------------------------------- clears
 
@@ -905,6 +1121,17 @@ class Store:
         )
         assert row is not None
         return tuple(row)
+
+
+def _status_from_row(row: Sequence[Any]) -> StatusEntry:
+    return StatusEntry(
+        key=row[0],
+        kind=StatusKind.THREAD if row[1] == 1 else StatusKind.PROCESS,
+        state=row[2],
+        summary=row[3],
+        update_time_us=row[4],
+        expire_time_us=row[5],
+    )
 
 
 def _first(result: duckdb.DuckDBPyConnection) -> Any:

@@ -229,7 +229,7 @@ def _agent_actions(items: Sequence[HistoryItem]) -> list[str]:
             for call in parse_tool_calls(item.tool_calls):
                 label = f"called {call.name}"
                 counts[label] = counts.get(label, 0) + 1
-    return [k if n == 1 else f"{k} ×{n}" for k, n in counts.items()]
+    return [k if n == 1 else f"{k} (x{n})" for k, n in counts.items()]
 
 
 @dataclass(frozen=True, slots=True)

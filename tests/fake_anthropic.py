@@ -1,0 +1,141 @@
+"""A local stand-in for the Anthropic Messages API, for tests of the real SDK client.
+
+`FakeAnthropic` is an http.server on 127.0.0.1:0 in a thread. Each POST /v1/messages is
+recorded (headers and JSON body) and answered by the reply set with one of `reply_*`:
+a canned Messages API response, an error status with the API's error body, raw bytes,
+or a delay longer than the client's timeout. Tests never reach the network.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: bytes = b""
+    delay_s: float = 0.0
+    content_type: str = "application/json"
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: Any
+
+
+def message_json(text: str, model: str = "claude-haiku-4-5") -> dict[str, Any]:
+    """A minimal but complete Messages API response with one text block."""
+    return {
+        "id": "msg_fake_1",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 12, "output_tokens": 34},
+    }
+
+
+@dataclass
+class FakeAnthropic:
+    reply: Reply = field(default_factory=lambda: Reply(body=json.dumps(message_json("ok")).encode()))
+    requests: list[Recorded] = field(default_factory=list)
+    _server: ThreadingHTTPServer | None = None
+    _thread: threading.Thread | None = None
+    _released: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def base_url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def reply_text(self, text: str) -> None:
+        self.reply = Reply(body=json.dumps(message_json(text)).encode())
+
+    def reply_json(self, payload: Any, status: int = 200) -> None:
+        self.reply = Reply(status=status, body=json.dumps(payload).encode())
+
+    def reply_error(self, status: int) -> None:
+        error = {"type": ERROR_TYPES.get(status, "api_error"), "message": f"fake {status}"}
+        self.reply_json({"type": "error", "error": error}, status)
+
+    def reply_raw(self, body: bytes, status: int = 200, content_type: str = "text/plain") -> None:
+        self.reply = Reply(status=status, body=body, content_type=content_type)
+
+    def reply_slow(self, delay_s: float) -> None:
+        self.reply = Reply(body=json.dumps(message_json("too late")).encode(), delay_s=delay_s)
+
+    def start(self) -> FakeAnthropic:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                length = int(self.headers.get("content-length", "0"))
+                raw = self.rfile.read(length)
+                try:
+                    body: Any = json.loads(raw)
+                except ValueError:
+                    body = raw.decode(errors="replace")
+                fake.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                reply = fake.reply
+                if reply.delay_s and fake._released.wait(reply.delay_s):
+                    return  # stopped while sleeping: the client has given up already
+                if self.path.split("?")[0] != "/v1/messages":
+                    reply = Reply(status=404, body=b'{"type":"error","error":{}}')
+                try:
+                    self.send_response(reply.status)
+                    self.send_header("content-type", reply.content_type)
+                    self.send_header("content-length", str(len(reply.body)))
+                    self.send_header("request-id", "req_fake")
+                    self.end_headers()
+                    self.wfile.write(reply.body)
+                except OSError:
+                    pass  # the client timed out and closed the connection
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        server.block_on_close = False
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._released.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> FakeAnthropic:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
