@@ -201,7 +201,7 @@ def assemble(
         summarizer_error=hist.summarizer_error,
         new_message_truncated=new_truncated,
         status_dropped=status_dropped,
-        newest_turn_dropped=hist.newest_turn_dropped,
+        newest_turn_dropped=hist.newest_turn_dropped and new is None,
     )
     return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
 
@@ -235,6 +235,7 @@ def compress_history(
     path: SummarizerPath | None = None
     error: str | None = None
     summarized: tuple[int, int] | None = None
+    folded: list[int] = []
     if summary is not None:
         summary = replace(summary, token_count=count_tokens([summary.content])[0])
         path = "reused"
@@ -257,19 +258,22 @@ def compress_history(
             result = engine.summarize(plan.to_summarize, previous)
             summary = make_summary_item(result, plan.covers, count_tokens)
             path, error, summarized = result.path, result.error, plan.covers
+            folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
     if summary is not None:
         # The recent part comes first; the summary gets what is left, at least `reserve`.
         cap = max(budget - sum(work.costs), reserve)
         summary = _fit_item(summary, cap, count_tokens) if summary.token_count > cap else summary
-        if summary is None:
-            path = None
     out, dropped, truncated = _trim(work, budget, summary, count_tokens)
     if out is None and summary is not None:
-        summary, path = None, None  # the newest turn outranks the summary
+        summary = None  # the newest turn outranks the summary
         out, dropped, truncated = _trim(work, budget, None, count_tokens)
     if out is None:
         out, dropped = [], [it.id for it in work.items]  # recorded, not silent
+    if summary is None and path is not None:
+        # A summary that did not fit: what it covered is dropped, and said so.
+        dropped = folded + dropped
+        path, summarized = None, None
     items = ([summary] if summary is not None else []) + out
     items, more_dropped = _enforce(items, budget)
     tokens = sum(it.token_count for it in items)
@@ -377,7 +381,11 @@ def _fit_unit(
     fixed cost (tool calls, the truncation note) plus a share of the rest in proportion
     to its size. ``None`` when even the fixed costs do not fit."""
     emptied = [_cut(it, 0) for it in unit]
-    fixed = count([it.counted_text for it in emptied])
+    # A short message costs less whole than emptied with a note: its floor is the smaller.
+    fixed = [
+        min(whole.token_count, cost)
+        for whole, cost in zip(unit, count([it.counted_text for it in emptied]), strict=True)
+    ]
     spare = budget - sum(fixed)
     if spare < 0:
         return None

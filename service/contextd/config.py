@@ -27,6 +27,10 @@ class Settings:
     grace_seconds: float = 10.0
     log_level: str = "INFO"
     log_format: str = "json"
+    summary_model: str = "claude-haiku-4-5"
+    summary_max_tokens: int = 2048
+    summary_timeout_seconds: float = 30.0
+    anthropic_base_url: str | None = None
 
     @property
     def database_path(self) -> Path:
@@ -88,6 +92,33 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="json lines or plain text (env CONTEXTD_LOG_FORMAT; default %(default)s)",
     )
 
+    parser.add_argument(
+        "--summary-model",
+        default=_env("CONTEXTD_SUMMARY_MODEL", d.summary_model),
+        help="Anthropic model that writes compaction summaries "
+        "(env CONTEXTD_SUMMARY_MODEL; default %(default)s); the API key is "
+        "read from ANTHROPIC_API_KEY",
+    )
+    parser.add_argument(
+        "--summary-max-tokens",
+        type=int,
+        default=int(_env("CONTEXTD_SUMMARY_MAX_TOKENS", str(d.summary_max_tokens))),
+        help="max_tokens of a summary (env CONTEXTD_SUMMARY_MAX_TOKENS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--summary-timeout-seconds",
+        type=float,
+        default=float(_env("CONTEXTD_SUMMARY_TIMEOUT_SECONDS", str(d.summary_timeout_seconds))),
+        help="how long a summary may take before the extractive fallback "
+        "is used (env CONTEXTD_SUMMARY_TIMEOUT_SECONDS; default %(default)s)",
+    )
+    parser.add_argument(
+        "--anthropic-base-url",
+        default=os.environ.get("CONTEXTD_ANTHROPIC_BASE_URL"),
+        help="Anthropic API base URL (env CONTEXTD_ANTHROPIC_BASE_URL; "
+        "default: the SDK's, which also honours ANTHROPIC_BASE_URL)",
+    )
+
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
@@ -99,4 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         grace_seconds=args.grace_seconds,
         log_level=args.log_level.upper(),
         log_format=args.log_format,
+        summary_model=args.summary_model,
+        summary_max_tokens=args.summary_max_tokens,
+        summary_timeout_seconds=args.summary_timeout_seconds,
+        anthropic_base_url=args.anthropic_base_url,
     )

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from contextd import core
-from contextd.domain import AgentDoc, Role
+from contextd.domain import AgentDoc, Role, StoredMessage
 
 TokenCounter = Callable[[list[str]], list[int]]
 """Counts tokens of each text, in order. The caller picks the tokenizer (seed 004's
@@ -84,6 +84,35 @@ class HistoryItem:
     is_summary: bool = False
     metadata: str = ""
     summary_of: tuple[int, int] | None = None
+
+    @classmethod
+    def from_stored(cls, message: StoredMessage) -> HistoryItem:
+        """A stored message as a history item. A stored summary (metadata
+        ``{"is_summary": true, "summary_of": [first_id, last_id]}``, as written by
+        :func:`contextd.compaction.make_summary_item`) is recognized as one."""
+        is_summary = False
+        covers: tuple[int, int] | None = None
+        if message.metadata:
+            try:
+                meta = json.loads(message.metadata)
+            except ValueError:
+                meta = None
+            if isinstance(meta, dict) and meta.get("is_summary") is True:
+                is_summary = True
+                rng = meta.get("summary_of")
+                if isinstance(rng, list) and len(rng) == 2 and all(type(x) is int for x in rng):
+                    covers = (rng[0], rng[1])
+        return cls(
+            id=message.id,
+            role=message.role,
+            content=message.content,
+            tool_calls=message.tool_calls,
+            tool_call_id=message.tool_call_id,
+            token_count=message.token_estimate,
+            is_summary=is_summary,
+            metadata=message.metadata,
+            summary_of=covers,
+        )
 
     @property
     def counted_text(self) -> str:

@@ -49,6 +49,34 @@ class Agent:
     update_time_us: int
     last_clear_time_us: int
     model: str = ""
+    build_options: BuildOverrides | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BuildOverrides:
+    """Build options where None means "not set here": an agent's defaults, a call's
+    overrides; `over` layers one on another, field by field."""
+
+    truncate: bool | None = None
+    max_chars_per_message: int | None = None
+    summarize: bool | None = None
+    keep_recent_tokens: int | None = None
+    elide_tool_results: bool | None = None
+    elide_threshold_chars: int | None = None
+    safety_margin: float | None = None
+    output_reserve_tokens: int | None = None
+    budget_tokens: int | None = None
+
+    def over(self, top: BuildOverrides) -> BuildOverrides:
+        """`top`'s set fields over this one's."""
+        merged = {
+            name: getattr(top, name) if getattr(top, name) is not None else getattr(self, name)
+            for name in self.__slots__
+        }
+        return BuildOverrides(**merged)
+
+    def as_dict(self) -> dict[str, object]:
+        return {n: getattr(self, n) for n in self.__slots__ if getattr(self, n) is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +87,7 @@ class AgentSettings:
     docs: tuple[AgentDoc, ...] = ()
     rolling_window_us: int = DEFAULT_ROLLING_WINDOW_US
     model: str = ""
+    build_options: BuildOverrides = field(default_factory=lambda: BuildOverrides())
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,11 @@ class AlreadyExists(ContextdError):
     default_reason = "ALREADY_EXISTS"
 
 
+class FailedPrecondition(ContextdError):
+    code = Code.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(ContextdError):
     code = Code.RESOURCE_EXHAUSTED
     default_reason = "RESOURCE_EXHAUSTED"

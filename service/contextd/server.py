@@ -23,6 +23,7 @@ from contextd.grpc_errors import ErrorMappingInterceptor
 from contextd.service import ContextService, Limits
 from contextd.servicer import ContextServicer
 from contextd.storage import Store
+from contextd.summarizer import AnthropicConfig, AnthropicSummarizer
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 
@@ -50,8 +51,17 @@ def create_server(settings: Settings) -> RunningServer:
     """Build and start a server; port 0 in settings.addr binds a free port (for tests)."""
     store = Store.open(settings.database_path, max_group_rows=settings.max_group_rows)
     try:
+        summarizer = AnthropicSummarizer(
+            AnthropicConfig(
+                model=settings.summary_model,
+                max_tokens=settings.summary_max_tokens,
+                base_url=settings.anthropic_base_url,
+                timeout_s=settings.summary_timeout_seconds,
+            )
+        )
         service = ContextService(
             store,
+            summarizer,
             Limits(
                 max_message_bytes=settings.max_message_bytes,
                 max_batch_messages=settings.max_batch_messages,

@@ -11,14 +11,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
+from contextd.builder import FORMATS, BuildRequest, BuildResult, CompactResult, ContextBuilder
 from contextd.clock import wall_clock_us
+from contextd.context_types import StatusEntry
 from contextd.domain import (
     DEFAULT_THREAD,
     Agent,
     AgentDoc,
     AgentSettings,
+    BuildOverrides,
     ContextKey,
     ContextStats,
+    Event,
     MessageRange,
     MessageReceipt,
     NewMessage,
@@ -29,6 +33,7 @@ from contextd.domain import (
 from contextd.errors import InvalidArgument, NotFound, ResourceExhausted
 from contextd.paging import PageToken, decode, encode, page_size
 from contextd.storage import Store, ThreadFilter
+from contextd.summarizer import Summarizer
 from contextd.validation import (
     MAX_DOC_NAME_CHARS,
     MAX_EXTERNAL_ID_CHARS,
@@ -39,7 +44,12 @@ from contextd.validation import (
 )
 from contextd.window import window_start_us
 
-UPDATABLE_AGENT_FIELDS = frozenset({"system_prompt", "docs", "rolling_window", "model"})
+UPDATABLE_AGENT_FIELDS = frozenset(
+    {"system_prompt", "docs", "rolling_window", "model", "build_options"}
+)
+MAX_STATUS_KEY_CHARS = 256
+MAX_STATUS_STATE_CHARS = 64
+MAX_STATUS_SUMMARY_CHARS = 500
 # A client-set create_time may lead the server's clock by this much (clock skew).
 MAX_CLOCK_SKEW_US = 5 * 60 * 1_000_000
 
@@ -58,9 +68,10 @@ class MessagePage:
 
 
 class ContextService:
-    def __init__(self, store: Store, limits: Limits | None = None) -> None:
+    def __init__(self, store: Store, summarizer: Summarizer, limits: Limits | None = None) -> None:
         self._store = store
         self._limits = limits or Limits()
+        self._builder = ContextBuilder(store, summarizer)
         # The model of each agent, read on every append to count its tokens. This process
         # is the file's only writer, so invalidating on update and delete keeps it true.
         self._models: dict[tuple[str, str], str] = {}
@@ -223,6 +234,118 @@ class ContextService:
             next_token = encode(PageToken((threads[-1].thread,)), params)
         return Page(threads, next_token)
 
+    # ----------------------------------------------------------------- building
+
+    def build_context(self, request: BuildRequest) -> BuildResult:
+        _context_key(request.tenant, request.agent, request.scope, request.thread or "main")
+        check_overrides(request.overrides)
+        unknown = sorted(set(request.formats) - set(FORMATS))
+        if unknown:
+            raise InvalidArgument(f"unknown formats: {', '.join(unknown)}", field="formats")
+        return self._builder.build(replace(request, thread=request.thread or DEFAULT_THREAD))
+
+    def compact_context(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        model: str,
+        overrides: BuildOverrides,
+    ) -> CompactResult:
+        key = _context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
+        check_overrides(overrides)
+        return self._builder.compact(tenant, agent, scope, key.thread, model, overrides)
+
+    # ----------------------------------------------------------------- status entries
+
+    def set_status(
+        self, tenant: str, agent: str, scope: str, entry: StatusEntry, ttl_us: int | None
+    ) -> StatusEntry:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        if not entry.key or len(entry.key) > MAX_STATUS_KEY_CHARS:
+            raise InvalidArgument(
+                f"entry.key must be 1 to {MAX_STATUS_KEY_CHARS} characters", field="entry.key"
+            )
+        if len(entry.state) > MAX_STATUS_STATE_CHARS:
+            raise InvalidArgument(
+                f"entry.state is longer than {MAX_STATUS_STATE_CHARS} characters",
+                field="entry.state",
+            )
+        if not entry.summary or len(entry.summary) > MAX_STATUS_SUMMARY_CHARS:
+            raise InvalidArgument(
+                f"entry.summary must be 1 to {MAX_STATUS_SUMMARY_CHARS} characters",
+                field="entry.summary",
+            )
+        now = wall_clock_us()
+        expire = entry.expire_time_us
+        if ttl_us is not None:
+            if ttl_us <= 0:
+                raise InvalidArgument("ttl must be positive", field="ttl")
+            expire = now + ttl_us
+        if expire is not None and expire <= now:
+            raise InvalidArgument("entry.expire_time is in the past", field="entry.expire_time")
+        return self._store.set_status(tenant, agent, scope, replace(entry, expire_time_us=expire))
+
+    def list_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        include_expired: bool,
+        requested_size: int,
+        token: str,
+    ) -> Page[StatusEntry]:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        size = page_size(requested_size)
+        params = ("status", tenant, agent, scope, include_expired)
+        position = decode(token, params)
+        self._store.get_agent(tenant, agent)
+        after = str(position.position[0]) if position else None
+        live_at = None if include_expired else wall_clock_us()
+        entries = self._store.list_status(tenant, agent, scope, after, size + 1, live_at)
+        next_token = ""
+        if len(entries) > size:
+            entries = entries[:size]
+            next_token = encode(PageToken((entries[-1].key,)), params)
+        return Page(entries, next_token)
+
+    def clear_status(self, tenant: str, agent: str, scope: str, key: str) -> int:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        return self._store.clear_status(tenant, agent, scope, key or None)
+
+    # ----------------------------------------------------------------- events
+
+    def list_events(
+        self,
+        tenant: str,
+        agent: str,
+        event_type: str,
+        start_us: int | None,
+        end_us: int | None,
+        requested_size: int,
+        token: str,
+    ) -> Page[Event]:
+        check_name(agent, "agent")
+        size = page_size(requested_size)
+        params = ("events", tenant, agent, event_type, start_us, end_us)
+        position = decode(token, params)
+        self._store.get_agent(tenant, agent)
+        after = int(position.position[0]) if position else 0
+        events = self._store.list_events(
+            tenant, agent, event_type, start_us, end_us, after, size + 1
+        )
+        next_token = ""
+        if len(events) > size:
+            events = events[:size]
+            next_token = encode(PageToken((events[-1].id,)), params)
+        return Page(events, next_token)
+
+    # ----------------------------------------------------------------- stats
+
     def context_stats(self, tenant: str, agent: str, scope: str, thread: str) -> ContextStats:
         check_name(agent, "agent")
         check_name(scope, "scope", allow_empty=True)
@@ -261,6 +384,29 @@ class ContextService:
         )
 
 
+def check_overrides(options: BuildOverrides) -> None:
+    """Reject option values no build could honour, naming the field."""
+    positive = {
+        "max_chars_per_message": options.max_chars_per_message,
+        "budget_tokens": options.budget_tokens,
+    }
+    for name, value in positive.items():
+        if value is not None and value <= 0:
+            raise InvalidArgument(f"options.{name} must be positive", field=f"options.{name}")
+    non_negative = {
+        "keep_recent_tokens": options.keep_recent_tokens,
+        "elide_threshold_chars": options.elide_threshold_chars,
+        "output_reserve_tokens": options.output_reserve_tokens,
+    }
+    for name, value in non_negative.items():
+        if value is not None and value < 0:
+            raise InvalidArgument(f"options.{name} must not be negative", field=f"options.{name}")
+    if options.safety_margin is not None and not 0.0 <= options.safety_margin < 1.0:
+        raise InvalidArgument(
+            "options.safety_margin must be at least 0 and below 1", field="options.safety_margin"
+        )
+
+
 def _context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey:
     return ContextKey(
         tenant=tenant,
@@ -271,6 +417,7 @@ def _context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey
 
 
 def _checked_settings(settings: AgentSettings) -> AgentSettings:
+    check_overrides(settings.build_options)
     if settings.model:
         try:
             core.model_info(settings.model)

@@ -6,16 +6,22 @@ Errors are not handled here either: domain exceptions pass through to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from contextd.builder import BuildRequest, BuildResult
+from contextd.context_types import StatusEntry, StatusKind
 from contextd.domain import (
     DEFAULT_ROLLING_WINDOW_US,
     DEFAULT_TENANT,
     Agent,
     AgentDoc,
     AgentSettings,
+    BuildOverrides,
     ContextStats,
+    Event,
     MessageRange,
     NewMessage,
     Role,
@@ -42,6 +48,151 @@ def _duration(us: int) -> duration_pb2.Duration:
     return d
 
 
+_OPTION_FIELDS = (
+    "truncate",
+    "max_chars_per_message",
+    "summarize",
+    "keep_recent_tokens",
+    "elide_tool_results",
+    "elide_threshold_chars",
+    "safety_margin",
+    "output_reserve_tokens",
+    "budget_tokens",
+)
+
+
+def _overrides(options: pb.BuildOptions) -> BuildOverrides:
+    values = {f: getattr(options, f) for f in _OPTION_FIELDS if options.HasField(f)}
+    return BuildOverrides(**values)
+
+
+def _options_pb(overrides: BuildOverrides | None) -> pb.BuildOptions:
+    return pb.BuildOptions(**(overrides.as_dict() if overrides else {}))  # type: ignore[arg-type]
+
+
+_FORMATS: dict[int, str] = {
+    pb.CONTEXT_FORMAT_ANTHROPIC: "anthropic",
+    pb.CONTEXT_FORMAT_OPENAI: "openai",
+    pb.CONTEXT_FORMAT_TEXT: "text",
+}
+
+
+def _formats(values: Sequence[int]) -> tuple[str, ...]:
+    out: list[str] = []
+    for value in values:
+        if value not in _FORMATS:
+            raise InvalidArgument(f"formats holds an unknown format {value}", field="formats")
+        out.append(_FORMATS[value])
+    return tuple(dict.fromkeys(out))
+
+
+def _status_pb(entry: StatusEntry) -> pb.StatusEntry:
+    return pb.StatusEntry(
+        key=entry.key,
+        kind=pb.STATUS_KIND_THREAD if entry.kind == StatusKind.THREAD else pb.STATUS_KIND_PROCESS,
+        state=entry.state,
+        summary=entry.summary,
+        update_time=_timestamp(entry.update_time_us or None),
+        expire_time=_timestamp(entry.expire_time_us),
+    )
+
+
+def _status_entry(entry: pb.StatusEntry) -> StatusEntry:
+    if entry.kind == pb.STATUS_KIND_THREAD:
+        kind = StatusKind.THREAD
+    elif entry.kind == pb.STATUS_KIND_PROCESS:
+        kind = StatusKind.PROCESS
+    else:
+        raise InvalidArgument(
+            "entry.kind is required (STATUS_KIND_THREAD or STATUS_KIND_PROCESS)",
+            field="entry.kind",
+        )
+    return StatusEntry(
+        key=entry.key,
+        kind=kind,
+        state=entry.state,
+        summary=entry.summary,
+        update_time_us=0,
+        expire_time_us=(
+            entry.expire_time.ToMicroseconds() if entry.HasField("expire_time") else None
+        ),
+    )
+
+
+def _event_pb(event: Event) -> pb.Event:
+    return pb.Event(
+        id=event.id,
+        type=event.type,
+        agent=event.agent,
+        scope=event.scope,
+        thread=event.thread,
+        create_time=_timestamp(event.create_time_us),
+        data=event.data,
+    )
+
+
+def _build_response(result: BuildResult) -> pb.BuildContextResponse:
+    ctx = result.context
+    s = ctx.stats
+    truncated, elided = set(s.truncated_ids), set(s.elided_ids)
+    messages = [
+        pb.ContextMessage(
+            id=item.id,
+            role=int(item.role),  # type: ignore[arg-type]
+            content=item.content,
+            tool_calls=item.tool_calls,
+            tool_call_id=item.tool_call_id,
+            token_count=item.token_count,
+            truncated=item.id in truncated,
+            elided=item.id in elided,
+            is_summary=item.is_summary,
+            create_time=_timestamp(result.create_times.get(item.id)),
+        )
+        for item in ctx.history
+    ]
+    if ctx.new_message is not None:
+        messages.append(
+            pb.ContextMessage(
+                role=pb.ROLE_USER,
+                content=ctx.new_message,
+                token_count=s.new_message_tokens,
+                truncated=s.new_message_truncated,
+            )
+        )
+    first, last = s.summarized_range or (0, 0)
+    stats = pb.BuildStats(
+        budget_tokens=s.budget,
+        total_tokens=s.total_tokens,
+        system_tokens=s.system_tokens,
+        docs_tokens=s.docs_tokens,
+        status_tokens=s.status_tokens,
+        history_tokens=s.history_tokens,
+        user_message_tokens=s.new_message_tokens,
+        messages_before=s.messages_before,
+        messages_after=s.messages_after,
+        dropped_ids=s.dropped_ids,
+        truncated_ids=s.truncated_ids,
+        elided_ids=s.elided_ids,
+        first_summarized_id=first,
+        last_summarized_id=last,
+        summarizer_path=s.summarizer_path or "",
+        summarizer_error=s.summarizer_error or "",
+        tokenizer=result.tokenizer,
+        strategy=result.strategy,
+        user_message_truncated=s.new_message_truncated,
+    )
+    return pb.BuildContextResponse(
+        system_prompt=ctx.system_prompt,
+        docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
+        status=ctx.status,
+        messages=messages,
+        stats=stats,
+        anthropic_json=result.renderings.get("anthropic", ""),
+        openai_json=result.renderings.get("openai", ""),
+        text=result.renderings.get("text", ""),
+    )
+
+
 def _agent_pb(agent: Agent) -> pb.Agent:
     return pb.Agent(
         name=agent.name,
@@ -53,6 +204,7 @@ def _agent_pb(agent: Agent) -> pb.Agent:
         update_time=_timestamp(agent.update_time_us),
         last_clear_time=_timestamp(agent.last_clear_time_us),
         model=agent.model,
+        build_options=_options_pb(agent.build_options),
     )
 
 
@@ -67,6 +219,7 @@ def _settings(agent: pb.Agent) -> AgentSettings:
         docs=tuple(AgentDoc(d.name, d.content) for d in agent.docs),
         rolling_window_us=window,
         model=agent.model,
+        build_options=_overrides(agent.build_options),
     )
 
 
@@ -114,6 +267,9 @@ def _message_pb(m: StoredMessage) -> pb.Message:
         token_estimate=m.token_estimate,
         create_time=_timestamp(m.create_time_us),
         token_count=m.token_count,
+        is_summary=m.is_summary,
+        first_summarized_id=m.summarized_ids[0] if m.summarized_ids else 0,
+        last_summarized_id=m.summarized_ids[1] if m.summarized_ids else 0,
     )
 
 
@@ -271,3 +427,88 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             self._tenant(context), request.agent, request.scope, request.thread
         )
         return pb.GetContextStatsResponse(stats=_stats_pb(stats))
+
+    def BuildContext(
+        self, request: pb.BuildContextRequest, context: grpc.ServicerContext
+    ) -> pb.BuildContextResponse:
+        result = self._service.build_context(
+            BuildRequest(
+                tenant=self._tenant(context),
+                agent=request.agent,
+                scope=request.scope,
+                thread=request.thread,
+                user_message=request.user_message,
+                model=request.model,
+                overrides=_overrides(request.options),
+                formats=_formats(request.formats),
+            )
+        )
+        return _build_response(result)
+
+    def CompactContext(
+        self, request: pb.CompactContextRequest, context: grpc.ServicerContext
+    ) -> pb.CompactContextResponse:
+        result = self._service.compact_context(
+            self._tenant(context),
+            request.agent,
+            request.scope,
+            request.thread,
+            request.model,
+            _overrides(request.options),
+        )
+        return pb.CompactContextResponse(
+            summary=_message_pb(result.summary),
+            summarizer_path=result.path,
+            summarizer_error=result.error or "",
+        )
+
+    def SetStatus(
+        self, request: pb.SetStatusRequest, context: grpc.ServicerContext
+    ) -> pb.SetStatusResponse:
+        entry = self._service.set_status(
+            self._tenant(context),
+            request.agent,
+            request.scope,
+            _status_entry(request.entry),
+            request.ttl.ToMicroseconds() if request.HasField("ttl") else None,
+        )
+        return pb.SetStatusResponse(entry=_status_pb(entry))
+
+    def ListStatus(
+        self, request: pb.ListStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ListStatusResponse:
+        page = self._service.list_status(
+            self._tenant(context),
+            request.agent,
+            request.scope,
+            request.include_expired,
+            request.page_size,
+            request.page_token,
+        )
+        return pb.ListStatusResponse(
+            entries=[_status_pb(e) for e in page.items], next_page_token=page.next_page_token
+        )
+
+    def ClearStatus(
+        self, request: pb.ClearStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ClearStatusResponse:
+        removed = self._service.clear_status(
+            self._tenant(context), request.agent, request.scope, request.key
+        )
+        return pb.ClearStatusResponse(removed_count=removed)
+
+    def ListEvents(
+        self, request: pb.ListEventsRequest, context: grpc.ServicerContext
+    ) -> pb.ListEventsResponse:
+        page = self._service.list_events(
+            self._tenant(context),
+            request.agent,
+            request.type,
+            request.start_time.ToMicroseconds() if request.HasField("start_time") else None,
+            request.end_time.ToMicroseconds() if request.HasField("end_time") else None,
+            request.page_size,
+            request.page_token,
+        )
+        return pb.ListEventsResponse(
+            events=[_event_pb(e) for e in page.items], next_page_token=page.next_page_token
+        )

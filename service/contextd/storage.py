@@ -36,6 +36,7 @@ from contextd.domain import (
     Agent,
     AgentDoc,
     AgentSettings,
+    BuildOverrides,
     ContextKey,
     Event,
     MessageReceipt,
@@ -224,12 +225,13 @@ def _agent_from_row(row: Sequence[Any]) -> Agent:
         update_time_us=row[6],
         last_clear_time_us=row[7],
         model=row[8],
+        build_options=BuildOverrides(**json.loads(row[9]).get("build_options", {})),
     )
 
 
 _AGENT_COLUMNS = (
     "tenant, name, system_prompt, docs_json, rolling_window_us, create_time_us, "
-    "update_time_us, last_clear_us, model"
+    "update_time_us, last_clear_us, model, settings_json"
 )
 _THREAD_COLUMNS = (
     "tenant, agent, scope, thread, create_time_us, last_message_time_us, message_count, "
@@ -263,7 +265,7 @@ def _message_from_row(row: Sequence[Any]) -> StoredMessage:
     )
 
 
-_INSERT_AGENT = f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT_AGENT = f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> list[Any]:
@@ -278,7 +280,13 @@ def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> 
         now_us,
         now_us,
         settings.model,
+        _settings_json(settings),
     ]
+
+
+def _settings_json(settings: AgentSettings) -> str:
+    """Settings without columns of their own (build options today), as one JSON object."""
+    return json.dumps({"build_options": settings.build_options.as_dict()})
 
 
 def _docs_json(docs: Sequence[AgentDoc]) -> str:
@@ -727,6 +735,9 @@ class Store:
             if "model" in fields:
                 assignments.append("model = ?")
                 params.append(settings.model)
+            if "build_options" in fields:
+                assignments.append("settings_json = ?")
+                params.append(_settings_json(settings))
             assignments.append("update_time_us = ?")
             params.append(self.clock.tick())
             cur.execute(
@@ -828,8 +839,9 @@ class Store:
         """The window of one thread as columns, without content: the first read of a build.
 
         Columns: id (int64), role (uint8), token_count (int32), chars (int32), group_id
-        (int64), oldest first. Stored summaries are left out (see `latest_summary`). A build trims on these and then loads content only for what
-        it keeps (`messages_by_ids`), so its cost follows what is kept, not the window.
+        (int64), oldest first. Stored summaries are left out (see `latest_summary`). A
+        build trims on these and then loads content only for what it keeps
+        (`messages_by_ids`), so its cost follows what is kept, not the window.
         `window_start_us` is the full start (thread clear included).
         """
         cur = self._cursor()

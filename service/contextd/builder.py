@@ -1,0 +1,483 @@
+"""BuildContext and CompactContext: seed 004's Provider around the pure assembly.
+
+This is the only part of context building that does I/O. It reads the window as integer
+columns first (ids, roles, token counts, lengths, tool groups), lets the Rust trimmer pick
+which newest messages can possibly fit, and loads content for those alone, so the cost of a
+build follows the budget, not the length of the thread. The pure modules (assembly,
+compaction, render, summarizer) then do the rest on plain values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from contextd import core
+from contextd.assembly import BudgetTooSmallError, assemble, status_preamble
+from contextd.clock import wall_clock_us
+from contextd.compaction import (
+    make_summary_item,
+    plan_compaction,
+    repair_tool_pairs,
+    summary_body,
+)
+from contextd.context_types import (
+    AssembledContext,
+    Budget,
+    HistoryItem,
+    StrategyOptions,
+    counter_for_model,
+)
+from contextd.domain import (
+    Agent,
+    AgentSettings,
+    BuildOverrides,
+    ContextKey,
+    Event,
+    NewMessage,
+    Role,
+    StoredMessage,
+)
+from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
+from contextd.render import to_anthropic, to_openai, to_text
+from contextd.storage import Store
+from contextd.summarizer import Summarizer
+from contextd.window import window_start_us
+
+COMPRESSED_EVENT = "context.compressed"
+# The first compaction of a very long window folds at most this many of its newest
+# older messages; anything older is left out of the summary (and counted as dropped).
+MAX_SUMMARIZED_MESSAGES = 5_000
+# Stored counts may come from another tokenizer than the build's; reading this much more
+# than the budget keeps the loaded set a superset of what the exact build keeps.
+CANDIDATE_SLACK = 1.5
+# An elided tool result costs about this much (its stub), at least.
+ELIDED_COST = 16
+STATUS_ENTRIES = 100
+STATUS_THREADS = 30
+
+FORMATS = ("anthropic", "openai", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class BuildRequest:
+    tenant: str
+    agent: str
+    scope: str
+    thread: str
+    user_message: str = ""
+    model: str = ""
+    overrides: BuildOverrides = field(default_factory=BuildOverrides)
+    formats: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    context: AssembledContext
+    tokenizer: str
+    strategy: str
+    summary_id: int | None
+    create_times: dict[int, int]
+    renderings: dict[str, str]
+    event: Event | None
+
+
+@dataclass(frozen=True, slots=True)
+class CompactResult:
+    summary: StoredMessage
+    path: str
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Everything a build or a compaction decides before assembling."""
+
+    agent: Agent
+    key: ContextKey
+    model: str
+    budget: Budget
+    options: StrategyOptions
+    now_us: int
+    agent_window_start_us: int
+    window_start_us: int
+
+
+class ContextBuilder:
+    def __init__(self, store: Store, summarizer: Summarizer) -> None:
+        self._store = store
+        self._summarizer = summarizer
+
+    # ----------------------------------------------------------------- BuildContext
+
+    def build(self, request: BuildRequest) -> BuildResult:
+        plan = self._plan(
+            request.tenant,
+            request.agent,
+            request.scope,
+            request.thread,
+            request.model,
+            request.overrides,
+        )
+        count = counter_for_model(plan.model)
+        previous = self._previous_summary(plan.key)
+        history, before_loaded = self._load_history(plan, previous)
+        status = status_preamble(
+            self._store.list_status(
+                plan.key.tenant, plan.key.agent, plan.key.scope, None, STATUS_ENTRIES, plan.now_us
+            ),
+            self._store.thread_activity(
+                plan.key.tenant,
+                plan.key.agent,
+                plan.key.scope,
+                plan.agent_window_start_us,
+                STATUS_THREADS,
+            ),
+            plan.now_us,
+            plan.key.thread,
+        )
+        try:
+            context = assemble(
+                system_prompt=plan.agent.system_prompt,
+                budget=plan.budget,
+                count_tokens=count,
+                docs=plan.agent.docs,
+                status=status,
+                history=history,
+                new_message=request.user_message or None,
+                options=plan.options,
+                previous_summary=previous,
+                summarizer=self._summarizer,
+            )
+        except BudgetTooSmallError as exc:
+            raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
+        stats = replace(
+            context.stats, messages_before=context.stats.messages_before + before_loaded
+        )
+        context = replace(context, stats=stats)
+        summary_id: int | None = None
+        if context.summary is not None and stats.summarizer_path in ("llm", "fallback"):
+            stored = self._store_summary(plan, context.summary)
+            summary_id = stored.id
+            context = _with_summary_id(context, stored.id)
+        elif context.summary is not None:
+            summary_id = context.summary.id
+        strategy = _strategy(plan.options, context)
+        event = None
+        if _compressed(context, before_loaded):
+            event = self._store.record_event(
+                plan.key,
+                COMPRESSED_EVENT,
+                {
+                    "original_count": stats.messages_before,
+                    "compressed_count": stats.messages_after,
+                    "estimated_tokens": stats.total_tokens,
+                    "budget_tokens": stats.budget,
+                    "strategy": strategy,
+                    "summary_id": summary_id,
+                    "summarized_ids": list(stats.summarized_range or ()),
+                    "elided_ids": list(stats.elided_ids),
+                    "truncated_ids": list(stats.truncated_ids),
+                    "dropped_count": len(stats.dropped_ids) + before_loaded,
+                    "summarizer_path": stats.summarizer_path or "",
+                    "summarizer_error": stats.summarizer_error or "",
+                    "model": plan.model,
+                },
+            )
+        renderings = {f: _render(f, context) for f in request.formats}
+        times = {m.id: m.create_time_us for m in self._loaded_times(plan, context)}
+        return BuildResult(
+            context,
+            core.model_info(plan.model).tokenizer,
+            strategy,
+            summary_id,
+            times,
+            renderings,
+            event,
+        )
+
+    # ----------------------------------------------------------------- CompactContext
+
+    def compact(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        model: str,
+        overrides: BuildOverrides,
+    ) -> CompactResult:
+        plan = self._plan(tenant, agent, scope, thread, model, overrides)
+        if self._store.get_thread(plan.key) is None:
+            raise NotFound(
+                f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
+                reason="THREAD_NOT_FOUND",
+            )
+        count = counter_for_model(plan.model)
+        previous = self._previous_summary(plan.key)
+        history, _ = self._load_history(plan, previous, everything=True)
+        items, _repaired = repair_tool_pairs(history)
+        costs = count([it.counted_text for it in items]) if items else []
+        compaction = plan_compaction(
+            items,
+            costs,
+            previous_summary=previous,
+            keep_recent_tokens=min(
+                plan.options.keep_recent_tokens,
+                int(plan.budget.prompt_budget * plan.options.keep_recent_share),
+            ),
+            keep_recent_messages=plan.options.keep_recent_messages,
+            max_recent_tokens=plan.budget.prompt_budget,
+        )
+        if not compaction.to_summarize or compaction.covers is None:
+            raise FailedPrecondition(
+                f"thread {plan.key.thread!r} has nothing older than its most recent "
+                f"{plan.options.keep_recent_messages} messages / "
+                f"{plan.options.keep_recent_tokens} tokens to summarize",
+                reason="NOTHING_TO_COMPACT",
+            )
+        previous_text = None
+        if previous is not None:
+            previous_text = summary_body(previous)
+        result = self._summarizer.summarize(compaction.to_summarize, previous_text)
+        item = make_summary_item(result, compaction.covers, count)
+        stored = self._store_summary(plan, item)
+        self._store.record_event(
+            plan.key,
+            COMPRESSED_EVENT,
+            {
+                "original_count": len(items),
+                "compressed_count": len(compaction.kept) + 1,
+                "estimated_tokens": item.token_count + sum(costs[compaction.cut_index :]),
+                "budget_tokens": plan.budget.prompt_budget,
+                "strategy": "summarize",
+                "summary_id": stored.id,
+                "summarized_ids": list(compaction.covers),
+                "elided_ids": [],
+                "truncated_ids": [],
+                "dropped_count": 0,
+                "summarizer_path": result.path,
+                "summarizer_error": result.error or "",
+                "model": plan.model,
+            },
+        )
+        return CompactResult(stored, result.path, result.error)
+
+    # ----------------------------------------------------------------- steps
+
+    def _plan(
+        self,
+        tenant: str,
+        agent_name: str,
+        scope: str,
+        thread: str,
+        model: str,
+        overrides: BuildOverrides,
+    ) -> _Plan:
+        agent = self._store.get_agent(tenant, agent_name)
+        chosen = model or agent.model or "default"
+        try:
+            core.model_info(chosen)
+        except core.UnknownModelError as exc:
+            raise InvalidArgument(
+                f"model {chosen!r} is not in the model registry", field="model"
+            ) from exc
+        merged = agent.build_options.over(overrides) if agent.build_options else overrides
+        options = strategy_options(merged)
+        if merged.budget_tokens:
+            budget = Budget.tokens(merged.budget_tokens)
+        else:
+            budget = Budget.for_model(
+                chosen,
+                output_reserve=merged.output_reserve_tokens,
+                safety_margin=0.2 if merged.safety_margin is None else merged.safety_margin,
+            )
+        key = ContextKey(tenant, agent_name, scope, thread)
+        one = self._store.get_thread(key)
+        now = wall_clock_us()
+        agent_start = window_start_us(now, agent.rolling_window_us, agent.last_clear_time_us)
+        start = window_start_us(
+            now,
+            agent.rolling_window_us,
+            agent.last_clear_time_us,
+            one.last_clear_time_us if one else None,
+        )
+        return _Plan(agent, key, chosen, budget, options, now, agent_start, start)
+
+    def _previous_summary(self, key: ContextKey) -> HistoryItem | None:
+        stored = self._store.latest_summary(key)
+        if stored is None or stored.summarized_ids is None:
+            return None
+        return HistoryItem(
+            id=stored.id,
+            role=Role.USER,
+            content=stored.content,
+            token_count=0,
+            is_summary=True,
+            metadata=stored.metadata,
+            summary_of=stored.summarized_ids,
+        )
+
+    def _load_history(
+        self, plan: _Plan, previous: HistoryItem | None, *, everything: bool = False
+    ) -> tuple[list[HistoryItem], int]:
+        """The window's messages that can matter, with content; and how many were not
+        loaded because they cannot (already summarized ones are not counted)."""
+        table = self._store.window_columns(plan.key, plan.window_start_us)
+        ids: list[int] = table.column("id").to_pylist()
+        first = 0
+        if previous is not None and previous.summary_of is not None:
+            last_summarized = previous.summary_of[1]
+            while first < len(ids) and ids[first] <= last_summarized:
+                first += 1
+            if first == 0:
+                previous = None  # the summary is about messages outside this window
+        roles: list[int] = table.column("role").to_pylist()[first:]
+        tokens: list[int] = table.column("token_count").to_pylist()[first:]
+        chars: list[int] = table.column("chars").to_pylist()[first:]
+        groups: list[int] = table.column("group_id").to_pylist()[first:]
+        ids = ids[first:]
+        if not ids:
+            return [], 0
+        if everything or plan.options.summarize:
+            start = (
+                max(0, len(ids) - MAX_SUMMARIZED_MESSAGES)
+                if sum(tokens) > (plan.budget.prompt_budget)
+                else 0
+            )
+            start = _group_start(groups, ids, start)
+        else:
+            start = self._candidates(plan, roles, tokens, chars, groups)
+        loaded = self._store.messages_by_ids(plan.key.tenant, ids[start:])
+        return [_history_item(m) for m in loaded], start
+
+    def _candidates(
+        self, plan: _Plan, roles: list[int], tokens: list[int], chars: list[int], groups: list[int]
+    ) -> int:
+        """Index of the oldest message that can possibly fit (the Rust trimmer on the
+        stored counts, with slack), so only the newest suffix is loaded."""
+        opts = plan.options
+        costs = tokens
+        if opts.elide_tool_results:
+            costs = [
+                min(t, ELIDED_COST)
+                if r == Role.TOOL_RESULT and c > opts.elide_threshold_chars
+                else t
+                for r, t, c in zip(roles, tokens, chars, strict=True)
+            ]
+        budget = int(plan.budget.prompt_budget * CANDIDATE_SLACK) + 1
+        max_chars = opts.max_chars_per_message if opts.truncate else 2**62
+        trim = core.trim_to_budget(roles, costs, chars, groups, budget, max_chars)
+        if not trim.kept:
+            return max(0, len(roles) - 1)
+        return _group_start(groups, None, trim.kept[0])
+
+    def _store_summary(self, plan: _Plan, item: HistoryItem) -> StoredMessage:
+        assert item.summary_of is not None
+        estimate = core.estimate_tokens(item.content)
+        message = NewMessage(
+            role=Role.USER,
+            content=item.content,
+            metadata=item.metadata,
+            token_estimate=estimate,
+            token_count=item.token_count or estimate,
+            tokenizer=core.model_info(plan.model).tokenizer,
+            chars=len(item.content),
+            summarized_ids=item.summary_of,
+        )
+        receipt = self._store.append(plan.key, [message], AgentSettings())
+        stored = self._store.messages_by_ids(plan.key.tenant, [receipt[0].id])
+        return stored[0]
+
+    def _loaded_times(self, plan: _Plan, context: AssembledContext) -> list[StoredMessage]:
+        ids = [it.id for it in context.history if it.id > 0]
+        return self._store.messages_by_ids(plan.key.tenant, ids) if ids else []
+
+
+def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
+    """The options of a build: the overrides over the documented defaults."""
+    base = StrategyOptions()
+    try:
+        return replace(
+            base,
+            truncate=base.truncate if overrides.truncate is None else overrides.truncate,
+            max_chars_per_message=overrides.max_chars_per_message or base.max_chars_per_message,
+            summarize=base.summarize if overrides.summarize is None else overrides.summarize,
+            keep_recent_tokens=(
+                base.keep_recent_tokens
+                if overrides.keep_recent_tokens is None
+                else overrides.keep_recent_tokens
+            ),
+            elide_tool_results=(
+                base.elide_tool_results
+                if overrides.elide_tool_results is None
+                else overrides.elide_tool_results
+            ),
+            elide_threshold_chars=(
+                base.elide_threshold_chars
+                if overrides.elide_threshold_chars is None
+                else overrides.elide_threshold_chars
+            ),
+        )
+    except ValueError as exc:
+        raise InvalidArgument(f"invalid build options: {exc}", field="options") from exc
+
+
+def _group_start(groups: Sequence[int], ids: Sequence[int] | None, index: int) -> int:
+    """Move `index` back so it does not split a tool group (results follow their use)."""
+    while index > 0 and groups[index] >= 0 and groups[index - 1] == groups[index]:
+        index -= 1
+    return index
+
+
+def _history_item(m: StoredMessage) -> HistoryItem:
+    return HistoryItem(
+        id=m.id,
+        role=m.role,
+        content=m.content,
+        tool_calls=m.tool_calls,
+        tool_call_id=m.tool_call_id,
+        token_count=m.token_count,
+        metadata=m.metadata,
+    )
+
+
+def _with_summary_id(context: AssembledContext, stored_id: int) -> AssembledContext:
+    summary = context.summary
+    assert summary is not None
+    renamed = replace(summary, id=stored_id)
+    history = tuple(renamed if it is summary else it for it in context.history)
+    return replace(context, history=history, summary=renamed)
+
+
+def _strategy(options: StrategyOptions, context: AssembledContext) -> str:
+    used = []
+    if options.truncate:
+        used.append("truncate")
+    if options.summarize:
+        used.append("summarize")
+    if options.elide_tool_results:
+        used.append("elide_tool_results")
+    return ",".join(used)
+
+
+def _compressed(context: AssembledContext, not_loaded: int) -> bool:
+    s = context.stats
+    return bool(
+        not_loaded
+        or s.dropped_ids
+        or s.truncated_ids
+        or s.elided_ids
+        or s.summarized_range
+        or s.summarizer_path == "reused"
+        or s.messages_after < s.messages_before
+    )
+
+
+def _render(fmt: str, context: AssembledContext) -> str:
+    if fmt == "anthropic":
+        return json.dumps(to_anthropic(context), ensure_ascii=False)
+    if fmt == "openai":
+        return json.dumps(to_openai(context), ensure_ascii=False)
+    return to_text(context)

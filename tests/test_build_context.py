@@ -1,0 +1,364 @@
+"""BuildContext, CompactContext, status entries and events over gRPC, end to end:
+a real server, a real DuckDB file, the real Rust core, and the real anthropic client
+talking to a local fake of the Messages API (never the network)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2, field_mask_pb2
+
+from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect
+from contextd.config import Settings
+from contextd.server import RunningServer, create_server
+from contextd.v1 import context_service_pb2 as pb
+from fake_anthropic import FakeAnthropic
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+@pytest.fixture
+def running(
+    tmp_path: Path, fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[RunningServer, Client]]:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
+    settings = Settings(
+        addr="127.0.0.1:0",
+        data_dir=tmp_path / "data",
+        anthropic_base_url=fake.base_url,
+        summary_timeout_seconds=2.0,
+    )
+    server = create_server(settings)
+    client = connect(f"127.0.0.1:{server.port}")
+    yield server, client
+    client.channel.close()
+    server.stop(grace=1)
+
+
+def _build(client: Client, agent: str = "a1", **kwargs: object) -> pb.BuildContextResponse:
+    return client.stub.BuildContext(pb.BuildContextRequest(agent=agent, thread="t1", **kwargs))
+
+
+def _agent(client: Client, **fields: object) -> None:
+    client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1", **fields)))
+
+
+# ----------------------------------------------------------------- seed 000: assembly
+
+
+def test_context_includes_system_prompt(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    _agent(client, system_prompt="You are terse.")
+    ctx = _build(client)
+    assert ctx.system_prompt == "You are terse."
+    assert ctx.stats.system_tokens > 0
+
+
+def test_context_includes_agent_docs(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    _agent(client, docs=[pb.AgentDoc(name="style.md", content="Use metric units.")])
+    ctx = _build(client, formats=[pb.CONTEXT_FORMAT_ANTHROPIC])
+    assert [(d.name, d.content) for d in ctx.docs] == [("style.md", "Use metric units.")]
+    assert "Use metric units." in json.loads(ctx.anthropic_json)["system"]
+
+
+def test_context_includes_thread_status(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    client.append("a1", "working on the parser", thread="t1")
+    client.append("a1", "deploying", thread="t2")
+    client.stub.SetStatus(
+        pb.SetStatusRequest(
+            agent="a1",
+            entry=pb.StatusEntry(
+                key="build-42",
+                kind=pb.STATUS_KIND_PROCESS,
+                state="running",
+                summary="cargo build --release",
+            ),
+        )
+    )
+    client.stub.SetStatus(
+        pb.SetStatusRequest(
+            agent="a1",
+            entry=pb.StatusEntry(
+                key="old", kind=pb.STATUS_KIND_THREAD, state="done", summary="expired entry"
+            ),
+            ttl=duration_pb2.Duration(nanos=1_000),
+        )
+    )
+    ctx = _build(client)
+    assert "build-42" in ctx.status and "cargo build --release" in ctx.status
+    assert "t2" in ctx.status  # the other thread active in the window
+    assert "expired entry" not in ctx.status
+    assert ctx.stats.status_tokens > 0
+
+
+def test_context_includes_rolling_window_messages(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    client.append("a1", "question", thread="t1")
+    client.append("a1", "answer", thread="t1", role=ASSISTANT)
+    client.append("a1", "other thread", thread="t9")
+    ctx = _build(client, user_message="follow-up")
+    assert [m.content for m in ctx.messages] == ["question", "answer", "follow-up"]
+    assert [m.role for m in ctx.messages] == [USER, ASSISTANT, USER]
+    assert ctx.messages[-1].id == 0  # the new message is not stored
+    assert len(client.history("a1")) == 2
+
+
+def test_context_window_bounded_by_clear_time_or_rolling_window(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    client.append("a1", "before clear")
+    client.stub.ClearContext(pb.ClearContextRequest(agent="a1"))
+    client.append("a1", "after clear")
+    assert [m.content for m in _build(client).messages] == ["after clear"]
+    client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", rolling_window=duration_pb2.Duration(nanos=1_000)),
+            update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"]),
+        )
+    )
+    assert list(_build(client).messages) == []
+
+
+# ----------------------------------------------------------------- budget and strategies
+
+
+def test_budget_is_never_exceeded_and_newest_turn_kept(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    for i in range(300):
+        client.append("a1", f"message {i} " + "lorem ipsum dolor " * 20)
+    ctx = _build(client, options=pb.BuildOptions(budget_tokens=2_000), user_message="now?")
+    assert ctx.stats.total_tokens <= 2_000
+    assert ctx.messages[-2].content.startswith("message 299 ")
+    assert ctx.stats.messages_before == 300
+    assert ctx.stats.messages_after == len(ctx.messages) - 1 < 300
+    assert ctx.stats.strategy == "truncate"
+    events = client.stub.ListEvents(pb.ListEventsRequest(agent="a1")).events
+    assert [e.type for e in events] == ["context.compressed"]
+    data = json.loads(events[0].data)
+    assert (data["original_count"], data["budget_tokens"]) == (300, 2_000)
+    assert data["compressed_count"] == ctx.stats.messages_after
+
+
+def test_context_grows_by_exactly_the_appended_messages(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    client.append("a1", "one", "two")
+    before = _build(client)
+    client.append("a1", "three")
+    after = _build(client)
+    assert [m.content for m in after.messages] == [m.content for m in before.messages] + ["three"]
+    assert client.stub.ListEvents(pb.ListEventsRequest(agent="a1")).events == []
+
+
+def test_summarize_uses_llm_then_reuses_the_stored_summary(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    _, client = running
+    fake.reply_text("## Goal\nShip the parser.\n## Progress\nTokenizer done.")
+    for i in range(60):
+        client.append("a1", f"step {i}: edit src/parser_{i}.rs " + "details " * 30)
+    options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=1_000)
+    ctx = _build(client, options=options)
+    assert ctx.stats.summarizer_path == "llm"
+    assert ctx.messages[0].is_summary and "Ship the parser." in ctx.messages[0].content
+    assert ctx.stats.total_tokens <= 3_000
+    # The 10 most recent messages are there unchanged (seed 002).
+    assert [m.content for m in ctx.messages[-10:]] == [
+        f"step {i}: edit src/parser_{i}.rs " + "details " * 30 for i in range(50, 60)
+    ]
+    summary_id = ctx.messages[0].id
+    stored = [m for m in client.history("a1") if m.is_summary]
+    assert [m.id for m in stored] == [summary_id]
+    assert stored[0].first_summarized_id == ctx.stats.first_summarized_id > 0
+    assert "src/parser_0.rs" in stored[0].content  # specifics ledger, verbatim
+    calls = len(fake.requests)
+    again = _build(client, options=options)
+    assert again.stats.summarizer_path == "reused" and len(fake.requests) == calls
+    assert again.messages[0].id == summary_id
+    event = client.stub.ListEvents(pb.ListEventsRequest(agent="a1")).events[0]
+    assert json.loads(event.data)["summarizer_path"] == "llm"
+
+
+@pytest.mark.parametrize("failure", ["error", "slow"])
+def test_summary_falls_back_when_the_llm_fails(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic, failure: str
+) -> None:
+    _, client = running
+    if failure == "error":
+        fake.reply_error(529)
+    else:
+        fake.reply_slow(5.0)
+    for i in range(40):
+        client.append("a1", f"please fix bug {i} " + "context " * 30)
+    ctx = _build(
+        client, options=pb.BuildOptions(budget_tokens=2_000, summarize=True, keep_recent_tokens=500)
+    )
+    assert ctx.stats.summarizer_path == "fallback"
+    assert ctx.stats.summarizer_error
+    assert ctx.messages[0].is_summary and "please fix bug" in ctx.messages[0].content
+    assert ctx.stats.total_tokens <= 2_000
+
+
+def test_compact_context_on_demand(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    _, client = running
+    fake.reply_text("## Goal\nCompacted.")
+    for i in range(30):
+        client.append("a1", f"m{i} " + "words " * 50)
+    result = client.stub.CompactContext(
+        pb.CompactContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(keep_recent_tokens=100)
+        )
+    )
+    assert result.summarizer_path == "llm" and result.summary.is_summary
+    ctx = _build(client)
+    assert ctx.messages[0].id == result.summary.id and ctx.stats.summarizer_path == "reused"
+    assert len(ctx.messages) < 30
+
+
+def test_compact_with_nothing_old_is_failed_precondition(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    client.append("a1", "only one")
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.CompactContext(pb.CompactContextRequest(agent="a1", thread="t1"))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_elide_old_tool_results(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    calls = json.dumps([{"id": "c1", "name": "read_file", "input": {"path": "big.log"}}])
+    client.append("a1", "read the log")
+    client.append("a1", "", role=TOOL_USE, tool_calls=calls)
+    big = client.append("a1", "x" * 10_000, role=TOOL_RESULT, tool_call_id="c1").receipts[0]
+    for i in range(4):
+        client.append("a1", f"turn {i}")
+        client.append("a1", f"reply {i}", role=ASSISTANT)
+    ctx = _build(
+        client,
+        options=pb.BuildOptions(elide_tool_results=True),
+        formats=[pb.CONTEXT_FORMAT_ANTHROPIC, pb.CONTEXT_FORMAT_OPENAI, pb.CONTEXT_FORMAT_TEXT],
+    )
+    [stub] = [m for m in ctx.messages if m.id == big.id]
+    assert stub.elided and "read_file" in stub.content and f"message:{big.id}" in stub.content
+    assert list(ctx.stats.elided_ids) == [big.id]
+    stored = [m for m in client.history("a1") if m.id == big.id][0]
+    assert stored.content == "x" * 10_000  # the stored message stays intact
+    anthropic = json.loads(ctx.anthropic_json)
+    roles = [m["role"] for m in anthropic["messages"]]
+    assert all(a != b for a, b in zip(roles, roles[1:], strict=False))
+    openai = json.loads(ctx.openai_json)
+    tool_ids = {
+        c["id"] for m in openai if m["role"] == "assistant" for c in m.get("tool_calls", [])
+    }
+    assert {m["tool_call_id"] for m in openai if m["role"] == "tool"} <= tool_ids
+    assert ctx.text.count("User:") >= 5
+
+
+# ----------------------------------------------------------------- status and bad input
+
+
+def test_status_set_list_clear(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    client.append("a1", "x")
+    for key in ["b", "a", "c"]:
+        client.stub.SetStatus(
+            pb.SetStatusRequest(
+                agent="a1",
+                entry=pb.StatusEntry(
+                    key=key, kind=pb.STATUS_KIND_THREAD, state="running", summary=f"entry {key}"
+                ),
+            )
+        )
+    client.stub.SetStatus(
+        pb.SetStatusRequest(
+            agent="a1",
+            entry=pb.StatusEntry(
+                key="a", kind=pb.STATUS_KIND_THREAD, state="done", summary="replaced"
+            ),
+        )
+    )
+    page = client.stub.ListStatus(pb.ListStatusRequest(agent="a1", page_size=2))
+    assert [e.key for e in page.entries] == ["a", "b"] and page.entries[0].state == "done"
+    rest = client.stub.ListStatus(
+        pb.ListStatusRequest(agent="a1", page_token=page.next_page_token, page_size=2)
+    )
+    assert [e.key for e in rest.entries] == ["c"]
+    assert client.stub.ClearStatus(pb.ClearStatusRequest(agent="a1", key="b")).removed_count == 1
+    assert client.stub.ClearStatus(pb.ClearStatusRequest(agent="a1")).removed_count == 2
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.ClearStatus(pb.ClearStatusRequest(agent="a1", key="b"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        pb.BuildContextRequest(agent="a1", options=pb.BuildOptions(budget_tokens=5)),
+        pb.BuildContextRequest(agent="a1", model="no-such-model"),
+        pb.BuildContextRequest(agent="a1", options=pb.BuildOptions(max_chars_per_message=0)),
+        pb.BuildContextRequest(agent="a1", options=pb.BuildOptions(safety_margin=1.5)),
+        pb.BuildContextRequest(agent="a1", formats=[42]),  # type: ignore[list-item]
+        pb.BuildContextRequest(agent="bad name"),
+    ],
+)
+def test_bad_build_requests_are_invalid_argument(
+    running: tuple[RunningServer, Client], request_: pb.BuildContextRequest
+) -> None:
+    _, client = running
+    _agent(client, system_prompt="A system prompt that needs more than five tokens for sure.")
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.BuildContext(request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bad_status_is_invalid_argument(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    client.append("a1", "x")
+    for entry in (
+        pb.StatusEntry(key="k", summary="no kind"),
+        pb.StatusEntry(kind=pb.STATUS_KIND_THREAD, summary="no key"),
+        pb.StatusEntry(key="k", kind=pb.STATUS_KIND_THREAD, summary="s" * 501),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            client.stub.SetStatus(pb.SetStatusRequest(agent="a1", entry=entry))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_build_unknown_agent_is_not_found(running: tuple[RunningServer, Client]) -> None:
+    _, client = running
+    with pytest.raises(grpc.RpcError) as info:
+        _build(client, agent="ghost")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_agent_build_options_are_defaults_and_calls_override(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    _agent(client, build_options=pb.BuildOptions(budget_tokens=500))
+    assert (
+        client.stub.GetAgent(pb.GetAgentRequest(name="a1")).agent.build_options.budget_tokens == 500
+    )
+    for i in range(100):
+        client.append("a1", f"m{i} " + "word " * 20)
+    assert _build(client).stats.budget_tokens == 500
+    assert _build(client, options=pb.BuildOptions(budget_tokens=900)).stats.budget_tokens == 900
