@@ -362,3 +362,23 @@ def test_agent_build_options_are_defaults_and_calls_override(
         client.append("a1", f"m{i} " + "word " * 20)
     assert _build(client).stats.budget_tokens == 500
     assert _build(client, options=pb.BuildOptions(budget_tokens=900)).stats.budget_tokens == 900
+
+
+def test_build_reads_content_only_for_what_can_fit(
+    running: tuple[RunningServer, Client],
+) -> None:
+    server, client = running
+    _agent(client, model="gpt-4o")
+    batch = [
+        pb.Message(role=USER if i % 2 == 0 else ASSISTANT, content=f"msg {i} " + "w " * 40)
+        for i in range(1_000)
+    ]
+    for _ in range(10):
+        client.stub.AppendMessages(
+            pb.AppendMessagesRequest(agent="a1", thread="t1", messages=batch)
+        )
+    ctx = _build(client, options=pb.BuildOptions(budget_tokens=4_000))
+    assert ctx.stats.messages_before == 10_000
+    assert ctx.stats.total_tokens <= 4_000
+    assert ctx.stats.messages_after <= ctx.stats.messages_loaded < 300
+    assert ctx.messages[-1].content == batch[-1].content

@@ -66,3 +66,23 @@ def test_grpcurl_appends_and_lists_with_json(server: InProcessServer) -> None:
     )
     assert [m["content"] for m in listed["messages"]] == ["What is 2 + 2?", "4"]
     assert listed["messages"][0]["role"] == "ROLE_USER"
+
+
+def test_readme_grpcurl_lines_work_as_written(server: InProcessServer) -> None:
+    """Every `$G ...` line of README.md, run by a shell in order against a real server."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("```sh\nG=", 1)[1].split("```", 1)[0]
+    lines = [line for line in ("G=" + block).splitlines() if line.strip()]
+    assert lines[0].startswith("G=") and len(lines) >= 6
+    address = f"127.0.0.1:{server.running.port}"
+    grpcurl = _grpcurl()
+    for line in lines[1:]:
+        command = line.replace("127.0.0.1:50051", address).replace("$G ", "")
+        result = subprocess.run(
+            f"{grpcurl} -plaintext {command}",
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, f"{line}\n{result.stderr}"

@@ -81,6 +81,7 @@ class BuildResult:
     create_times: dict[int, int]
     renderings: dict[str, str]
     event: Event | None
+    messages_loaded: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,7 @@ class ContextBuilder:
             times,
             renderings,
             event,
+            len(history),
         )
 
     # ----------------------------------------------------------------- CompactContext

@@ -180,6 +180,7 @@ def _build_response(result: BuildResult) -> pb.BuildContextResponse:
         tokenizer=result.tokenizer,
         strategy=result.strategy,
         user_message_truncated=s.new_message_truncated,
+        messages_loaded=result.messages_loaded,
     )
     return pb.BuildContextResponse(
         system_prompt=ctx.system_prompt,
