@@ -55,7 +55,9 @@ def message_json(text: str, model: str = "claude-haiku-4-5") -> dict[str, Any]:
 
 @dataclass
 class FakeAnthropic:
-    reply: Reply = field(default_factory=lambda: Reply(body=json.dumps(message_json("ok")).encode()))
+    reply: Reply = field(
+        default_factory=lambda: Reply(body=json.dumps(message_json("ok")).encode())
+    )
     requests: list[Recorded] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
@@ -94,7 +96,9 @@ class FakeAnthropic:
                     body: Any = json.loads(raw)
                 except ValueError:
                     body = raw.decode(errors="replace")
-                fake.requests.append(Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                fake.requests.append(
+                    Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+                )
                 reply = fake.reply
                 if reply.delay_s and fake._released.wait(reply.delay_s):
                     return  # stopped while sleeping: the client has given up already

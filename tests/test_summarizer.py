@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fake_anthropic import FakeAnthropic
+
 from contextd.context_types import HistoryItem
 from contextd.domain import Role
 from contextd.summarizer import (
@@ -19,7 +21,6 @@ from contextd.summarizer import (
     ExtractiveSummarizer,
     parse_specifics,
 )
-from fake_anthropic import FakeAnthropic
 
 CHECKPOINT = "\n\n".join(f"## {s}\nfrom the model" for s in SUMMARY_SECTIONS)
 
@@ -32,8 +33,12 @@ ITEMS = [
         tool_calls='[{"id":"c1","name":"bash","input":{"cmd":"pytest -q"}}]',
         metadata='{"action":"ran tests"}',
     ),
-    HistoryItem(3, Role.TOOL_RESULT, "ValueError: invalid literal for int() at line 42", tool_call_id="c1"),
-    HistoryItem(4, Role.ASSISTANT, "The parser breaks on `parse_port`; see https://example.com/issue/7"),
+    HistoryItem(
+        3, Role.TOOL_RESULT, "ValueError: invalid literal for int() at line 42", tool_call_id="c1"
+    ),
+    HistoryItem(
+        4, Role.ASSISTANT, "The parser breaks on `parse_port`; see https://example.com/issue/7"
+    ),
 ]
 
 
@@ -78,13 +83,11 @@ def test_success_returns_the_models_text_and_specifics(fake: FakeAnthropic) -> N
 def test_update_prompt_carries_the_previous_summary_and_its_ledger(fake: FakeAnthropic) -> None:
     fake.reply_text(CHECKPOINT)
     previous = f"## Goal\nold goal\n\n{SPECIFICS_HEADING}\n- /etc/old.conf\n- OLD_ID_1"
-    result = summarizer(fake, model="claude-sonnet-4-5", max_tokens=999).summarize(
-        ITEMS, previous
-    )
+    result = summarizer(fake, model="claude-opus-4-5", max_tokens=999).summarize(ITEMS, previous)
     assert result.path == "llm", result.error
     assert result.specifics[:2] == ("/etc/old.conf", "OLD_ID_1")
     body = fake.requests[0].body
-    assert body["model"] == "claude-sonnet-4-5" and body["max_tokens"] == 999
+    assert body["model"] == "claude-opus-4-5" and body["max_tokens"] == 999
     prompt = body["messages"][0]["content"]
     assert "<previous-checkpoint>\n## Goal\nold goal\n</previous-checkpoint>" in prompt
 
