@@ -382,3 +382,45 @@ def test_build_reads_content_only_for_what_can_fit(
     assert ctx.stats.total_tokens <= 4_000
     assert ctx.stats.messages_after <= ctx.stats.messages_loaded < 300
     assert ctx.messages[-1].content == batch[-1].content
+
+
+def test_summary_of_cleared_messages_is_not_reused(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    _, client = running
+    fake.reply_text("## Goal\nOld work.")
+    for i in range(30):
+        client.append("a1", f"old {i} " + "words " * 50)
+    client.stub.CompactContext(
+        pb.CompactContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(keep_recent_tokens=100)
+        )
+    )
+    client.stub.ClearContext(pb.ClearContextRequest(agent="a1"))
+    client.append("a1", "fresh start")
+    ctx = _build(client, options=pb.BuildOptions(summarize=True))
+    assert [m.content for m in ctx.messages] == ["fresh start"]
+    assert ctx.stats.summarizer_path == ""
+
+
+def test_second_summary_updates_the_first(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    _, client = running
+    fake.reply_text("## Goal\nFirst checkpoint.")
+    options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=800)
+    for i in range(80):
+        client.append("a1", f"a{i} " + "words " * 40)
+    first = _build(client, options=options)
+    assert first.stats.summarizer_path == "llm"
+    fake.reply_text("## Goal\nSecond checkpoint.")
+    for i in range(80):
+        client.append("a1", f"b{i} " + "words " * 40)
+    second = _build(client, options=options)
+    assert second.stats.summarizer_path == "llm"
+    assert "Second checkpoint." in second.messages[0].content
+    # The update prompt carried the first summary and only the new messages.
+    prompt = json.dumps(fake.requests[-1].body)
+    assert "First checkpoint." in prompt and "a0 " not in prompt
+    assert second.stats.first_summarized_id == first.stats.first_summarized_id
+    assert second.stats.total_tokens <= 3_000

@@ -105,6 +105,16 @@ class _Plan:
     window_start_us: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The part of a window a build works on."""
+
+    items: list[HistoryItem]
+    previous_summary: HistoryItem | None
+    not_loaded: int  # window messages left out because they cannot fit
+    create_times: dict[int, int]
+
+
 class ContextBuilder:
     def __init__(self, store: Store, summarizer: Summarizer) -> None:
         self._store = store
@@ -122,8 +132,8 @@ class ContextBuilder:
             request.overrides,
         )
         count = counter_for_model(plan.model)
-        previous = self._previous_summary(plan.key)
-        history, before_loaded = self._load_history(plan, previous)
+        window = self._load_history(plan)
+        before_loaded = window.not_loaded
         status = status_preamble(
             self._store.list_status(
                 plan.key.tenant, plan.key.agent, plan.key.scope, None, STATUS_ENTRIES, plan.now_us
@@ -145,10 +155,10 @@ class ContextBuilder:
                 count_tokens=count,
                 docs=plan.agent.docs,
                 status=status,
-                history=history,
+                history=window.items,
                 new_message=request.user_message or None,
                 options=plan.options,
-                previous_summary=previous,
+                previous_summary=window.previous_summary,
                 summarizer=self._summarizer,
             )
         except BudgetTooSmallError as exc:
@@ -187,7 +197,7 @@ class ContextBuilder:
                 },
             )
         renderings = {f: _render(f, context) for f in request.formats}
-        times = {m.id: m.create_time_us for m in self._loaded_times(plan, context)}
+        times = window.create_times
         return BuildResult(
             context,
             core.model_info(plan.model).tokenizer,
@@ -196,7 +206,7 @@ class ContextBuilder:
             times,
             renderings,
             event,
-            len(history),
+            len(window.items),
         )
 
     # ----------------------------------------------------------------- CompactContext
@@ -217,9 +227,9 @@ class ContextBuilder:
                 reason="THREAD_NOT_FOUND",
             )
         count = counter_for_model(plan.model)
-        previous = self._previous_summary(plan.key)
-        history, _ = self._load_history(plan, previous, everything=True)
-        items, _repaired = repair_tool_pairs(history)
+        window = self._load_history(plan, everything=True)
+        previous = window.previous_summary
+        items, _repaired = repair_tool_pairs(window.items)
         costs = count([it.counted_text for it in items]) if items else []
         compaction = plan_compaction(
             items,
@@ -321,11 +331,10 @@ class ContextBuilder:
             summary_of=stored.summarized_ids,
         )
 
-    def _load_history(
-        self, plan: _Plan, previous: HistoryItem | None, *, everything: bool = False
-    ) -> tuple[list[HistoryItem], int]:
-        """The window's messages that can matter, with content; and how many were not
-        loaded because they cannot (already summarized ones are not counted)."""
+    def _load_history(self, plan: _Plan, *, everything: bool = False) -> _Window:
+        """The window's messages that can matter, with content, after the latest stored
+        summary that covers part of this window (if any)."""
+        previous = self._previous_summary(plan.key)
         table = self._store.window_columns(plan.key, plan.window_start_us)
         ids: list[int] = table.column("id").to_pylist()
         first = 0
@@ -334,25 +343,27 @@ class ContextBuilder:
             while first < len(ids) and ids[first] <= last_summarized:
                 first += 1
             if first == 0:
-                previous = None  # the summary is about messages outside this window
+                previous = None  # it summarizes messages outside this window
+        ids = ids[first:]
+        if not ids:
+            return _Window([], previous, 0, {})
         roles: list[int] = table.column("role").to_pylist()[first:]
         tokens: list[int] = table.column("token_count").to_pylist()[first:]
         chars: list[int] = table.column("chars").to_pylist()[first:]
         groups: list[int] = table.column("group_id").to_pylist()[first:]
-        ids = ids[first:]
-        if not ids:
-            return [], 0
         if everything or plan.options.summarize:
-            start = (
-                max(0, len(ids) - MAX_SUMMARIZED_MESSAGES)
-                if sum(tokens) > (plan.budget.prompt_budget)
-                else 0
-            )
-            start = _group_start(groups, ids, start)
+            too_long = sum(tokens) > plan.budget.prompt_budget
+            start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
+            start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
         loaded = self._store.messages_by_ids(plan.key.tenant, ids[start:])
-        return [_history_item(m) for m in loaded], start
+        return _Window(
+            [_history_item(m) for m in loaded],
+            previous,
+            start,
+            {m.id: m.create_time_us for m in loaded},
+        )
 
     def _candidates(
         self, plan: _Plan, roles: list[int], tokens: list[int], chars: list[int], groups: list[int]
@@ -373,7 +384,7 @@ class ContextBuilder:
         trim = core.trim_to_budget(roles, costs, chars, groups, budget, max_chars)
         if not trim.kept:
             return max(0, len(roles) - 1)
-        return _group_start(groups, None, trim.kept[0])
+        return _group_start(groups, trim.kept[0])
 
     def _store_summary(self, plan: _Plan, item: HistoryItem) -> StoredMessage:
         assert item.summary_of is not None
@@ -391,10 +402,6 @@ class ContextBuilder:
         receipt = self._store.append(plan.key, [message], AgentSettings())
         stored = self._store.messages_by_ids(plan.key.tenant, [receipt[0].id])
         return stored[0]
-
-    def _loaded_times(self, plan: _Plan, context: AssembledContext) -> list[StoredMessage]:
-        ids = [it.id for it in context.history if it.id > 0]
-        return self._store.messages_by_ids(plan.key.tenant, ids) if ids else []
 
 
 def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
@@ -426,7 +433,7 @@ def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
         raise InvalidArgument(f"invalid build options: {exc}", field="options") from exc
 
 
-def _group_start(groups: Sequence[int], ids: Sequence[int] | None, index: int) -> int:
+def _group_start(groups: Sequence[int], index: int) -> int:
     """Move `index` back so it does not split a tool group (results follow their use)."""
     while index > 0 and groups[index] >= 0 and groups[index - 1] == groups[index]:
         index -= 1
