@@ -4,7 +4,12 @@ Hand-written; ``python -m mypy.stubtest contextd._core`` checks it against the m
 Import from :mod:`contextd.core`, the documented facade, rather than from here.
 """
 
-from typing import Final, final
+from typing import Any, Final, final
+
+from numpy.typing import NDArray
+from typing_extensions import Buffer
+
+_Column = Buffer | NDArray[Any]
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -26,6 +31,7 @@ __all__ = [
     "list_models",
     "model_info",
     "tokenize",
+    "trim_columns_to_budget",
     "trim_to_budget",
 ]
 
@@ -82,6 +88,14 @@ def trim_to_budget(
     budget: int,
     max_chars_per_message: int = 4000,
     truncated_tokens: list[int] | None = None,
+) -> TrimResult: ...
+def trim_columns_to_budget(
+    roles: _Column,
+    tokens: _Column,
+    chars: _Column,
+    groups: _Column,
+    budget: int,
+    max_chars_per_message: int = 4000,
 ) -> TrimResult: ...
 def tokenize(text: str, stop_words: bool = False) -> list[str]: ...
 def keyword_scores(query: str, texts: list[str], stop_words: bool = False) -> list[int]: ...

@@ -13,6 +13,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+import numpy.typing as npt
+
 from contextd import core
 from contextd.assembly import BudgetTooSmallError, assemble, status_preamble
 from contextd.clock import wall_clock_us
@@ -336,28 +339,30 @@ class ContextBuilder:
         summary that covers part of this window (if any)."""
         previous = self._previous_summary(plan.key)
         table = self._store.window_columns(plan.key, plan.window_start_us)
-        ids: list[int] = table.column("id").to_pylist()
+        # NumPy views of the Arrow columns: no Python object per message on this path.
+        ids = table.column("id").to_numpy()
         first = 0
         if previous is not None and previous.summary_of is not None:
-            last_summarized = previous.summary_of[1]
-            while first < len(ids) and ids[first] <= last_summarized:
-                first += 1
+            first = int(np.searchsorted(ids, previous.summary_of[1], side="right"))
             if first == 0:
                 previous = None  # it summarizes messages outside this window
         ids = ids[first:]
-        if not ids:
+        if len(ids) == 0:
             return _Window([], previous, 0, {})
-        roles: list[int] = table.column("role").to_pylist()[first:]
-        tokens: list[int] = table.column("token_count").to_pylist()[first:]
-        chars: list[int] = table.column("chars").to_pylist()[first:]
-        groups: list[int] = table.column("group_id").to_pylist()[first:]
+        roles = table.column("role").to_numpy()[first:]
+        tokens = table.column("token_count").to_numpy()[first:]
+        chars = table.column("chars").to_numpy()[first:]
+        groups = table.column("group_id").to_numpy()[first:]
         if everything or plan.options.summarize:
-            too_long = sum(tokens) > plan.budget.prompt_budget
+            too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
-        loaded = self._store.messages_by_ids(plan.key.tenant, ids[start:])
+        times = table.column("create_time_us").to_numpy()[first:]
+        loaded = self._store.window_messages_from(
+            plan.key, plan.window_start_us, int(times[start]), int(ids[start])
+        )
         return _Window(
             [_history_item(m) for m in loaded],
             previous,
@@ -366,22 +371,30 @@ class ContextBuilder:
         )
 
     def _candidates(
-        self, plan: _Plan, roles: list[int], tokens: list[int], chars: list[int], groups: list[int]
+        self,
+        plan: _Plan,
+        roles: npt.NDArray[np.uint8],
+        tokens: npt.NDArray[np.uint64],
+        chars: npt.NDArray[np.uint64],
+        groups: npt.NDArray[np.int64],
     ) -> int:
         """Index of the oldest message that can possibly fit (the Rust trimmer on the
         stored counts, with slack), so only the newest suffix is loaded."""
         opts = plan.options
         costs = tokens
         if opts.elide_tool_results:
-            costs = [
-                min(t, ELIDED_COST)
-                if r == Role.TOOL_RESULT and c > opts.elide_threshold_chars
-                else t
-                for r, t, c in zip(roles, tokens, chars, strict=True)
-            ]
+            elidable = (roles == int(Role.TOOL_RESULT)) & (chars > opts.elide_threshold_chars)
+            costs = np.where(elidable, np.minimum(tokens, ELIDED_COST), tokens).astype(np.uint64)
         budget = int(plan.budget.prompt_budget * CANDIDATE_SLACK) + 1
         max_chars = opts.max_chars_per_message if opts.truncate else 2**62
-        trim = core.trim_to_budget(roles, costs, chars, groups, budget, max_chars)
+        trim = core.trim_columns_to_budget(
+            np.ascontiguousarray(roles),
+            np.ascontiguousarray(costs),
+            np.ascontiguousarray(chars),
+            np.ascontiguousarray(groups),
+            budget,
+            max_chars,
+        )
         if not trim.kept:
             return max(0, len(roles) - 1)
         return _group_start(groups, trim.kept[0])
@@ -433,7 +446,7 @@ def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
         raise InvalidArgument(f"invalid build options: {exc}", field="options") from exc
 
 
-def _group_start(groups: Sequence[int], index: int) -> int:
+def _group_start(groups: Sequence[int] | npt.NDArray[np.int64], index: int) -> int:
     """Move `index` back so it does not split a tool group (results follow their use)."""
     while index > 0 and groups[index] >= 0 and groups[index - 1] == groups[index]:
         index -= 1

@@ -28,7 +28,10 @@ Trimming
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Any, Final, Literal
+
+from numpy.typing import NDArray
+from typing_extensions import Buffer
 
 from contextd import _core
 from contextd._core import (
@@ -65,6 +68,7 @@ __all__ = [
     "list_models",
     "model_info",
     "tokenize",
+    "trim_columns_to_budget",
     "trim_to_budget",
 ]
 
@@ -167,6 +171,24 @@ def trim_to_budget(
     return _core.trim_to_budget(
         roles, tokens, chars, groups, budget, max_chars_per_message, truncated_tokens
     )
+
+
+Column = Buffer | NDArray[Any]
+"""A column that crosses into Rust as one buffer: a NumPy array or any buffer object."""
+
+
+def trim_columns_to_budget(
+    roles: Column,
+    tokens: Column,
+    chars: Column,
+    groups: Column,
+    budget: int,
+    max_chars_per_message: int = DEFAULT_MAX_CHARS,
+) -> TrimResult:
+    """:func:`trim_to_budget` over buffers (uint8 roles, uint64 tokens and chars, int64
+    groups; NumPy arrays of a query result qualify), for windows too long to turn into
+    Python lists on every build."""
+    return _core.trim_columns_to_budget(roles, tokens, chars, groups, budget, max_chars_per_message)
 
 
 def tokenize(text: str, stop_words: bool = False) -> list[str]:

@@ -28,6 +28,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, TypeVar
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from contextd.clock import MonotonicClock
@@ -196,11 +197,24 @@ _EMPTY_WINDOW = pa.table(
     {
         "id": pa.array([], pa.int64()),
         "role": pa.array([], pa.uint8()),
-        "token_count": pa.array([], pa.int32()),
-        "chars": pa.array([], pa.int32()),
+        "token_count": pa.array([], pa.uint64()),
+        "chars": pa.array([], pa.uint64()),
         "group_id": pa.array([], pa.int64()),
+        "create_time_us": pa.array([], pa.int64()),
     }
 )
+
+
+def _in_window_order(table: pa.Table) -> pa.Table:
+    """The table sorted by (create_time_us, id), without sorting when it already is."""
+    if table.num_rows < 2:
+        return table
+    times = table.column("create_time_us").to_numpy()
+    ids = table.column("id").to_numpy()
+    steps = np.diff(times)
+    if bool(np.all((steps > 0) | ((steps == 0) & (np.diff(ids) > 0)))):
+        return table
+    return table.take(pa.array(np.lexsort((ids, times)))).combine_chunks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -838,8 +852,10 @@ class Store:
     def window_columns(self, key: ContextKey, window_start_us: int) -> pa.Table:
         """The window of one thread as columns, without content: the first read of a build.
 
-        Columns: id (int64), role (uint8), token_count (int32), chars (int32), group_id
-        (int64), oldest first. Stored summaries are left out (see `latest_summary`). A
+        Columns: id (int64), role (uint8), token_count (uint64), chars (uint64), group_id
+        (int64), create_time_us (int64), oldest first, in one chunk each (ready for
+        zero-copy NumPy views).
+        Stored summaries are left out (see `latest_summary`). A
         build trims on these and then loads content only for what it keeps
         (`messages_by_ids`), so its cost follows what is kept, not the window.
         `window_start_us` is the full start (thread clear included).
@@ -854,19 +870,67 @@ class Store:
         )
         if row is None:
             return _EMPTY_WINDOW
-        table: pa.Table = cur.sql(
-            "SELECT id, role, token_count, chars, group_id FROM messages "
-            "WHERE context_id = $1 AND create_time_us > $2 AND NOT is_summary "
-            "ORDER BY create_time_us, id",
-            params=[row[0], window_start_us],
-        ).to_arrow_table()
+        # No ORDER BY: rows come back in insertion order, which is (time, id) order
+        # unless history was imported out of order; `_in_window_order` checks and sorts
+        # only then, which saves the sort of a long window on every build.
+        table: pa.Table = (
+            cur.sql(
+                "SELECT id, role, token_count::UBIGINT AS token_count, "
+                "chars::UBIGINT AS chars, group_id, create_time_us FROM messages "
+                "WHERE context_id = $1 AND create_time_us > $2 AND NOT is_summary",
+                params=[row[0], window_start_us],
+            )
+            .to_arrow_table()
+            .combine_chunks()
+        )
+        table = _in_window_order(table)
         return table
 
-    def messages_by_ids(self, tenant: str, ids: Sequence[int]) -> list[StoredMessage]:
+    def window_messages_from(
+        self, key: ContextKey, window_start_us: int, from_time_us: int, from_id: int
+    ) -> list[StoredMessage]:
+        """The window's messages from (from_time_us, from_id) on, oldest first, without
+        stored summaries: the newest suffix a build keeps, read as one range."""
+        cur = self._cursor()
+        context = _first(
+            cur.execute(
+                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+                "AND thread = ?",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
+        if context is None:
+            return []
+        # The context id is passed as a value, not a subquery, so DuckDB uses the index.
+        rows = cur.execute(
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = ? "
+            "AND create_time_us > ? AND NOT is_summary "
+            "AND (create_time_us > ? OR (create_time_us = ? AND id >= ?)) "
+            "ORDER BY create_time_us, id",
+            [context[0], window_start_us, from_time_us, from_time_us, from_id],
+        ).fetchall()
+        return [_message_from_row(r) for r in rows]
+
+    def messages_by_ids(
+        self, tenant: str, ids: Sequence[int], key: ContextKey | None = None
+    ) -> list[StoredMessage]:
         """Whole messages by id, ordered by (create_time, id); ids of other tenants are
-        never returned."""
+        never returned. With `key`, the lookup goes through the thread's index entry."""
         if not ids:
             return []
+        if key is not None:
+            rows = (
+                self._cursor()
+                .execute(
+                    f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = "
+                    "(SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND "
+                    "scope = ? AND thread = ?) AND id IN (SELECT unnest(?::BIGINT[])) "
+                    "ORDER BY create_time_us, id",
+                    [key.tenant, key.agent, key.scope, key.thread, list(ids)],
+                )
+                .fetchall()
+            )
+            return [_message_from_row(r) for r in rows]
         rows = (
             self._cursor()
             .execute(
@@ -895,33 +959,41 @@ class Store:
         self, tenant: str, agent: str, scope: str, window_start_us: int, limit: int
     ) -> list[ThreadActivity]:
         """The agent's threads with messages after the window start, most recent first,
-        with how many messages each has in its window."""
-        rows = (
-            self._cursor()
-            .execute(
-                """
-                SELECT t.thread, t.last_message_time_us,
-                       (SELECT count(*) FROM messages m WHERE m.context_id = t.context_id
-                        AND m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?)))
-                FROM threads t
-                WHERE t.tenant = ? AND t.agent = ? AND t.scope = ?
-                  AND t.last_message_time_us > greatest(?, coalesce(t.last_clear_us, ?))
-                ORDER BY t.last_message_time_us DESC, t.thread LIMIT ?
-                """,
-                [
-                    window_start_us,
-                    window_start_us,
-                    tenant,
-                    agent,
-                    scope,
-                    window_start_us,
-                    window_start_us,
-                    limit,
-                ],
-            )
-            .fetchall()
-        )
-        return [ThreadActivity(r[0], r[1], r[2]) for r in rows]
+        with how many messages each has in its window.
+
+        A thread that began inside its window has all its messages there, so its count
+        comes from its metadata; only the others are counted from the messages.
+        """
+        cur = self._cursor()
+        rows = cur.execute(
+            "SELECT thread, last_message_time_us, create_time_us, message_count, context_id, "
+            "greatest(?, coalesce(last_clear_us, ?)) AS start_us FROM threads "
+            "WHERE tenant = ? AND agent = ? AND scope = ? "
+            "AND last_message_time_us > greatest(?, coalesce(last_clear_us, ?)) "
+            "ORDER BY last_message_time_us DESC, thread LIMIT ?",
+            [
+                window_start_us,
+                window_start_us,
+                tenant,
+                agent,
+                scope,
+                window_start_us,
+                window_start_us,
+                limit,
+            ],
+        ).fetchall()
+        activity = []
+        for thread, last_us, first_us, count, context_id, start_us in rows:
+            if first_us <= start_us:
+                counted = _first(
+                    cur.execute(
+                        "SELECT count(*) FROM messages WHERE context_id = ? AND create_time_us > ?",
+                        [context_id, start_us],
+                    )
+                )
+                count = counted[0] if counted else 0
+            activity.append(ThreadActivity(thread, last_us, int(count)))
+        return activity
 
     # ----------------------------------------------------------------- status entries
 
