@@ -424,3 +424,57 @@ def test_second_summary_updates_the_first(
     assert "First checkpoint." in prompt and "a0 " not in prompt
     assert second.stats.first_summarized_id == first.stats.first_summarized_id
     assert second.stats.total_tokens <= 3_000
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pb.BuildOptions(budget_tokens=1_500),
+        pb.BuildOptions(budget_tokens=1_500, elide_tool_results=True, elide_threshold_chars=100),
+        pb.BuildOptions(budget_tokens=1_500, summarize=True, keep_recent_tokens=300),
+        pb.BuildOptions(
+            budget_tokens=1_500, summarize=True, elide_tool_results=True, truncate=False
+        ),
+    ],
+)
+def test_parallel_tool_calls_stay_paired_in_every_rendering(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic, options: pb.BuildOptions
+) -> None:
+    _, client = running
+    fake.reply_text("## Goal\nKeep going.")
+    for turn in range(12):
+        client.append("a1", f"turn {turn}: look around " + "please " * 20)
+        calls = [{"id": f"t{turn}c{k}", "name": f"tool{k}", "input": {"k": k}} for k in range(3)]
+        client.append("a1", "", role=TOOL_USE, tool_calls=json.dumps(calls))
+        for k in (2, 0, 1):  # parallel results, out of order
+            client.append(
+                "a1",
+                f"result {turn}/{k} " + "data " * 60,
+                role=TOOL_RESULT,
+                tool_call_id=f"t{turn}c{k}",
+            )
+        client.append("a1", f"done with turn {turn}", role=ASSISTANT)
+    ctx = _build(
+        client, options=options, formats=[pb.CONTEXT_FORMAT_ANTHROPIC, pb.CONTEXT_FORMAT_OPENAI]
+    )
+    assert ctx.stats.total_tokens <= 1_500
+    assert ctx.messages[-1].content == "done with turn 11"
+    results = [m for m in ctx.messages if m.role == TOOL_RESULT]
+    uses = [m for m in ctx.messages if m.role == TOOL_USE]
+    answered = {c["id"] for m in uses for c in json.loads(m.tool_calls)}
+    assert {m.tool_call_id for m in results} == answered  # groups kept whole
+    anthropic = json.loads(ctx.anthropic_json)["messages"]
+    assert anthropic[0]["role"] == "user"
+    for before, after in zip(anthropic, anthropic[1:], strict=False):
+        assert before["role"] != after["role"]
+        blocks = after["content"] if isinstance(after["content"], list) else []
+        answers = {b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"}
+        if answers:
+            asked = {b["id"] for b in before["content"] if b.get("type") == "tool_use"}
+            assert answers <= asked
+    openai = json.loads(ctx.openai_json)
+    seen: set[str] = set()
+    for m in openai:
+        seen |= {c["id"] for c in m.get("tool_calls", [])}
+        if m["role"] == "tool":
+            assert m["tool_call_id"] in seen
