@@ -44,7 +44,31 @@ impl From<CoreError> for PyErr {
 /// Seed 004's estimate for each text, in order.
 #[pyfunction]
 fn estimate_tokens_batch(py: Python<'_>, texts: Vec<String>) -> Vec<u64> {
-    py.detach(move || texts.iter().map(|t| crate::estimate_tokens(t)).collect())
+    run_sized(py, total_len(&texts), move || {
+        texts.iter().map(|t| crate::estimate_tokens(t)).collect()
+    })
+}
+
+/// Below this many bytes of input a call runs attached: handing the GIL over and taking
+/// it back costs more than the work, and under many threads (a busy gRPC server) taking
+/// it back can wait a whole switch interval.
+const DETACH_ABOVE_BYTES: usize = 64 * 1024;
+
+fn total_len(texts: &[String]) -> usize {
+    texts.iter().map(String::len).sum()
+}
+
+/// Run `work` detached from the interpreter when the input is large enough to pay for it.
+fn run_sized<T, F>(py: Python<'_>, input_bytes: usize, work: F) -> T
+where
+    T: Send,
+    F: FnOnce() -> T + Send,
+{
+    if input_bytes > DETACH_ABOVE_BYTES {
+        py.detach(work)
+    } else {
+        work()
+    }
 }
 
 /// Seed 004's estimate for one text.
@@ -68,7 +92,9 @@ fn count_tokens(py: Python<'_>, text: &str, encoding: &str) -> PyResult<u64> {
 #[pyfunction]
 fn count_tokens_batch(py: Python<'_>, texts: Vec<String>, encoding: &str) -> PyResult<Vec<u64>> {
     let encoding: Encoding = encoding.parse()?;
-    Ok(py.detach(move || encoding.count_batch(&texts)))
+    Ok(run_sized(py, total_len(&texts), move || {
+        encoding.count_batch(&texts)
+    }))
 }
 
 /// Budget cost of each text for a model: its tokenizer's count times its safety margin.
@@ -79,7 +105,9 @@ fn count_tokens_for_model_batch(
     model: &str,
 ) -> PyResult<Vec<u64>> {
     let info = models::model_info(model)?;
-    Ok(py.detach(move || info.count_batch(&texts)))
+    Ok(run_sized(py, total_len(&texts), move || {
+        info.count_batch(&texts)
+    }))
 }
 
 /// What contextd knows about one model (see `data/models.toml`).

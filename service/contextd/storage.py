@@ -342,6 +342,7 @@ class Store:
         self._next_event_id = int(row[0]) + 1
         self._context_ids: dict[ContextKey, int] = {}
         self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
+        self._known_agents: set[tuple[str, str]] = set()
         self._queue: SimpleQueue[Any] = SimpleQueue()
         self._closed = False
         self._writer = threading.Thread(
@@ -476,10 +477,21 @@ class Store:
                 appends: list[_AppendJob] = []
                 calls: list[_CallJob] = []
                 stop = self._gather(job, appends, calls)
-                if appends:
-                    self._commit_appends(writer, appends)
-                for call in calls:
-                    self._run_call(writer, call)
+                try:
+                    if appends:
+                        self._commit_appends(writer, appends)
+                    for call in calls:
+                        self._run_call(writer, call)
+                except BaseException as exc:
+                    # The writer must outlive any failure, or every later caller would
+                    # wait forever: fail what is unanswered and go on.
+                    log.exception("writer failed a group; its unanswered calls get the error")
+                    futures: list[Future[Any]] = [j.future for j in appends]
+                    futures += [c.future for c in calls]
+                    for future in futures:
+                        if not future.done():
+                            future.set_exception(exc)
+                    self._rollback(writer)
                 if stop:
                     return
         finally:
@@ -531,6 +543,7 @@ class Store:
             self._rollback(writer)
             self._next_message_id, self._next_context_id, self._context_ids = saved
             self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
+            self._known_agents.clear()  # may name agents whose insert was rolled back
             if len(jobs) == 1:
                 jobs[0].future.set_exception(exc)
                 return
@@ -573,10 +586,15 @@ class Store:
         # time) must precede the messages that created it, or they would start outside.
         now_us = self.clock.tick()
         for (tenant, name), settings in agents_seen.items():
-            writer.execute(
-                _INSERT_AGENT + " ON CONFLICT DO NOTHING",
-                _agent_row(tenant, name, settings, now_us),
+            # Known agents skip the statement: an upsert costs milliseconds per commit.
+            if (tenant, name) in self._known_agents:
+                continue
+            exists = _first(
+                writer.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             )
+            if not exists:
+                writer.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
+            self._known_agents.add((tenant, name))
 
         for job in jobs:
             key = job.key
@@ -647,6 +665,7 @@ class Store:
         finally:
             writer.unregister("contextd_append_batch")
 
+        updates: list[list[int]] = [[], [], [], [], []]  # context, n, tokens, first, last
         for key, (count, tokens, first, last) in thread_deltas.items():
             context_id = new_contexts.get(key)
             if context_id is not None:
@@ -665,14 +684,31 @@ class Store:
                     ],
                 )
             else:
-                writer.execute(
-                    "UPDATE threads SET message_count = message_count + ?, "
-                    "token_estimate = token_estimate + ?, "
-                    "create_time_us = least(create_time_us, ?), "
-                    "last_message_time_us = greatest(last_message_time_us, ?) "
-                    "WHERE context_id = ?",
-                    [count, tokens, first, last, self._context_ids[key]],
-                )
+                for column, value in zip(
+                    updates, (self._context_ids[key], count, tokens, first, last), strict=True
+                ):
+                    column.append(value)
+        if len(updates[0]) == 1:
+            writer.execute(
+                "UPDATE threads SET message_count = message_count + ?, "
+                "token_estimate = token_estimate + ?, "
+                "create_time_us = least(create_time_us, ?), "
+                "last_message_time_us = greatest(last_message_time_us, ?) WHERE context_id = ?",
+                [updates[1][0], updates[2][0], updates[3][0], updates[4][0], updates[0][0]],
+            )
+        elif updates[0]:
+            # One statement for every existing thread of the group: each statement costs
+            # more than the rows it touches.
+            writer.execute(
+                "UPDATE threads SET message_count = threads.message_count + d.n, "
+                "token_estimate = threads.token_estimate + d.tokens, "
+                "create_time_us = least(threads.create_time_us, d.first_us), "
+                "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
+                "FROM (SELECT unnest(?::BIGINT[]) AS context_id, unnest(?::BIGINT[]) AS n, "
+                "unnest(?::BIGINT[]) AS tokens, unnest(?::BIGINT[]) AS first_us, "
+                "unnest(?::BIGINT[]) AS last_us) AS d WHERE threads.context_id = d.context_id",
+                updates,
+            )
         self._context_ids.update(new_contexts)
         return all_receipts
 
@@ -801,6 +837,7 @@ class Store:
         """Drop cached context ids of a deleted agent (runs on the writer thread)."""
         for key in [k for k in self._context_ids if k.tenant == tenant and k.agent == agent]:
             del self._context_ids[key]
+        self._known_agents.discard((tenant, agent))
 
     # ----------------------------------------------------------------- messages
 
