@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import grpc
 import pytest
+from fake_anthropic import FakeAnthropic
 from google.protobuf import duration_pb2, field_mask_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect
 from contextd.config import Settings
 from contextd.server import RunningServer, create_server
 from contextd.v1 import context_service_pb2 as pb
-from fake_anthropic import FakeAnthropic
 
 
 @pytest.fixture
@@ -260,11 +261,11 @@ def test_elide_old_tool_results(running: tuple[RunningServer, Client]) -> None:
     [stub] = [m for m in ctx.messages if m.id == big.id]
     assert stub.elided and "read_file" in stub.content and f"message:{big.id}" in stub.content
     assert list(ctx.stats.elided_ids) == [big.id]
-    stored = [m for m in client.history("a1") if m.id == big.id][0]
+    stored = next(m for m in client.history("a1") if m.id == big.id)
     assert stored.content == "x" * 10_000  # the stored message stays intact
     anthropic = json.loads(ctx.anthropic_json)
     roles = [m["role"] for m in anthropic["messages"]]
-    assert all(a != b for a, b in zip(roles, roles[1:], strict=False))
+    assert all(a != b for a, b in pairwise(roles))
     openai = json.loads(ctx.openai_json)
     tool_ids = {
         c["id"] for m in openai if m["role"] == "assistant" for c in m.get("tool_calls", [])
@@ -367,7 +368,7 @@ def test_agent_build_options_are_defaults_and_calls_override(
 def test_build_reads_content_only_for_what_can_fit(
     running: tuple[RunningServer, Client],
 ) -> None:
-    server, client = running
+    _, client = running
     _agent(client, model="gpt-4o")
     batch = [
         pb.Message(role=USER if i % 2 == 0 else ASSISTANT, content=f"msg {i} " + "w " * 40)
@@ -465,7 +466,7 @@ def test_parallel_tool_calls_stay_paired_in_every_rendering(
     assert {m.tool_call_id for m in results} == answered  # groups kept whole
     anthropic = json.loads(ctx.anthropic_json)["messages"]
     assert anthropic[0]["role"] == "user"
-    for before, after in zip(anthropic, anthropic[1:], strict=False):
+    for before, after in pairwise(anthropic):
         assert before["role"] != after["role"]
         blocks = after["content"] if isinstance(after["content"], list) else []
         answers = {b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"}

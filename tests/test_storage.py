@@ -8,13 +8,14 @@ from pathlib import Path
 import duckdb
 
 from contextd import storage
-from contextd.domain import AgentSettings, ContextKey, NewMessage, Role
+from contextd.batches import prepare_batch
+from contextd.domain import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
 from contextd.storage import Store, ThreadFilter
 
 
-def _message(text: str) -> NewMessage:
-    return NewMessage(
-        role=Role.USER, content=text, token_estimate=1, token_count=1, chars=len(text)
+def _batch(*texts: str) -> MessageBatch:
+    return prepare_batch(
+        [NewMessage(role=Role.USER, content=t) for t in texts], "", [()] * len(texts)
     )
 
 
@@ -45,9 +46,7 @@ def test_migrates_an_older_schema_in_place(tmp_path: Path) -> None:
         [message] = store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)
         assert (message.content, message.is_summary) == ("from v1", False)
         assert store.list_status("default", "a1", "", None, 10, None) == []
-        receipt = store.append(
-            ContextKey("default", "a1", "", "t1"), [_message("v2")], AgentSettings()
-        )
+        receipt = store.append(ContextKey("default", "a1", "", "t1"), _batch("v2"), AgentSettings())
         assert receipt[0].id == 2 and receipt[0].create_time_us > 5
     finally:
         store.close()
@@ -72,7 +71,7 @@ def test_concurrent_appends_are_all_committed_in_order(tmp_path: Path) -> None:
         key = ContextKey("default", "a1", "", f"t{n % 4}")
         try:
             for i in range(50):
-                store.append(key, [_message(f"{n}-{i}-a"), _message(f"{n}-{i}-b")], AgentSettings())
+                store.append(key, _batch(f"{n}-{i}-a", f"{n}-{i}-b"), AgentSettings())
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from contextd import core
 from contextd.assembly import BudgetTooSmallError, assemble, status_preamble
+from contextd.batches import prepare_batch
 from contextd.clock import wall_clock_us
 from contextd.compaction import (
     make_summary_item,
@@ -401,18 +402,9 @@ class ContextBuilder:
 
     def _store_summary(self, plan: _Plan, item: HistoryItem) -> StoredMessage:
         assert item.summary_of is not None
-        estimate = core.estimate_tokens(item.content)
-        message = NewMessage(
-            role=Role.USER,
-            content=item.content,
-            metadata=item.metadata,
-            token_estimate=estimate,
-            token_count=item.token_count or estimate,
-            tokenizer=core.model_info(plan.model).tokenizer,
-            chars=len(item.content),
-            summarized_ids=item.summary_of,
-        )
-        receipt = self._store.append(plan.key, [message], AgentSettings())
+        message = NewMessage(role=Role.USER, content=item.content, metadata=item.metadata)
+        batch = prepare_batch([message], plan.model, [()], summarized_ids=item.summary_of)
+        receipt = self._store.append(plan.key, batch, AgentSettings())
         stored = self._store.messages_by_ids(plan.key.tenant, [receipt[0].id])
         return stored[0]
 

@@ -6,6 +6,7 @@ they compare and subtract exactly, and they are what DuckDB stores without conve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Generic, TypeVar
@@ -111,14 +112,24 @@ class NewMessage:
     external_id: str = ""
     metadata: str = ""
     create_time_us: int | None = None
-    token_estimate: int = 0
-    # Filled by the service before storing: see the messages table in storage.py.
-    token_count: int = 0
-    tokenizer: str = "estimate"
-    chars: int = 0
-    tool_call_ids: tuple[str, ...] = ()
-    # For a compaction summary: the first and last message id it stands for.
+
+
+@dataclass(frozen=True, slots=True)
+class MessageBatch:
+    """The messages of one append and what the service computed for them, as parallel
+    columns (see the messages table in storage.py): no per-message copies to fill in."""
+
+    messages: Sequence[NewMessage]
+    token_estimates: Sequence[int]
+    token_counts: Sequence[int]
+    tokenizer: str
+    chars: Sequence[int]
+    tool_call_ids: Sequence[tuple[str, ...]]
+    # For a compaction summary (a batch of one): the first and last message id it replaces.
     summarized_ids: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.messages)
 
 
 @dataclass(frozen=True, slots=True)

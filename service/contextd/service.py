@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
+from contextd.batches import prepare_batch
 from contextd.builder import FORMATS, BuildRequest, BuildResult, CompactResult, ContextBuilder
 from contextd.clock import wall_clock_us
 from contextd.context_types import StatusEntry
@@ -149,27 +150,8 @@ class ContextService:
             _check_message(m, i, self._limits.max_message_bytes, latest_allowed)
             for i, m in enumerate(messages)
         ]
-        texts = [m.content + m.tool_calls for m in messages]
-        estimates = core.estimate_tokens_batch(texts)
-        model = self._model_of(tenant, key.agent)
-        if model:
-            counts = core.count_tokens_for_model_batch(texts, model)
-            info = core.model_info(model)
-            tokenizer = info.tokenizer if info.margin == 1.0 else f"{info.tokenizer}*{info.margin}"
-        else:
-            counts, tokenizer = estimates, "estimate"
-        prepared = [
-            replace(
-                m,
-                token_estimate=e,
-                token_count=c,
-                tokenizer=tokenizer,
-                chars=len(m.content),
-                tool_call_ids=ids,
-            )
-            for m, e, c, ids in zip(messages, estimates, counts, call_ids, strict=True)
-        ]
-        return self._store.append(key, prepared, AgentSettings())
+        batch = prepare_batch(messages, self._model_of(tenant, key.agent), call_ids)
+        return self._store.append(key, batch, AgentSettings())
 
     def list_messages(
         self,

@@ -40,6 +40,7 @@ from contextd.domain import (
     BuildOverrides,
     ContextKey,
     Event,
+    MessageBatch,
     MessageReceipt,
     NewMessage,
     Role,
@@ -310,7 +311,7 @@ def _docs_json(docs: Sequence[AgentDoc]) -> str:
 @dataclass(slots=True)
 class _AppendJob:
     key: ContextKey
-    messages: Sequence[NewMessage]
+    batch: MessageBatch
     default_settings: AgentSettings
     future: Future[list[MessageReceipt]]
 
@@ -504,7 +505,7 @@ class Store:
         while True:
             if isinstance(job, _AppendJob):
                 appends.append(job)
-                rows += len(job.messages)
+                rows += len(job.batch)
             elif isinstance(job, _CallJob):
                 calls.append(job)
             else:
@@ -604,7 +605,8 @@ class Store:
                 self._next_context_id += 1
                 new_contexts[key] = context_id
             commit_time = self.clock.tick()
-            messages = job.messages
+            batch = job.batch
+            messages = batch.messages
             n = len(messages)
             first_id = self._next_message_id
             self._next_message_id += n
@@ -624,39 +626,38 @@ class Store:
             columns["tool_call_id"].extend([m.tool_call_id for m in messages])
             columns["external_id"].extend([m.external_id for m in messages])
             columns["metadata"].extend([m.metadata for m in messages])
-            columns["token_estimate"].extend([m.token_estimate for m in messages])
+            columns["token_estimate"].extend(batch.token_estimates)
             columns["create_time_us"].extend(times)
-            columns["token_count"].extend([m.token_count for m in messages])
-            columns["tokenizer"].extend([m.tokenizer for m in messages])
-            columns["chars"].extend([m.chars for m in messages])
+            columns["token_count"].extend(batch.token_counts)
+            columns["tokenizer"].extend([batch.tokenizer] * n)
+            columns["chars"].extend(batch.chars)
             columns["group_id"].extend(
                 [
-                    self._group_of(writer, context_id, i, m)
-                    for i, m in zip(ids, messages, strict=True)
+                    self._group_of(writer, context_id, i, m, calls)
+                    for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
                 ]
             )
-            columns["tool_call_ids"].extend([",".join(m.tool_call_ids) for m in messages])
-            columns["is_summary"].extend([m.summarized_ids is not None for m in messages])
-            columns["first_summarized_id"].extend(
-                [m.summarized_ids[0] if m.summarized_ids else 0 for m in messages]
-            )
-            columns["last_summarized_id"].extend(
-                [m.summarized_ids[1] if m.summarized_ids else 0 for m in messages]
-            )
+            columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+            summary = batch.summarized_ids
+            columns["is_summary"].extend([summary is not None] * n)
+            columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
+            columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
             all_receipts.append(
                 [
-                    MessageReceipt(i, t, m.token_estimate, m.token_count)
-                    for i, t, m in zip(ids, times, messages, strict=True)
+                    MessageReceipt(i, t, e, c)
+                    for i, t, e, c in zip(
+                        ids, times, batch.token_estimates, batch.token_counts, strict=True
+                    )
                 ]
             )
             delta = thread_deltas.setdefault(key, [0, 0, 2**63 - 1, 0])
             delta[0] += n
-            delta[1] += sum(m.token_estimate for m in messages)
+            delta[1] += sum(batch.token_estimates)
             delta[2] = min(delta[2], min(times))
             delta[3] = max(delta[3], max(times))
 
-        batch = pa.table(columns, schema=_ARROW_SCHEMA)
-        writer.register("contextd_append_batch", batch)
+        table = pa.table(columns, schema=_ARROW_SCHEMA)
+        writer.register("contextd_append_batch", table)
         try:
             writer.execute(
                 f"INSERT INTO messages ({_ARROW_COLUMNS}) "
@@ -718,13 +719,14 @@ class Store:
         context_id: int,
         message_id: int,
         message: NewMessage,
+        call_ids: tuple[str, ...],
     ) -> int:
         """The tool group of a message: the id of the tool_use it belongs to, or -1.
 
         Computed once at insert so that trimming reads integers, never JSON.
         """
-        if message.tool_call_ids:
-            for call_id in message.tool_call_ids:
+        if call_ids:
+            for call_id in call_ids:
                 self._calls[(context_id, call_id)] = message_id
                 self._calls.move_to_end((context_id, call_id))
             while len(self._calls) > _REMEMBERED_CALLS:
@@ -842,13 +844,11 @@ class Store:
     # ----------------------------------------------------------------- messages
 
     def append(
-        self, key: ContextKey, messages: Sequence[NewMessage], default_settings: AgentSettings
+        self, key: ContextKey, batch: MessageBatch, default_settings: AgentSettings
     ) -> list[MessageReceipt]:
         """Append durably; creates the agent with `default_settings` if it is missing."""
         receipts: list[MessageReceipt] = self._submit(
-            _AppendJob(
-                key=key, messages=messages, default_settings=default_settings, future=Future()
-            )
+            _AppendJob(key=key, batch=batch, default_settings=default_settings, future=Future())
         )
         return receipts
 

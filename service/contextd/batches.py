@@ -1,0 +1,36 @@
+"""Preparing an append: the columns the store keeps beside each message."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from contextd import core
+from contextd.domain import MessageBatch, NewMessage
+
+
+def prepare_batch(
+    messages: Sequence[NewMessage],
+    model: str,
+    call_ids: Sequence[tuple[str, ...]],
+    summarized_ids: tuple[int, int] | None = None,
+) -> MessageBatch:
+    """What the store keeps beside each message, computed for the whole batch at once:
+    seed 004's estimate, the count under `model`'s tokenizer (the estimate without a
+    model), the length in characters and the declared tool-call ids."""
+    texts = [m.content + m.tool_calls for m in messages]
+    estimates = core.estimate_tokens_batch(texts)
+    if model:
+        counts = core.count_tokens_for_model_batch(texts, model)
+        info = core.model_info(model)
+        tokenizer = info.tokenizer if info.margin == 1.0 else f"{info.tokenizer}*{info.margin}"
+    else:
+        counts, tokenizer = estimates, "estimate"
+    return MessageBatch(
+        messages=messages,
+        token_estimates=estimates,
+        token_counts=counts,
+        tokenizer=tokenizer,
+        chars=[len(m.content) for m in messages],
+        tool_call_ids=call_ids,
+        summarized_ids=summarized_ids,
+    )
