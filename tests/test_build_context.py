@@ -479,3 +479,29 @@ def test_parallel_tool_calls_stay_paired_in_every_rendering(
         seen |= {c["id"] for c in m.get("tool_calls", [])}
         if m["role"] == "tool":
             assert m["tool_call_id"] in seen
+
+
+def test_list_events_filters_by_type_and_time_and_pages(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    for i in range(50):
+        client.append("a1", f"m{i} " + "words " * 30)
+    times = []
+    for budget in (300, 400, 500):
+        _build(client, options=pb.BuildOptions(budget_tokens=budget))
+        events = client.stub.ListEvents(pb.ListEventsRequest(agent="a1")).events
+        times.append(events[-1].create_time)
+    first = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", page_size=2))
+    assert len(first.events) == 2 and first.next_page_token
+    rest = client.stub.ListEvents(
+        pb.ListEventsRequest(agent="a1", page_size=2, page_token=first.next_page_token)
+    )
+    budgets = [json.loads(e.data)["budget_tokens"] for e in [*first.events, *rest.events]]
+    assert budgets == [300, 400, 500]
+    later = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", start_time=times[1]))
+    assert [json.loads(e.data)["budget_tokens"] for e in later.events] == [400, 500]
+    earlier = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", end_time=times[1]))
+    assert [json.loads(e.data)["budget_tokens"] for e in earlier.events] == [300]
+    none = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", type="other.type"))
+    assert list(none.events) == []
