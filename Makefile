@@ -78,10 +78,12 @@ bench-quick: build $(STAMPS)/bench-deps ## Run a small benchmark to keep the sui
 	$(PY) -m bench --size quick
 
 .PHONY: lint
-lint: build ## ruff, mypy, cargo fmt --check, cargo clippy -D warnings
+lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), cargo fmt --check, cargo clippy -D warnings
 	$(VENV)/bin/ruff check service tests bench
 	$(VENV)/bin/ruff format --check service tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy bench
+	$(PY) -m mypy.stubtest contextd._core --mypy-config-file pyproject.toml
 	cd rust_core && cargo fmt --check
 	cd rust_core && cargo clippy --all-targets -- -D warnings
 	cd rust_core && cargo clippy --all-targets --features python -- -D warnings

@@ -35,9 +35,7 @@ def run(
 
     ``cpus`` pins the child to those CPUs before anything is imported.
     """
-    payload = json.dumps(
-        {"fn": fn, "kwargs": kwargs or {}, "cpus": sorted(cpus) if cpus else None}
-    )
+    payload = json.dumps({"fn": fn, "kwargs": kwargs or {}, "cpus": sorted(cpus) if cpus else None})
     proc = subprocess.run(
         [sys.executable, "-m", "bench.child", payload],
         cwd=REPO,

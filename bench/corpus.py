@@ -32,29 +32,37 @@ MAX_TOOL_CHARS = 50_000
 MAX_CHAT_CHARS = 20_000
 POOL_CHARS = 2_000_000
 
-_COMMON = (
+
+def _words(text: str) -> tuple[str, ...]:
+    """A word list written as one string, which keeps long lists readable."""
+    return tuple(text.split())
+
+
+_COMMON = _words(
     "the of and to in is that for it with as was on be by this are from or have an they "
-    "which you were her all she there would their we him been has when who will more no if "
-    "out so said what up its about into than them can only other new some could time these "
-    "two may then do first any my now such like our over man me even most made after also "
-    "did many before must through back years where much your way well down should because "
-    "each just those people how too little state good very make world still own see men "
-    "work long get here between both life being under never day same another know while "
-    "last might us great old year off come since against go came right used take three"
-).split()
+    "which you were her all she there would their we him been has when who will more no "
+    "if out so said what up its about into than them can only other new some could time "
+    "these two may then do first any my now such like our over man me even most made "
+    "after also did many before must through back years where much your way well down "
+    "should because each just those people how too little state good very make world "
+    "still own see men work long get here between both life being under never day same "
+    "another know while last might us great old year off come since against go came right "
+    "used take three"
+)
 
-_TECH = (
+_TECH = _words(
     "error request response server client thread message context token budget window "
-    "agent model tool output query index cache latency timeout retry database table column "
-    "commit transaction schema migration deploy build test failure config value function "
-    "module package version release branch merge review pipeline container cluster node "
-    "memory disk network socket connection stream buffer parser encoder decoder summary"
-).split()
+    "agent model tool output query index cache latency timeout retry database table "
+    "column commit transaction schema migration deploy build test failure config value "
+    "function module package version release branch merge review pipeline container "
+    "cluster node memory disk network socket connection stream buffer parser encoder "
+    "decoder summary"
+)
 
-_SYLLABLES = (
+_SYLLABLES = _words(
     "ka ri to mo ne sa lu vi de po ran tel mar sin gor bel fin dus ven hal cor pex tam "
     "ulo ira esk ont ber gla shi zen qua dro lim nor pra sto wex yul"
-).split()
+)
 
 _CODE_SNIPPETS = (
     'def handle(request: Request) -> Response:\n    """Serve one request."""\n'
@@ -69,7 +77,7 @@ _CODE_SNIPPETS = (
     "j += 1 }\n    }\n    out\n}\n",
     "SELECT t.name, count(*) AS n\nFROM messages m JOIN threads t ON t.id = m.thread_id\n"
     "WHERE m.created_at > now() - INTERVAL '1 day'\nGROUP BY t.name ORDER BY n DESC LIMIT 20;\n",
-    "Traceback (most recent call last):\n  File \"/srv/app/worker.py\", line 88, in run\n"
+    'Traceback (most recent call last):\n  File "/srv/app/worker.py", line 88, in run\n'
     "    result = job.execute(timeout=30)\nTimeoutError: job 4411 exceeded 30 s\n",
     "$ git log --oneline -5\na1b2c3d fix: retry on UNAVAILABLE\n9f8e7d6 feat: add window "
     "reads\n$ cargo test --release\ntest result: ok. 142 passed; 0 failed\n",

@@ -19,6 +19,7 @@ class Target:
     goal: str
     measured: str
     met: bool | None  # None: not measured in this run (e.g. a quick run)
+    why: str = ""  # what the measurements say about a miss (shown with missed targets)
 
 
 @dataclass

@@ -26,6 +26,7 @@ class Sizes:
     bm25_queries: int
     append_seconds: float  # duration of each gRPC append load phase
     sqlite_single: int  # messages for the one-commit-per-message SQLite baseline
+    sqlite_batched: int  # messages for each batched SQLite baseline
     window_calls: int  # ListMessages calls timed
     budget: int = 8_000
 
@@ -41,6 +42,7 @@ QUICK = Sizes(
     bm25_queries=20,
     append_seconds=1.5,
     sqlite_single=300,
+    sqlite_batched=5_000,
     window_calls=10,
 )
 
@@ -53,8 +55,9 @@ FULL = Sizes(
     bm25_sizes=(10_000, 100_000, 1_000_000),
     rank_bm25_max=100_000,
     bm25_queries=100,
-    append_seconds=8.0,
+    append_seconds=12.0,
     sqlite_single=3_000,
+    sqlite_batched=50_000,
     window_calls=50,
 )
 

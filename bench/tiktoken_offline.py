@@ -29,9 +29,19 @@ def _bpe_openai_data_dir() -> Path | None:
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
     try:
         out = subprocess.run(
-            [cargo, "metadata", "--offline", "--format-version", "1",
-             "--manifest-path", str(REPO / "rust_core" / "Cargo.toml")],
-            capture_output=True, check=True, text=True, timeout=120,
+            [
+                cargo,
+                "metadata",
+                "--offline",
+                "--format-version",
+                "1",
+                "--manifest-path",
+                str(REPO / "rust_core" / "Cargo.toml"),
+            ],
+            capture_output=True,
+            check=True,
+            text=True,
+            timeout=120,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None

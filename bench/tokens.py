@@ -13,21 +13,22 @@ caller of tiktoken pays to get a count.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any
 
 from bench import child, corpus
 from bench.model import Bar, Section, Target
 from bench.sizes import Sizes
 from bench.stats import fmt_num, fmt_ratio, median_time, progress, ratio
+from contextd.core import EncodingName
 
-ENCODINGS = ("o200k_base", "cl100k_base")
+ENCODINGS: tuple[EncodingName, ...] = ("o200k_base", "cl100k_base")
 
 
 def child_count(n: int, repeat: int, threads: int) -> dict[str, Any]:
     """In a child process: time both libraries on the first ``n`` corpus texts."""
-    from contextd import core
-
     from bench.tiktoken_offline import encoding
+    from contextd import core
 
     texts = corpus.texts(n)
     mb = sum(len(t.encode()) for t in texts) / 1e6
@@ -35,7 +36,7 @@ def child_count(n: int, repeat: int, threads: int) -> dict[str, Any]:
     for name in ENCODINGS:
         enc = encoding(name)
         # The correctness run doubles as the warm-up of both sides.
-        ours = core.count_tokens_batch(texts, name)  # type: ignore[arg-type]
+        ours = core.count_tokens_batch(texts, name)
         theirs = [len(t) for t in enc.encode_ordinary_batch(texts, num_threads=threads)]
         if ours != theirs:
             bad = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
@@ -45,12 +46,10 @@ def child_count(n: int, repeat: int, threads: int) -> dict[str, Any]:
             )
         out[name] = {
             "contextd_s": median_time(
-                lambda name=name: core.count_tokens_batch(texts, name), repeat, warmup=0
+                partial(core.count_tokens_batch, texts, name), repeat, warmup=0
             ),
             "tiktoken_s": median_time(
-                lambda enc=enc: enc.encode_ordinary_batch(texts, num_threads=threads),
-                repeat,
-                warmup=0,
+                partial(enc.encode_ordinary_batch, texts, num_threads=threads), repeat, warmup=0
             ),
             "tokens": sum(ours),
         }
@@ -74,21 +73,47 @@ def run(sz: Sizes) -> Section:
             for name in ENCODINGS:
                 ours = res["mb"] / res[name]["contextd_s"]
                 theirs = res["mb"] / res[name]["tiktoken_s"]
-                rows.append([
-                    name, f"{n:,}", f"{res['mb']:.1f}", label,
-                    fmt_num(ours), fmt_num(theirs), fmt_ratio(ratio(ours, theirs)),
-                ])
+                rows.append(
+                    [
+                        name,
+                        f"{n:,}",
+                        f"{res['mb']:.1f}",
+                        label,
+                        fmt_num(ours),
+                        fmt_num(theirs),
+                        fmt_ratio(ratio(ours, theirs)),
+                    ]
+                )
     biggest = max(sz.count_messages)
     one = raw[f"{biggest}/1"]["o200k_base"]
     many = raw[f"{biggest}/{cores}"]["o200k_base"]
+    res_mb = raw[f"{biggest}/1"]["mb"]
+    cl_one = raw[f"{biggest}/1"]["cl100k_base"]
     speedup_1 = ratio(one["tiktoken_s"], one["contextd_s"])
     scaling = ratio(one["contextd_s"], many["contextd_s"])
     tik_scaling = ratio(one["tiktoken_s"], many["tiktoken_s"])
     targets = [
-        Target("Exact counting, one core", ">= 4x tiktoken (o200k_base)",
-               fmt_ratio(speedup_1), speedup_1 >= 4),
-        Target(f"Exact counting, {cores} cores", f"near-linear: >= {0.9 * cores:.1f}x own 1-core",
-               fmt_ratio(scaling), scaling >= 0.9 * cores),
+        Target(
+            "Exact counting, one core",
+            ">= 4x tiktoken (o200k_base)",
+            fmt_ratio(speedup_1),
+            speedup_1 >= 4,
+            why=f"contextd counts {fmt_num(res_mb / one['contextd_s'])} MB/s on one core against "
+            f"tiktoken's {fmt_num(res_mb / one['tiktoken_s'])} MB/s (cl100k_base: "
+            f"{fmt_ratio(ratio(cl_one['tiktoken_s'], cl_one['contextd_s']))}). tiktoken's "
+            "time even includes building token lists it then throws away, so the shortfall "
+            "is in contextd's BPE itself, not in how the two are compared.",
+        ),
+        Target(
+            f"Exact counting, {cores} cores",
+            f"near-linear: >= {0.9 * cores:.1f}x own 1-core",
+            fmt_ratio(scaling),
+            scaling >= 0.9 * cores,
+            why=f"the second core adds {fmt_ratio(scaling)} for contextd (tiktoken "
+            f"{fmt_ratio(tik_scaling)}): the strings are copied out of Python under the GIL "
+            "before the parallel part (a serial share), and the two vCPUs of this VM are "
+            "not guaranteed to be idle physical cores.",
+        ),
     ]
     findings = [
         f"On {biggest:,} messages ({raw[f'{biggest}/1']['mb']:.0f} MB) contextd counts o200k_base "
@@ -103,7 +128,18 @@ def run(sz: Sizes) -> Section:
         key="tokens",
         title="1. Exact token counting (contextd vs tiktoken)",
         method=__doc__ or "",
-        headers=["encoding", "messages", "MB", "cores", "contextd MB/s", "tiktoken MB/s",
-                 "contextd / tiktoken"],
-        rows=rows, targets=targets, findings=findings, bars=bars, raw=raw,
+        headers=[
+            "encoding",
+            "messages",
+            "MB",
+            "cores",
+            "contextd MB/s",
+            "tiktoken MB/s",
+            "contextd / tiktoken",
+        ],
+        rows=rows,
+        targets=targets,
+        findings=findings,
+        bars=bars,
+        raw=raw,
     )

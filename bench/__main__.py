@@ -1,0 +1,96 @@
+"""Entry point: ``python -m bench --size quick|full [--only tokens,bm25,...]``.
+
+quick (what ``make test`` runs) writes to bench/results/ (git-ignored); full writes
+docs/benchmarks.md and docs/benchmarks.png. A failed correctness check or a crashed
+benchmark makes the exit status non-zero after the report of the rest is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import appends, bm25, machine, readpath, report, tokens, trim, window_reads
+from bench.child import REPO
+from bench.model import Section
+from bench.sizes import Sizes, sizes
+from bench.stats import progress
+
+BENCHMARKS: dict[str, Callable[[Sizes], Section]] = {
+    "tokens": tokens.run,
+    "trim": trim.run,
+    "readpath": readpath.run,
+    "bm25": bm25.run,
+    "appends": appends.run,
+    "window_reads": window_reads.run,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--size", choices=["quick", "full"], default="quick")
+    parser.add_argument(
+        "--only", default="", help="comma-separated subset of: " + ", ".join(BENCHMARKS)
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for benchmarks.md/.png (default: docs/ for full, bench/results/ for quick)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="re-render the report from bench/results/<size>.json, measure nothing",
+    )
+    args = parser.parse_args(argv)
+    chosen = [name for name in args.only.split(",") if name] or list(BENCHMARKS)
+    unknown = sorted(set(chosen) - set(BENCHMARKS))
+    if unknown:
+        parser.error(f"unknown benchmark(s): {', '.join(unknown)}")
+    sz = sizes(args.size)
+    results_dir = REPO / "bench" / "results"
+    out_dir = args.out or (REPO / "docs" if sz.mode == "full" else results_dir)
+
+    json_path = results_dir / f"{sz.mode}.json"
+    if args.report_only:
+        saved, machine_rows, mode, wall_s, saved_failures = report.load(json_path)
+        md = report.write(saved, machine_rows, mode, wall_s, saved_failures, out_dir, json_path)
+        progress(f"re-rendered {md} from {json_path}")
+        return 0
+
+    load_at_start = os.getloadavg()
+    started = time.perf_counter()
+    sections: list[Section] = []
+    failures: list[str] = []
+    for name in chosen:
+        progress(f"== {name} ==")
+        try:
+            sections.append(BENCHMARKS[name](sz))
+        except Exception as exc:
+            traceback.print_exc()
+            kind = "correctness check failed" if isinstance(exc, AssertionError) else "crashed"
+            failures.append(f"{name}: {kind}: {exc}")
+    wall = time.perf_counter() - started
+    md = report.write(
+        sections,
+        machine.describe(REPO, load_at_start),
+        sz.mode,
+        wall,
+        failures,
+        out_dir,
+        results_dir / f"{sz.mode}.json",
+    )
+    progress(f"done in {wall:.0f} s: {md}")
+    for failure in failures:
+        print(f"FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

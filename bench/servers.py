@@ -1,0 +1,89 @@
+"""Start and stop the servers under test as child processes, as tests/conftest.py does.
+
+Both contextd and the echo server bind port 0 and announce the real port in a JSON log
+line; logs go to a file, never a pipe, because an unread pipe would fill and block the
+server mid-benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.child import REPO
+
+
+@dataclass
+class ServerProcess:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start(
+    name: str, argv: list[str], env: dict[str, str], log_path: Path, marker: str
+) -> ServerProcess:
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=log
+        )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for line in log_path.read_text().splitlines():
+            if marker in line:
+                return ServerProcess(name, proc, int(json.loads(line)["port"]), log_path)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-3000:]}")
+
+
+def start_contextd(data_dir: Path, workers: int = 32) -> ServerProcess:
+    """``python -m contextd serve`` on a free loopback port over ``data_dir``."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        "CONTEXTD_DATA_DIR": str(data_dir),
+        "CONTEXTD_ADDR": "127.0.0.1:0",
+        "CONTEXTD_LOG_FORMAT": "json",
+        "CONTEXTD_LOG_LEVEL": "INFO",  # the "serving" line, which carries the port
+        "CONTEXTD_WORKERS": str(workers),
+    }
+    return _start(
+        "contextd",
+        [sys.executable, "-m", "contextd", "serve"],
+        env,
+        data_dir.parent / "contextd.log",
+        '"contextd serving"',
+    )
+
+
+def start_echo(log_dir: Path, workers: int = 32) -> ServerProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return _start(
+        "echo",
+        [sys.executable, "-m", "bench.echo_server", "--workers", str(workers)],
+        {},
+        log_dir / "echo.log",
+        '"echo serving"',
+    )
