@@ -203,3 +203,26 @@ def test_flags_override_environment(spawn_server: type[ServerProcess], tmp_path:
         proc.communicate(timeout=30)
     assert (tmp_path / "flag-dir" / "contextd.duckdb").exists()
     assert not (tmp_path / "env-dir").exists()
+
+
+def test_taken_address_fails_clearly(spawn_server: type[ServerProcess], tmp_path: Path) -> None:
+    running = spawn_server()
+    running.start()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "contextd",
+            "serve",
+            "--addr",
+            f"127.0.0.1:{running.port}",
+            "--data-dir",
+            str(tmp_path / "other"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{running.port}" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -86,9 +86,18 @@ def create_server(settings: Settings) -> RunningServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(settings.addr)
+        try:
+            port = server.add_insecure_port(settings.addr)
+        except RuntimeError as exc:  # grpcio's way of saying the bind failed
+            port = 0
+            cause: BaseException | None = exc
+        else:
+            cause = None
         if port == 0:
-            raise OSError(f"cannot listen on {settings.addr}")
+            raise OSError(
+                f"cannot listen on {settings.addr}: the address is in use or not local "
+                "(set CONTEXTD_ADDR or --addr to another host:port)"
+            ) from cause
         server.start()
     except BaseException:
         store.close()
