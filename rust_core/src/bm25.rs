@@ -18,7 +18,9 @@
 //!   per-term `String`),
 //! - each term has one posting list of packed 6-byte `(doc, tf)` entries, appended in doc
 //!   order, so adding documents never rebuilds anything,
-//! - per document only its external id, its length and a liveness bit are kept.
+//! - per document only its external id, its length and a liveness bit are kept,
+//! - a bulk add ([`Bm25Index::add_batch`]) tokenizes and folds [`ADD_CHUNK`] documents at a
+//!   time, so building a million-message index needs little beyond the index itself.
 //!
 //! Removal marks a tombstone and fixes `N` and `avgdl` at once; document frequencies of
 //! lists holding dead entries are recounted at query time, and once dead documents pass a
@@ -33,9 +35,27 @@ use std::collections::BinaryHeap;
 use std::hash::BuildHasher;
 
 use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
+use rayon::prelude::*;
 
 use crate::error::{CoreError, CoreResult};
 use crate::text::for_each_word;
+
+/// Documents a bulk add tokenizes and folds in at a time, so its scratch memory (lowered
+/// copies, term lists) stays near a few megabytes whatever the batch size.
+pub const ADD_CHUNK: usize = 8_192;
+
+/// Batches with at least this many documents are tokenized on all cores.
+pub const PARALLEL_MIN_DOCS: usize = 64;
+
+/// Tokenize `texts` (see [`DocTerms::new`]), on all cores when there are enough of them.
+pub fn prepare_all<S: AsRef<str> + Sync>(texts: &[S], stop_words: bool) -> Vec<DocTerms> {
+    let prepare = |t: &S| DocTerms::new(t.as_ref(), stop_words);
+    if texts.len() >= PARALLEL_MIN_DOCS {
+        texts.par_iter().map(prepare).collect()
+    } else {
+        texts.iter().map(prepare).collect()
+    }
+}
 
 /// Default term-frequency saturation.
 pub const DEFAULT_K1: f64 = 1.2;
@@ -274,6 +294,92 @@ impl Bm25Index {
         self.add_prepared(id, &doc)
     }
 
+    /// Add many documents, in order (a later duplicate id replaces an earlier one), as
+    /// [`Bm25Index::add_batch_with_head`] with nothing prepared yet.
+    pub fn add_batch<S: AsRef<str> + Sync>(&mut self, ids: &[i64], texts: &[S]) -> CoreResult<()> {
+        self.add_batch_with_head(ids, texts, Vec::new())
+    }
+
+    /// Add many documents, in order, whose first `head.len()` are already prepared (so a
+    /// caller can tokenize the first chunk before taking a lock on the index).
+    ///
+    /// The rest is tokenized [`ADD_CHUNK`] documents at a time, each chunk in parallel
+    /// while the previous one is folded into the postings, and dropped once folded: the
+    /// working memory is two chunks, not the batch. Afterwards, if the batch spanned
+    /// several chunks, spare capacity is released (see [`Bm25Index::shrink_to_fit`]).
+    pub fn add_batch_with_head<S: AsRef<str> + Sync>(
+        &mut self,
+        ids: &[i64],
+        texts: &[S],
+        head: Vec<DocTerms>,
+    ) -> CoreResult<()> {
+        if ids.len() != texts.len() || head.len() > texts.len() {
+            return Err(CoreError::LengthMismatch {
+                column: "texts",
+                expected: ids.len(),
+                actual: texts.len(),
+            });
+        }
+        let stop_words = self.stop_words;
+        let n = texts.len();
+        self.reserve(n);
+        let mut ready = head;
+        let mut at = 0;
+        if ready.is_empty() && n > 0 {
+            ready = prepare_all(&texts[..n.min(ADD_CHUNK)], stop_words);
+        }
+        while at < n {
+            let end = at + ready.len();
+            let upcoming = &texts[end..n.min(end + ADD_CHUNK)];
+            let batch_ids = &ids[at..end];
+            let (folded, next) = if upcoming.is_empty() {
+                (self.fold(batch_ids, &ready), Vec::new())
+            } else {
+                rayon::join(
+                    || self.fold(batch_ids, &ready),
+                    || prepare_all(upcoming, stop_words),
+                )
+            };
+            folded?;
+            at = end;
+            ready = next;
+        }
+        if n > ADD_CHUNK {
+            self.shrink_to_fit();
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, ids: &[i64], docs: &[DocTerms]) -> CoreResult<()> {
+        ids.iter()
+            .zip(docs)
+            .try_for_each(|(&id, doc)| self.add_prepared(id, doc))
+    }
+
+    /// Make room for `additional` more documents in the per-document tables, so a bulk
+    /// add grows them once instead of doubling (and rehashing) along the way.
+    pub fn reserve(&mut self, additional: usize) {
+        self.doc_ids.reserve(additional);
+        self.doc_len.reserve(additional);
+        self.alive.reserve(additional);
+        self.by_id.reserve(additional);
+    }
+
+    /// Release most spare capacity left by growth: posting lists grow by doubling, so up
+    /// to half of a list can be unused. Each list keeps an eighth of headroom, so the
+    /// next adds do not immediately copy every list they touch.
+    pub fn shrink_to_fit(&mut self) {
+        for list in &mut self.postings {
+            list.shrink_to(list.len() + list.len() / 8);
+        }
+        self.postings.shrink_to_fit();
+        self.vocab.arena.shrink_to_fit();
+        self.vocab.starts.shrink_to_fit();
+        self.doc_ids.shrink_to_fit();
+        self.doc_len.shrink_to_fit();
+        self.alive.shrink_to_fit();
+    }
+
     fn remove_one(&mut self, id: i64) -> bool {
         let Some(idx) = self.by_id.remove(&id) else {
             return false;
@@ -489,6 +595,39 @@ mod tests {
         for q in ["common", "word3 text1", "word7"] {
             assert_eq!(ix.search(q, 100), fresh.search(q, 100), "{q}");
         }
+    }
+
+    #[test]
+    fn chunked_batch_add_matches_one_by_one() {
+        let n = 2 * ADD_CHUNK + 100;
+        // Ids repeat every 5,000 documents, so the batch replaces some of its own entries,
+        // across chunk boundaries too.
+        let ids: Vec<i64> = (0..n as i64).map(|i| i % 5_000 + 7).collect();
+        let texts: Vec<String> = (0..n)
+            .map(|i| format!("message{} about topic{} and word{}", i % 97, i % 13, i % 5))
+            .collect();
+        let mut batch = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        batch.add(1, "already here topic3").unwrap();
+        batch.add_batch(&ids, &texts).unwrap();
+        let mut single = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        single.add(1, "already here topic3").unwrap();
+        for (&id, text) in ids.iter().zip(&texts) {
+            single.add(id, text).unwrap();
+        }
+        assert_eq!(batch.len(), single.len());
+        assert_eq!(batch.vocabulary_size(), single.vocabulary_size());
+        for q in ["topic3 word1", "message42", "about", "here"] {
+            assert_eq!(batch.search(q, 50), single.search(q, 50), "{q}");
+        }
+        let head = prepare_all(&texts[..10], false);
+        let mut headed = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        headed.add(1, "already here topic3").unwrap();
+        headed.add_batch_with_head(&ids, &texts, head).unwrap();
+        assert_eq!(
+            headed.search("topic3 word1", 50),
+            batch.search("topic3 word1", 50)
+        );
+        assert!(headed.add_batch(&ids[..2], &texts[..3]).is_err());
     }
 
     #[test]

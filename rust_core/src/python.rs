@@ -8,11 +8,9 @@ use pyo3::buffer::PyBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyString, PyTuple};
 
 use std::sync::{PoisonError, RwLock};
-
-use rayon::prelude::*;
 
 use crate::bm25;
 use crate::error::CoreError;
@@ -290,17 +288,16 @@ fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
     py.detach(|| specifics::extract_specifics(text))
 }
 
-/// Batches with at least this many texts are tokenized on all cores.
-const PARALLEL_MIN_DOCS: usize = 64;
-
 /// Incremental BM25 (Okapi) index; share one between threads freely.
 ///
 /// Bm25Index(k1=1.2, b=0.75, stop_words=False): the usual Okapi defaults. Scores use
 /// idf = ln(1 + (N - n + 0.5) / (n + 0.5)) (never negative, so a word found in every
 /// message still counts a little) and each distinct query word once.
 ///
-/// - add(doc_ids, texts): index a batch, tokenized in parallel without the GIL; an id
-///   already present is replaced. Nothing is rebuilt: postings are appended.
+/// - add(doc_ids, texts): index a batch, tokenized in parallel without the GIL in chunks
+///   of 8,192 texts (borrowed from the Python strings, not copied), so a bulk add's
+///   working memory stays small; an id already present is replaced. Nothing is rebuilt:
+///   postings are appended.
 /// - remove(doc_ids) -> int: tombstones; N, avgdl and document frequencies are exact at
 ///   once, and storage is compacted when dead entries pass a quarter of the live ones.
 /// - search(query, k=10) -> (ids, scores): the k best, best first, ties by ascending id;
@@ -335,8 +332,19 @@ impl PyBm25Index {
         })
     }
 
-    /// Add (or replace) documents; tokenization runs in parallel outside the lock.
-    fn add(&self, py: Python<'_>, doc_ids: Vec<i64>, texts: Vec<String>) -> PyResult<()> {
+    /// Add (or replace) documents.
+    ///
+    /// The texts are not copied: each is borrowed as UTF-8 from its Python string (kept
+    /// alive by the references held here) and read detached from the interpreter. The
+    /// first chunk is tokenized outside the lock; the index is then locked once for the
+    /// whole batch (searches never see half of it) while later chunks are tokenized in
+    /// parallel with folding the previous one in, so the working memory is two chunks.
+    fn add(
+        &self,
+        py: Python<'_>,
+        doc_ids: Vec<i64>,
+        texts: Vec<Bound<'_, PyString>>,
+    ) -> PyResult<()> {
         if doc_ids.len() != texts.len() {
             return Err(CoreError::LengthMismatch {
                 column: "texts",
@@ -345,20 +353,13 @@ impl PyBm25Index {
             }
             .into());
         }
+        // `texts` (the references keeping the strings alive) outlives the borrows below.
+        let borrowed: Vec<&str> = texts.iter().map(|t| t.to_str()).collect::<PyResult<_>>()?;
         let stop_words = self.stop_words;
-        py.detach(move || {
-            let prepare = |t: &String| bm25::DocTerms::new(t, stop_words);
-            let docs: Vec<bm25::DocTerms> = if texts.len() >= PARALLEL_MIN_DOCS {
-                texts.par_iter().map(prepare).collect()
-            } else {
-                texts.iter().map(prepare).collect()
-            };
-            drop(texts);
-            let mut index = self.write();
-            for (id, doc) in doc_ids.into_iter().zip(&docs) {
-                index.add_prepared(id, doc)?;
-            }
-            Ok::<(), CoreError>(())
+        py.detach(|| {
+            let first = &borrowed[..borrowed.len().min(bm25::ADD_CHUNK)];
+            let head = bm25::prepare_all(first, stop_words);
+            self.write().add_batch_with_head(&doc_ids, &borrowed, head)
         })?;
         Ok(())
     }
