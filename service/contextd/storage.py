@@ -194,7 +194,6 @@ _ARROW_SCHEMA = pa.schema(
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
-_BATCH_VIEW = "contextd_append_batch"
 _EMPTY_WINDOW = pa.table(
     {
         "id": pa.array([], pa.int64()),
@@ -539,15 +538,8 @@ class Store:
         saved = (self._next_message_id, self._next_context_id, dict(self._context_ids))
         try:
             writer.execute("BEGIN TRANSACTION")
-            try:
-                receipts, statements = self._insert_appends(writer, jobs)
-                # One call for the batch insert, the metadata updates and the commit: each
-                # call into DuckDB's client is a hand-off that a busy server pays for in
-                # GIL waits, and a group's calls are its cost.
-                writer.execute("; ".join([*statements, "COMMIT"]))
-            finally:
-                with contextlib.suppress(duckdb.Error):
-                    writer.unregister(_BATCH_VIEW)
+            receipts = self._insert_appends(writer, jobs)
+            writer.execute("COMMIT")
         except BaseException as exc:
             self._rollback(writer)
             self._next_message_id, self._next_context_id, self._context_ids = saved
@@ -567,13 +559,7 @@ class Store:
         cached = self._context_ids.get(key)
         if cached is not None:
             return cached
-        row = _first(
-            writer.execute(
-                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                "AND thread = ?",
-                [key.tenant, key.agent, key.scope, key.thread],
-            )
-        )
+        row = _context_row(writer, key)
         if row is None:
             return None
         self._context_ids[key] = int(row[0])
@@ -581,9 +567,7 @@ class Store:
 
     def _insert_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
-    ) -> tuple[list[list[MessageReceipt]], list[str]]:
-        """Stage a group: rare statements run now; returns the receipts and the statements
-        that finish the group (the batch insert and the thread metadata updates)."""
+    ) -> list[list[MessageReceipt]]:
         columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
         all_receipts: list[list[MessageReceipt]] = []
         # per context: [count, tokens, min time, max time]
@@ -667,10 +651,16 @@ class Store:
             delta[3] = max(delta[3], max(times))
 
         table = pa.table(columns, schema=_ARROW_SCHEMA)
-        writer.register(_BATCH_VIEW, table)
-        statements = [
-            f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM {_BATCH_VIEW}"
-        ]
+        writer.register("contextd_append_batch", table)
+        try:
+            writer.execute(
+                f"INSERT INTO messages ({_ARROW_COLUMNS}) "
+                f"SELECT {_ARROW_COLUMNS} FROM contextd_append_batch"
+            )
+        finally:
+            writer.unregister("contextd_append_batch")
+
+        updates: list[list[int]] = [[], [], [], [], []]  # context, n, tokens, first, last
         for key, (count, tokens, first, last) in thread_deltas.items():
             context_id = new_contexts.get(key)
             if context_id is not None:
@@ -689,16 +679,33 @@ class Store:
                     ],
                 )
             else:
-                # Integers only, so they are inlined: the statements run as one call.
-                statements.append(
-                    f"UPDATE threads SET message_count = message_count + {int(count)}, "
-                    f"token_estimate = token_estimate + {int(tokens)}, "
-                    f"create_time_us = least(create_time_us, {int(first)}), "
-                    f"last_message_time_us = greatest(last_message_time_us, {int(last)}) "
-                    f"WHERE context_id = {int(self._context_ids[key])}"
-                )
+                for column, value in zip(
+                    updates, (self._context_ids[key], count, tokens, first, last), strict=True
+                ):
+                    column.append(value)
+        if len(updates[0]) == 1:
+            writer.execute(
+                "UPDATE threads SET message_count = message_count + ?, "
+                "token_estimate = token_estimate + ?, "
+                "create_time_us = least(create_time_us, ?), "
+                "last_message_time_us = greatest(last_message_time_us, ?) WHERE context_id = ?",
+                [updates[1][0], updates[2][0], updates[3][0], updates[4][0], updates[0][0]],
+            )
+        elif updates[0]:
+            # One statement for every existing thread of the group: each statement costs
+            # more than the rows it touches.
+            writer.execute(
+                "UPDATE threads SET message_count = threads.message_count + d.n, "
+                "token_estimate = threads.token_estimate + d.tokens, "
+                "create_time_us = least(threads.create_time_us, d.first_us), "
+                "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
+                "FROM (SELECT unnest(?::BIGINT[]) AS context_id, unnest(?::BIGINT[]) AS n, "
+                "unnest(?::BIGINT[]) AS tokens, unnest(?::BIGINT[]) AS first_us, "
+                "unnest(?::BIGINT[]) AS last_us) AS d WHERE threads.context_id = d.context_id",
+                updates,
+            )
         self._context_ids.update(new_contexts)
-        return all_receipts, statements
+        return all_receipts
 
     def _group_of(
         self,
@@ -885,13 +892,7 @@ class Store:
         `window_start_us` is the full start (thread clear included).
         """
         cur = self._cursor()
-        row = _first(
-            cur.execute(
-                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                "AND thread = ?",
-                [key.tenant, key.agent, key.scope, key.thread],
-            )
-        )
+        row = _context_row(cur, key)
         if row is None:
             return _EMPTY_WINDOW
         # No ORDER BY: rows come back in insertion order, which is (time, id) order
@@ -916,13 +917,7 @@ class Store:
         """The window's messages from (from_time_us, from_id) on, oldest first, without
         stored summaries: the newest suffix a build keeps, read as one range."""
         cur = self._cursor()
-        context = _first(
-            cur.execute(
-                "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                "AND thread = ?",
-                [key.tenant, key.agent, key.scope, key.thread],
-            )
-        )
+        context = _context_row(cur, key)
         if context is None:
             return []
         # The context id is passed as a value, not a subquery, so DuckDB uses the index.
@@ -1153,13 +1148,7 @@ class Store:
     def clear_thread(self, key: ContextKey) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, key.tenant, key.agent)
-            row = _first(
-                cur.execute(
-                    "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                    "AND thread = ?",
-                    [key.tenant, key.agent, key.scope, key.thread],
-                )
-            )
+            row = _context_row(cur, key)
             if row is None:
                 raise NotFound(
                     f"agent {key.agent!r} has no thread {key.thread!r} in scope {key.scope!r}",
@@ -1239,6 +1228,17 @@ def _status_from_row(row: Sequence[Any]) -> StatusEntry:
         summary=row[3],
         update_time_us=row[4],
         expire_time_us=row[5],
+    )
+
+
+def _context_row(cur: duckdb.DuckDBPyConnection, key: ContextKey) -> Any:
+    """The row (context_id,) of a context, or None when the thread has no messages yet."""
+    return _first(
+        cur.execute(
+            "SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
+            "AND thread = ?",
+            [key.tenant, key.agent, key.scope, key.thread],
+        )
     )
 
 
