@@ -83,6 +83,7 @@ lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), ca
 	$(VENV)/bin/ruff format --check service tests bench
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy bench
+	$(VENV)/bin/mypy tests
 	$(PY) -m mypy.stubtest contextd._core --mypy-config-file pyproject.toml
 	cd rust_core && cargo fmt --check
 	cd rust_core && cargo clippy --all-targets -- -D warnings

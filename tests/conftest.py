@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,18 +49,19 @@ class Client:
         role: int = USER,
         **fields: Any,
     ) -> pb.AppendMessagesResponse:
-        messages = [pb.Message(role=role, content=c, **fields) for c in contents]
-        return self.stub.AppendMessages(
+        messages = [pb.Message(role=role, content=c, **fields) for c in contents]  # type: ignore[arg-type]
+        response: pb.AppendMessagesResponse = self.stub.AppendMessages(
             pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=messages)
         )
+        return response
 
     def window(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
-        return self.list(agent, thread=thread, scope=scope)
+        return self.list_messages(agent, thread=thread, scope=scope)
 
     def history(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
-        return self.list(agent, thread=thread, scope=scope, range=pb.MESSAGE_RANGE_ALL)
+        return self.list_messages(agent, thread=thread, scope=scope, range=pb.MESSAGE_RANGE_ALL)
 
-    def list(self, agent: str, **kwargs: Any) -> list[pb.Message]:
+    def list_messages(self, agent: str, **kwargs: Any) -> list[pb.Message]:
         """Every page of ListMessages, concatenated."""
         out: list[pb.Message] = []
         token = ""
@@ -80,7 +81,7 @@ class Client:
 def connect(address: str) -> Client:
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=15)
-    return Client(pb_grpc.ContextServiceStub(channel), channel, address)
+    return Client(pb_grpc.ContextServiceStub(channel), channel, address)  # type: ignore[no-untyped-call]
 
 
 @dataclass
@@ -164,8 +165,12 @@ class ServerProcess:
             self.signal(signal.SIGTERM)
 
 
+SpawnServer = Callable[..., ServerProcess]
+"""Starts (tracks, and at the end kills) a `contextd serve` process on a data dir."""
+
+
 @pytest.fixture
-def spawn_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
+def spawn_server(tmp_path: Path) -> Iterator[SpawnServer]:
     started: list[ServerProcess] = []
 
     class Tracked(ServerProcess):

@@ -19,15 +19,17 @@ def _error(call: object) -> grpc.RpcError:
 
 
 def _code(call: object) -> grpc.StatusCode:
-    return _error(call).code()  # type: ignore[no-any-return]
+    code: grpc.StatusCode = _error(call).code()
+    return code
 
 
 def _append(
     client: Client, *messages: pb.Message, agent: str = "a1", thread: str = "t1", scope: str = ""
 ) -> pb.AppendMessagesResponse:
-    return client.stub.AppendMessages(
+    response: pb.AppendMessagesResponse = client.stub.AppendMessages(
         pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=list(messages))
     )
+    return response
 
 
 def _count(client: Client) -> int:
@@ -142,9 +144,9 @@ def test_unspecified_and_unknown_roles_are_invalid_argument(client: Client) -> N
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "role is required" in (error.details() or "")
     assert (
-        _code(lambda: _append(client, pb.Message(role=99, content="x")))
+        _code(lambda: _append(client, pb.Message(role=99, content="x")))  # type: ignore[arg-type]
         == grpc.StatusCode.INVALID_ARGUMENT
-    )  # type: ignore[arg-type]
+    )
 
 
 @pytest.mark.parametrize("seconds", [0, -5])

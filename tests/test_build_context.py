@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -44,11 +45,14 @@ def running(
     server.stop(grace=1)
 
 
-def _build(client: Client, agent: str = "a1", **kwargs: object) -> pb.BuildContextResponse:
-    return client.stub.BuildContext(pb.BuildContextRequest(agent=agent, thread="t1", **kwargs))
+def _build(client: Client, agent: str = "a1", **kwargs: Any) -> pb.BuildContextResponse:
+    response: pb.BuildContextResponse = client.stub.BuildContext(
+        pb.BuildContextRequest(agent=agent, thread="t1", **kwargs)
+    )
+    return response
 
 
-def _agent(client: Client, **fields: object) -> None:
+def _agent(client: Client, **fields: Any) -> None:
     client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1", **fields)))
 
 

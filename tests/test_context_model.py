@@ -63,8 +63,8 @@ def test_messages_queryable_by_agent(client: Client) -> None:
     client.append("a1", "one", thread="x")
     client.append("a1", "two", thread="y")
     client.append("a2", "other agent", thread="x")
-    assert client.contents(client.list("a1")) == ["one", "two"]  # all threads of a1
-    assert client.contents(client.list("a2")) == ["other agent"]
+    assert client.contents(client.list_messages("a1")) == ["one", "two"]  # all threads of a1
+    assert client.contents(client.list_messages("a2")) == ["other agent"]
 
 
 def test_all_fields_round_trip(client: Client) -> None:
@@ -186,7 +186,7 @@ def test_equal_timestamps_keep_insertion_order(client: Client) -> None:
     expected = ["warm-up", *[f"m{i}" for i in range(20)], "imported"]
     assert client.contents(client.window("a1")) == expected
     # Paging through equal timestamps neither skips nor repeats.
-    paged = client.list("a1", thread="t1", page_size=3)
+    paged = client.list_messages("a1", thread="t1", page_size=3)
     assert client.contents(paged) == expected
 
 
@@ -256,7 +256,7 @@ def test_thread_clear_leaves_other_threads(client: Client) -> None:
     assert client.contents(client.window("a1", thread="x")) == ["x2"]
     assert client.contents(client.window("a1", thread="y")) == ["y1"]
     # Listing every thread applies each thread's own marker.
-    assert client.contents(client.list("a1")) == ["y1", "x2"]
+    assert client.contents(client.list_messages("a1")) == ["y1", "x2"]
     threads = client.stub.ListThreads(pb.ListThreadsRequest(agent="a1")).threads
     assert [t.HasField("last_clear_time") for t in threads] == [True, False]
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import Client, ServerProcess
+from conftest import Client, SpawnServer
 from contextd.v1 import context_service_pb2 as pb
 
 
-def test_context_survives_restart_via_sqlite(spawn_server: type[ServerProcess]) -> None:
+def test_context_survives_restart_via_sqlite(spawn_server: SpawnServer) -> None:
     first = spawn_server()
     client = first.start()
     client.append("a1", "one", "two", thread="t1")
@@ -30,7 +30,7 @@ def test_context_survives_restart_via_sqlite(spawn_server: type[ServerProcess]) 
     client = spawn_server().start()
     after = client.window("a1")
     assert after == before
-    assert client.contents(client.list("a1")) == ["one", "two", "elsewhere"]
+    assert client.contents(client.list_messages("a1")) == ["one", "two", "elsewhere"]
     threads = client.stub.ListThreads(pb.ListThreadsRequest(agent="a1")).threads
     assert [(t.thread, t.message_count) for t in threads] == [("t1", 2), ("t2", 1)]
     # New ids and times continue above the old ones.
@@ -39,7 +39,7 @@ def test_context_survives_restart_via_sqlite(spawn_server: type[ServerProcess]) 
     assert receipt.create_time.ToMicroseconds() > before[-1].create_time.ToMicroseconds()
 
 
-def test_clear_time_survives_restart(spawn_server: type[ServerProcess]) -> None:
+def test_clear_time_survives_restart(spawn_server: SpawnServer) -> None:
     first = spawn_server()
     client = first.start()
     client.append("a1", "before", thread="x")
@@ -60,7 +60,7 @@ def test_clear_time_survives_restart(spawn_server: type[ServerProcess]) -> None:
     assert client.contents(client.history("a1", thread="x")) == ["before", "x-after"]
 
 
-def test_sigint_also_shuts_down_cleanly(spawn_server: type[ServerProcess]) -> None:
+def test_sigint_also_shuts_down_cleanly(spawn_server: SpawnServer) -> None:
     proc = spawn_server()
     client = proc.start()
     client.append("a1", "x")
@@ -69,7 +69,7 @@ def test_sigint_also_shuts_down_cleanly(spawn_server: type[ServerProcess]) -> No
     assert "contextd stopped" in proc.log()
 
 
-def test_sigterm_drains_calls_in_flight(spawn_server: type[ServerProcess]) -> None:
+def test_sigterm_drains_calls_in_flight(spawn_server: SpawnServer) -> None:
     proc = spawn_server()
     client = proc.start()
     acknowledged: list[int] = []
@@ -99,11 +99,11 @@ def test_sigterm_drains_calls_in_flight(spawn_server: type[ServerProcess]) -> No
     # Refused calls were refused cleanly (never a half-written batch).
     assert set(failures) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
     client = spawn_server().start()
-    stored = len(client.list("a1", range=pb.MESSAGE_RANGE_ALL, page_size=1000))
+    stored = len(client.list_messages("a1", range=pb.MESSAGE_RANGE_ALL, page_size=1000))
     assert stored >= len(acknowledged) > 0
 
 
-def test_kill9_loses_no_acknowledged_write(spawn_server: type[ServerProcess]) -> None:
+def test_kill9_loses_no_acknowledged_write(spawn_server: SpawnServer) -> None:
     proc = spawn_server()
     client = proc.start()
     acknowledged: list[str] = []
@@ -134,7 +134,9 @@ def test_kill9_loses_no_acknowledged_write(spawn_server: type[ServerProcess]) ->
     assert len(acknowledged) > 50
 
     client = spawn_server().start()
-    stored = set(client.contents(client.list("a1", range=pb.MESSAGE_RANGE_ALL, page_size=1000)))
+    stored = set(
+        client.contents(client.list_messages("a1", range=pb.MESSAGE_RANGE_ALL, page_size=1000))
+    )
     missing = set(acknowledged) - stored
     assert not missing, f"{len(missing)} acknowledged messages lost, e.g. {sorted(missing)[:5]}"
     stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1")).stats
@@ -142,7 +144,7 @@ def test_kill9_loses_no_acknowledged_write(spawn_server: type[ServerProcess]) ->
 
 
 def test_second_server_on_held_file_fails_clearly(
-    spawn_server: type[ServerProcess], tmp_path: Path
+    spawn_server: SpawnServer, tmp_path: Path
 ) -> None:
     spawn_server().start()
     result = subprocess.run(
@@ -172,7 +174,7 @@ def test_health_is_serving(client: Client) -> None:
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_flags_override_environment(spawn_server: type[ServerProcess], tmp_path: Path) -> None:
+def test_flags_override_environment(spawn_server: SpawnServer, tmp_path: Path) -> None:
     # CONTEXTD_DATA_DIR points at one directory, --data-dir at another: the flag wins.
     proc = subprocess.Popen(
         [
@@ -205,7 +207,7 @@ def test_flags_override_environment(spawn_server: type[ServerProcess], tmp_path:
     assert not (tmp_path / "env-dir").exists()
 
 
-def test_taken_address_fails_clearly(spawn_server: type[ServerProcess], tmp_path: Path) -> None:
+def test_taken_address_fails_clearly(spawn_server: SpawnServer, tmp_path: Path) -> None:
     running = spawn_server()
     running.start()
     result = subprocess.run(

@@ -83,12 +83,12 @@ def test_concurrent_appends_are_all_committed_in_order(tmp_path: Path) -> None:
     try:
         assert errors == []
         total = 0
-        for t in range(4):
-            where = ThreadFilter("default", "a1", "", f"t{t}")
+        for thread_no in range(4):
+            where = ThreadFilter("default", "a1", "", f"t{thread_no}")
             rows = store.list_messages(where, None, None, 10_000)
             total += len(rows)
             # Each call's two messages are adjacent and in order, per writer.
-            for n in range(t, 16, 4):
+            for n in range(thread_no, 16, 4):
                 mine = [r.content for r in rows if r.content.startswith(f"{n}-")]
                 assert mine == [f"{n}-{i}-{s}" for i in range(50) for s in "ab"]
             counts = store.context_counts(where, 0)
