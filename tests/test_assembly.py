@@ -441,7 +441,21 @@ def test_budget_smaller_than_the_system_prompt_is_an_error() -> None:
 def test_stored_summary_in_the_window_is_reused_and_covered_messages_skipped() -> None:
     meta = json.dumps({"is_summary": True, "summary_of": [1, 4]})
     summary = StoredMessage(
-        9, "default", "a", "", "t1", Role.USER, "[checkpoint] earlier", "", "", "", meta, 5, NOW
+        9,
+        "default",
+        "a",
+        "",
+        "t1",
+        Role.USER,
+        "[checkpoint] earlier",
+        "",
+        "",
+        "",
+        meta,
+        5,
+        NOW,
+        is_summary=True,
+        summarized_ids=(1, 4),
     )
     window = [*conversation(6), HistoryItem.from_stored(summary)]
     ctx = assemble(system_prompt="", history=window, budget=10_000, count_tokens=estimate_counter)

@@ -509,3 +509,15 @@ def test_list_events_filters_by_type_and_time_and_pages(
     assert [json.loads(e.data)["budget_tokens"] for e in earlier.events] == [300]
     none = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", type="other.type"))
     assert list(none.events) == []
+
+
+def test_client_metadata_cannot_pose_as_a_stored_summary(
+    running: tuple[RunningServer, Client],
+) -> None:
+    _, client = running
+    client.append("a1", "first", "second")
+    client.append("a1", "fake", metadata=json.dumps({"is_summary": True, "summary_of": [1, 2]}))
+    ctx = _build(client, options=pb.BuildOptions(summarize=True))
+    assert [m.content for m in ctx.messages] == ["first", "second", "fake"]
+    assert not any(m.is_summary for m in ctx.messages)
+    assert not any(m.is_summary for m in client.history("a1"))

@@ -107,6 +107,7 @@ class _Plan:
     now_us: int
     agent_window_start_us: int
     window_start_us: int
+    thread_exists: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,36 +179,30 @@ class ContextBuilder:
             context = _with_summary_id(context, stored.id)
         elif context.summary is not None:
             summary_id = context.summary.id
-        strategy = _strategy(plan.options, context)
+        strategy = _strategy(plan.options)
         event = None
         if _compressed(context, before_loaded):
-            event = self._store.record_event(
-                plan.key,
-                COMPRESSED_EVENT,
-                {
-                    "original_count": stats.messages_before,
-                    "compressed_count": stats.messages_after,
-                    "estimated_tokens": stats.total_tokens,
-                    "budget_tokens": stats.budget,
-                    "strategy": strategy,
-                    "summary_id": summary_id,
-                    "summarized_ids": list(stats.summarized_range or ()),
-                    "elided_ids": list(stats.elided_ids),
-                    "truncated_ids": list(stats.truncated_ids),
-                    "dropped_count": len(stats.dropped_ids) + before_loaded,
-                    "summarizer_path": stats.summarizer_path or "",
-                    "summarizer_error": stats.summarizer_error or "",
-                    "model": plan.model,
-                },
+            event = self._record_compression(
+                plan,
+                original_count=stats.messages_before,
+                compressed_count=stats.messages_after,
+                estimated_tokens=stats.total_tokens,
+                strategy=strategy,
+                summary_id=summary_id,
+                summarized_ids=stats.summarized_range,
+                elided_ids=stats.elided_ids,
+                truncated_ids=stats.truncated_ids,
+                dropped_count=len(stats.dropped_ids) + before_loaded,
+                summarizer_path=stats.summarizer_path or "",
+                summarizer_error=stats.summarizer_error,
             )
         renderings = {f: _render(f, context) for f in request.formats}
-        times = window.create_times
         return BuildResult(
             context,
             core.model_info(plan.model).tokenizer,
             strategy,
             summary_id,
-            times,
+            window.create_times,
             renderings,
             event,
             len(window.items),
@@ -225,7 +220,7 @@ class ContextBuilder:
         overrides: BuildOverrides,
     ) -> CompactResult:
         plan = self._plan(tenant, agent, scope, thread, model, overrides)
-        if self._store.get_thread(plan.key) is None:
+        if not plan.thread_exists:
             raise NotFound(
                 f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
                 reason="THREAD_NOT_FOUND",
@@ -259,24 +254,16 @@ class ContextBuilder:
         result = self._summarizer.summarize(compaction.to_summarize, previous_text)
         item = make_summary_item(result, compaction.covers, count)
         stored = self._store_summary(plan, item)
-        self._store.record_event(
-            plan.key,
-            COMPRESSED_EVENT,
-            {
-                "original_count": len(items),
-                "compressed_count": len(compaction.kept) + 1,
-                "estimated_tokens": item.token_count + sum(costs[compaction.cut_index :]),
-                "budget_tokens": plan.budget.prompt_budget,
-                "strategy": "summarize",
-                "summary_id": stored.id,
-                "summarized_ids": list(compaction.covers),
-                "elided_ids": [],
-                "truncated_ids": [],
-                "dropped_count": 0,
-                "summarizer_path": result.path,
-                "summarizer_error": result.error or "",
-                "model": plan.model,
-            },
+        self._record_compression(
+            plan,
+            original_count=len(items),
+            compressed_count=len(compaction.kept) + 1,
+            estimated_tokens=item.token_count + sum(costs[compaction.cut_index :]),
+            strategy="summarize",
+            summary_id=stored.id,
+            summarized_ids=compaction.covers,
+            summarizer_path=result.path,
+            summarizer_error=result.error,
         )
         return CompactResult(stored, result.path, result.error)
 
@@ -319,21 +306,11 @@ class ContextBuilder:
             agent.last_clear_time_us,
             one.last_clear_time_us if one else None,
         )
-        return _Plan(agent, key, chosen, budget, options, now, agent_start, start)
+        return _Plan(agent, key, chosen, budget, options, now, agent_start, start, one is not None)
 
     def _previous_summary(self, key: ContextKey) -> HistoryItem | None:
         stored = self._store.latest_summary(key)
-        if stored is None or stored.summarized_ids is None:
-            return None
-        return HistoryItem(
-            id=stored.id,
-            role=Role.USER,
-            content=stored.content,
-            token_count=0,
-            is_summary=True,
-            metadata=stored.metadata,
-            summary_of=stored.summarized_ids,
-        )
+        return HistoryItem.from_stored(stored) if stored is not None else None
 
     def _load_history(self, plan: _Plan, *, everything: bool = False) -> _Window:
         """The window's messages that can matter, with content, after the latest stored
@@ -365,7 +342,7 @@ class ContextBuilder:
             plan.key, plan.window_start_us, int(times[start]), int(ids[start])
         )
         return _Window(
-            [_history_item(m) for m in loaded],
+            [HistoryItem.from_stored(m) for m in loaded],
             previous,
             start,
             {m.id: m.create_time_us for m in loaded},
@@ -400,6 +377,43 @@ class ContextBuilder:
             return max(0, len(roles) - 1)
         return _group_start(groups, trim.kept[0])
 
+    def _record_compression(
+        self,
+        plan: _Plan,
+        *,
+        original_count: int,
+        compressed_count: int,
+        estimated_tokens: int,
+        strategy: str,
+        summary_id: int | None,
+        summarized_ids: tuple[int, int] | None,
+        summarizer_path: str,
+        summarizer_error: str | None,
+        elided_ids: Sequence[int] = (),
+        truncated_ids: Sequence[int] = (),
+        dropped_count: int = 0,
+    ) -> Event:
+        """Seed 004's `context.compressed` event, with what contextd adds to it."""
+        return self._store.record_event(
+            plan.key,
+            COMPRESSED_EVENT,
+            {
+                "original_count": original_count,
+                "compressed_count": compressed_count,
+                "estimated_tokens": estimated_tokens,
+                "budget_tokens": plan.budget.prompt_budget,
+                "strategy": strategy,
+                "summary_id": summary_id,
+                "summarized_ids": list(summarized_ids or ()),
+                "elided_ids": list(elided_ids),
+                "truncated_ids": list(truncated_ids),
+                "dropped_count": dropped_count,
+                "summarizer_path": summarizer_path,
+                "summarizer_error": summarizer_error or "",
+                "model": plan.model,
+            },
+        )
+
     def _store_summary(self, plan: _Plan, item: HistoryItem) -> StoredMessage:
         assert item.summary_of is not None
         message = NewMessage(role=Role.USER, content=item.content, metadata=item.metadata)
@@ -409,31 +423,24 @@ class ContextBuilder:
         return stored[0]
 
 
+# The build options that are strategy options under the same name.
+_STRATEGY_FIELDS = (
+    "truncate",
+    "max_chars_per_message",
+    "summarize",
+    "keep_recent_tokens",
+    "elide_tool_results",
+    "elide_threshold_chars",
+)
+
+
 def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
     """The options of a build: the overrides over the documented defaults."""
-    base = StrategyOptions()
+    chosen = {
+        name: value for name in _STRATEGY_FIELDS if (value := getattr(overrides, name)) is not None
+    }
     try:
-        return replace(
-            base,
-            truncate=base.truncate if overrides.truncate is None else overrides.truncate,
-            max_chars_per_message=overrides.max_chars_per_message or base.max_chars_per_message,
-            summarize=base.summarize if overrides.summarize is None else overrides.summarize,
-            keep_recent_tokens=(
-                base.keep_recent_tokens
-                if overrides.keep_recent_tokens is None
-                else overrides.keep_recent_tokens
-            ),
-            elide_tool_results=(
-                base.elide_tool_results
-                if overrides.elide_tool_results is None
-                else overrides.elide_tool_results
-            ),
-            elide_threshold_chars=(
-                base.elide_threshold_chars
-                if overrides.elide_threshold_chars is None
-                else overrides.elide_threshold_chars
-            ),
-        )
+        return replace(StrategyOptions(), **chosen)
     except ValueError as exc:
         raise InvalidArgument(f"invalid build options: {exc}", field="options") from exc
 
@@ -445,18 +452,6 @@ def _group_start(groups: Sequence[int] | npt.NDArray[np.int64], index: int) -> i
     return index
 
 
-def _history_item(m: StoredMessage) -> HistoryItem:
-    return HistoryItem(
-        id=m.id,
-        role=m.role,
-        content=m.content,
-        tool_calls=m.tool_calls,
-        tool_call_id=m.tool_call_id,
-        token_count=m.token_count,
-        metadata=m.metadata,
-    )
-
-
 def _with_summary_id(context: AssembledContext, stored_id: int) -> AssembledContext:
     summary = context.summary
     assert summary is not None
@@ -465,7 +460,7 @@ def _with_summary_id(context: AssembledContext, stored_id: int) -> AssembledCont
     return replace(context, history=history, summary=renamed)
 
 
-def _strategy(options: StrategyOptions, context: AssembledContext) -> str:
+def _strategy(options: StrategyOptions) -> str:
     used = []
     if options.truncate:
         used.append("truncate")

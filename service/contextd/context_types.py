@@ -87,31 +87,18 @@ class HistoryItem:
 
     @classmethod
     def from_stored(cls, message: StoredMessage) -> HistoryItem:
-        """A stored message as a history item. A stored summary (metadata
-        ``{"is_summary": true, "summary_of": [first_id, last_id]}``, as written by
-        :func:`contextd.compaction.make_summary_item`) is recognized as one."""
-        is_summary = False
-        covers: tuple[int, int] | None = None
-        if message.metadata:
-            try:
-                meta = json.loads(message.metadata)
-            except ValueError:
-                meta = None
-            if isinstance(meta, dict) and meta.get("is_summary") is True:
-                is_summary = True
-                rng = meta.get("summary_of")
-                if isinstance(rng, list) and len(rng) == 2 and all(type(x) is int for x in rng):
-                    covers = (rng[0], rng[1])
+        """A stored message as a history item; a stored compaction summary (the store's
+        ``is_summary`` column, never a client's metadata) keeps the range it covers."""
         return cls(
             id=message.id,
             role=message.role,
             content=message.content,
             tool_calls=message.tool_calls,
             tool_call_id=message.tool_call_id,
-            token_count=message.token_estimate,
-            is_summary=is_summary,
+            token_count=message.token_count,
+            is_summary=message.is_summary,
             metadata=message.metadata,
-            summary_of=covers,
+            summary_of=message.summarized_ids,
         )
 
     @property

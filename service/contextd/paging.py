@@ -10,10 +10,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from contextd.errors import InvalidArgument
+
+T = TypeVar("T")
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
@@ -63,3 +66,18 @@ def decode(raw: str, params: tuple[Any, ...]) -> PageToken | None:
             "page_token was issued for a request with other parameters", field="page_token"
         )
     return PageToken(position=position, window_start_us=window)
+
+
+def cut_page(
+    rows: Sequence[T],
+    size: int,
+    params: tuple[Any, ...],
+    position_of: Callable[[T], tuple[Any, ...]],
+    window_start_us: int | None = None,
+) -> tuple[list[T], str]:
+    """The page out of `size + 1` rows read, and the token of the next page ("" on the
+    last): reading one row more than the page tells whether another page exists."""
+    if len(rows) <= size:
+        return list(rows), ""
+    page = list(rows[:size])
+    return page, encode(PageToken(position_of(page[-1]), window_start_us), params)

@@ -32,7 +32,7 @@ from contextd.domain import (
     Thread,
 )
 from contextd.errors import InvalidArgument, NotFound, ResourceExhausted
-from contextd.paging import PageToken, decode, encode, page_size
+from contextd.paging import cut_page, decode, page_size
 from contextd.storage import Store, ThreadFilter
 from contextd.summarizer import Summarizer
 from contextd.validation import (
@@ -109,8 +109,9 @@ class ContextService:
                 field="update_mask",
             )
         chosen = frozenset(fields) if fields else UPDATABLE_AGENT_FIELDS
-        self._models.pop((tenant, name), None)
-        return self._store.update_agent(tenant, name, _checked_settings(settings), chosen)
+        updated = self._store.update_agent(tenant, name, _checked_settings(settings), chosen)
+        self._models.pop((tenant, name), None)  # after the commit, so no stale re-read
+        return updated
 
     def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
         size = page_size(requested_size)
@@ -118,16 +119,13 @@ class ContextService:
         position = decode(token, params)
         after = str(position.position[0]) if position else None
         agents = self._store.list_agents(tenant, after, size + 1)
-        next_token = ""
-        if len(agents) > size:
-            agents = agents[:size]
-            next_token = encode(PageToken((agents[-1].name,)), params)
-        return Page(agents, next_token)
+        return Page(*cut_page(agents, size, params, lambda a: (a.name,)))
 
     def delete_agent(self, tenant: str, name: str) -> int:
         check_name(name, "name")
+        deleted = self._store.delete_agent(tenant, name)
         self._models.pop((tenant, name), None)
-        return self._store.delete_agent(tenant, name)
+        return deleted
 
     # ----------------------------------------------------------------- messages
 
@@ -181,12 +179,8 @@ class ContextService:
         after = (int(position.position[0]), int(position.position[1])) if position else None
         where = ThreadFilter(tenant, agent, scope, thread or None)
         rows = self._store.list_messages(where, window, after, size + 1)
-        next_token = ""
-        if len(rows) > size:
-            rows = rows[:size]
-            last = rows[-1]
-            next_token = encode(PageToken((last.create_time_us, last.id), window), params)
-        return MessagePage(rows, next_token, window)
+        page, next_token = cut_page(rows, size, params, lambda m: (m.create_time_us, m.id), window)
+        return MessagePage(page, next_token, window)
 
     # ----------------------------------------------------------------- clears
 
@@ -210,16 +204,12 @@ class ContextService:
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
         threads = self._store.list_threads(tenant, agent, scope, after, size + 1)
-        next_token = ""
-        if len(threads) > size:
-            threads = threads[:size]
-            next_token = encode(PageToken((threads[-1].thread,)), params)
-        return Page(threads, next_token)
+        return Page(*cut_page(threads, size, params, lambda t: (t.thread,)))
 
     # ----------------------------------------------------------------- building
 
     def build_context(self, request: BuildRequest) -> BuildResult:
-        _context_key(request.tenant, request.agent, request.scope, request.thread or "main")
+        _context_key(request.tenant, request.agent, request.scope, request.thread or DEFAULT_THREAD)
         check_overrides(request.overrides)
         unknown = sorted(set(request.formats) - set(FORMATS))
         if unknown:
@@ -288,11 +278,7 @@ class ContextService:
         after = str(position.position[0]) if position else None
         live_at = None if include_expired else wall_clock_us()
         entries = self._store.list_status(tenant, agent, scope, after, size + 1, live_at)
-        next_token = ""
-        if len(entries) > size:
-            entries = entries[:size]
-            next_token = encode(PageToken((entries[-1].key,)), params)
-        return Page(entries, next_token)
+        return Page(*cut_page(entries, size, params, lambda e: (e.key,)))
 
     def clear_status(self, tenant: str, agent: str, scope: str, key: str) -> int:
         check_name(agent, "agent")
@@ -320,11 +306,7 @@ class ContextService:
         events = self._store.list_events(
             tenant, agent, event_type, start_us, end_us, after, size + 1
         )
-        next_token = ""
-        if len(events) > size:
-            events = events[:size]
-            next_token = encode(PageToken((events[-1].id,)), params)
-        return Page(events, next_token)
+        return Page(*cut_page(events, size, params, lambda e: (e.id,)))
 
     # ----------------------------------------------------------------- stats
 
@@ -342,11 +324,10 @@ class ContextService:
                     reason="THREAD_NOT_FOUND",
                 )
             thread_clear = one.last_clear_time_us
-        agent_start = window_start_us(
-            wall_clock_us(), found.rolling_window_us, found.last_clear_time_us
-        )
+        now = wall_clock_us()
+        agent_start = window_start_us(now, found.rolling_window_us, found.last_clear_time_us)
         start = window_start_us(
-            wall_clock_us(), found.rolling_window_us, found.last_clear_time_us, thread_clear
+            now, found.rolling_window_us, found.last_clear_time_us, thread_clear
         )
         counts = self._store.context_counts(
             ThreadFilter(tenant, agent, scope, thread or None), agent_start

@@ -885,10 +885,9 @@ class Store:
 
         Columns: id (int64), role (uint8), token_count (uint64), chars (uint64), group_id
         (int64), create_time_us (int64), oldest first, in one chunk each (ready for
-        zero-copy NumPy views).
-        Stored summaries are left out (see `latest_summary`). A
-        build trims on these and then loads content only for what it keeps
-        (`messages_by_ids`), so its cost follows what is kept, not the window.
+        zero-copy NumPy views). Stored summaries are left out (see `latest_summary`). A
+        build trims on these and then loads content only for the newest messages it can
+        keep (`window_messages_from`), so its cost follows the budget, not the window.
         `window_start_us` is the full start (thread clear included).
         """
         cur = self._cursor()
@@ -908,8 +907,7 @@ class Store:
             .to_arrow_table()
             .combine_chunks()
         )
-        table = _in_window_order(table)
-        return table
+        return _in_window_order(table)
 
     def window_messages_from(
         self, key: ContextKey, window_start_us: int, from_time_us: int, from_id: int
@@ -930,26 +928,11 @@ class Store:
         ).fetchall()
         return [_message_from_row(r) for r in rows]
 
-    def messages_by_ids(
-        self, tenant: str, ids: Sequence[int], key: ContextKey | None = None
-    ) -> list[StoredMessage]:
+    def messages_by_ids(self, tenant: str, ids: Sequence[int]) -> list[StoredMessage]:
         """Whole messages by id, ordered by (create_time, id); ids of other tenants are
-        never returned. With `key`, the lookup goes through the thread's index entry."""
+        never returned."""
         if not ids:
             return []
-        if key is not None:
-            rows = (
-                self._cursor()
-                .execute(
-                    f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = "
-                    "(SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND "
-                    "scope = ? AND thread = ?) AND id IN (SELECT unnest(?::BIGINT[])) "
-                    "ORDER BY create_time_us, id",
-                    [key.tenant, key.agent, key.scope, key.thread, list(ids)],
-                )
-                .fetchall()
-            )
-            return [_message_from_row(r) for r in rows]
         rows = (
             self._cursor()
             .execute(
