@@ -37,101 +37,47 @@ class Settings:
         return self.data_dir / DATABASE_FILE
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
+# Each served setting: its help. The flag is --name-with-dashes, the environment
+# variable CONTEXTD_NAME, the type and default those of the Settings field.
+_SERVE_OPTIONS: dict[str, str] = {
+    "addr": "host:port to listen on",
+    "data_dir": "directory of the DuckDB file",
+    "max_message_bytes": "largest message accepted, content + tool_calls + metadata",
+    "max_batch_messages": "most messages in one AppendMessages call",
+    "workers": "gRPC handler threads",
+    "grace_seconds": "how long shutdown waits for calls in flight",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "json lines or plain text",
+    "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
+    "from ANTHROPIC_API_KEY)",
+    "summary_max_tokens": "max_tokens of a summary",
+    "summary_timeout_seconds": "how long a summary may take before the extractive fallback is used",
+    "anthropic_base_url": "Anthropic API base URL (unset: the SDK's, which also honours "
+    "ANTHROPIC_BASE_URL)",
+}
+_CHOICES = {"log_format": ["json", "text"]}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    d = Settings()
-    parser.add_argument(
-        "--addr",
-        default=_env("CONTEXTD_ADDR", d.addr),
-        help="host:port to listen on (env CONTEXTD_ADDR; default %(default)s)",
-    )
-    parser.add_argument(
-        "--data-dir",
-        default=_env("CONTEXTD_DATA_DIR", str(d.data_dir)),
-        help="directory of the DuckDB file (env CONTEXTD_DATA_DIR; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=int(_env("CONTEXTD_MAX_MESSAGE_BYTES", str(d.max_message_bytes))),
-        help="largest message accepted, content + tool_calls + metadata "
-        "(env CONTEXTD_MAX_MESSAGE_BYTES; default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-batch-messages",
-        type=int,
-        default=int(_env("CONTEXTD_MAX_BATCH_MESSAGES", str(d.max_batch_messages))),
-        help="most messages in one AppendMessages call "
-        "(env CONTEXTD_MAX_BATCH_MESSAGES; default %(default)s)",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        default=int(_env("CONTEXTD_WORKERS", str(d.workers))),
-        help="gRPC handler threads (env CONTEXTD_WORKERS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--grace-seconds",
-        type=float,
-        default=float(_env("CONTEXTD_GRACE_SECONDS", str(d.grace_seconds))),
-        help="how long shutdown waits for calls in flight "
-        "(env CONTEXTD_GRACE_SECONDS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=_env("CONTEXTD_LOG_LEVEL", d.log_level),
-        help="DEBUG, INFO, WARNING or ERROR (env CONTEXTD_LOG_LEVEL; default %(default)s)",
-    )
-    parser.add_argument(
-        "--log-format",
-        choices=["json", "text"],
-        default=_env("CONTEXTD_LOG_FORMAT", d.log_format),
-        help="json lines or plain text (env CONTEXTD_LOG_FORMAT; default %(default)s)",
-    )
-
-    parser.add_argument(
-        "--summary-model",
-        default=_env("CONTEXTD_SUMMARY_MODEL", d.summary_model),
-        help="Anthropic model that writes compaction summaries "
-        "(env CONTEXTD_SUMMARY_MODEL; default %(default)s); the API key is "
-        "read from ANTHROPIC_API_KEY",
-    )
-    parser.add_argument(
-        "--summary-max-tokens",
-        type=int,
-        default=int(_env("CONTEXTD_SUMMARY_MAX_TOKENS", str(d.summary_max_tokens))),
-        help="max_tokens of a summary (env CONTEXTD_SUMMARY_MAX_TOKENS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--summary-timeout-seconds",
-        type=float,
-        default=float(_env("CONTEXTD_SUMMARY_TIMEOUT_SECONDS", str(d.summary_timeout_seconds))),
-        help="how long a summary may take before the extractive fallback "
-        "is used (env CONTEXTD_SUMMARY_TIMEOUT_SECONDS; default %(default)s)",
-    )
-    parser.add_argument(
-        "--anthropic-base-url",
-        default=os.environ.get("CONTEXTD_ANTHROPIC_BASE_URL"),
-        help="Anthropic API base URL (env CONTEXTD_ANTHROPIC_BASE_URL; "
-        "default: the SDK's, which also honours ANTHROPIC_BASE_URL)",
-    )
+    defaults = Settings()
+    for name, help_text in _SERVE_OPTIONS.items():
+        env = f"CONTEXTD_{name.upper()}"
+        default = getattr(defaults, name)
+        kind = type(default) if isinstance(default, int | float) else str
+        # A string default goes through `type`, so a bad environment value is reported
+        # by argparse like a bad flag, not as a traceback.
+        raw = os.environ.get(env, None if default is None else str(default))
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=raw,
+            choices=_CHOICES.get(name),
+            help=f"{help_text} (env {env}; default %(default)s)",
+        )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return Settings(
-        addr=args.addr,
-        data_dir=Path(args.data_dir),
-        max_message_bytes=args.max_message_bytes,
-        max_batch_messages=args.max_batch_messages,
-        workers=args.workers,
-        grace_seconds=args.grace_seconds,
-        log_level=args.log_level.upper(),
-        log_format=args.log_format,
-        summary_model=args.summary_model,
-        summary_max_tokens=args.summary_max_tokens,
-        summary_timeout_seconds=args.summary_timeout_seconds,
-        anthropic_base_url=args.anthropic_base_url,
-    )
+    values = {name: getattr(args, name) for name in _SERVE_OPTIONS}
+    values["data_dir"] = Path(values["data_dir"])
+    values["log_level"] = values["log_level"].upper()
+    return Settings(**values)
