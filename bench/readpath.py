@@ -2,10 +2,13 @@
 
 The naive path is what an agent framework does with a message store: load the whole
 window (content included) into Python, then trim -- with langchain (build message objects,
-``trim_messages``) or with a plain loop. contextd's path reads only the narrow columns
-(id, role, token_count, chars, group_id) as Arrow, trims in Rust and loads content only for
-the messages it keeps (``Store.window_columns`` + ``Store.messages_by_ids``), so its cost
-follows the budget, not the history.
+``trim_messages``) or with a plain loop. contextd's row is the server's own BuildContext,
+called in process (``ContextService.build_context``): it reads only the narrow columns
+(id, role, token_count, chars, group_id) as Arrow, trims them in Rust as NumPy buffers,
+loads content only for the newest messages that can fit (``Store.window_messages_from``),
+then assembles the context, counts it exactly and records its ``context.compressed``
+event. Its cost follows the budget, not the history, and it does more work than the
+naive paths, which only trim.
 
 The thread is written through ``ContextService.append_messages`` into a real DuckDB file,
 so token counts (exact o200k_base: the agent's model is gpt-4o) and chars are what the
@@ -25,7 +28,7 @@ from bench import corpus
 from bench.model import Bar, Section, Target
 from bench.sizes import Sizes
 from bench.stats import fmt_ms, fmt_ratio, median_time, progress, ratio, timed
-from bench.trim import NO_TRUNCATION, langchain_messages, langchain_trim, newest_first
+from bench.trim import langchain_messages, langchain_trim, newest_first
 
 TENANT = "default"
 AGENT = "bench-reader"
@@ -105,13 +108,10 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
 
 
 def run(sz: Sizes) -> Section:
-    from contextd import core
-    from contextd.domain import ContextKey
     from contextd.storage import Store, ThreadFilter
 
     n = sz.read_thread
     budget = sz.budget
-    key = ContextKey(TENANT, AGENT, "", THREAD)
     where = ThreadFilter(TENANT, AGENT, "", THREAD)
     with tempfile.TemporaryDirectory(prefix="contextd-bench-") as tmp:
         store = Store.open(Path(tmp) / "bench.duckdb")
@@ -120,18 +120,20 @@ def run(sz: Sizes) -> Section:
             history = corpus.conversation(n, tools=False)
             fill_s, _ = timed(lambda: populate_thread(service_over(store), AGENT, THREAD, history))
 
+            from contextd.builder import BuildRequest
+            from contextd.domain import BuildOverrides
+
+            service = service_over(store)
+            request = BuildRequest(
+                TENANT,
+                AGENT,
+                "",
+                THREAD,
+                overrides=BuildOverrides(budget_tokens=budget, truncate=False),
+            )
+
             def ours() -> list[Any]:
-                table = store.window_columns(key, 0)
-                kept = core.trim_to_budget(
-                    table.column("role").to_pylist(),
-                    table.column("token_count").to_pylist(),
-                    table.column("chars").to_pylist(),
-                    table.column("group_id").to_pylist(),
-                    budget,
-                    NO_TRUNCATION,
-                ).kept
-                ids = table.column("id").take(kept).to_pylist()
-                return store.messages_by_ids(TENANT, ids)
+                return list(service.build_context(request).context.history)
 
             def load() -> list[Any]:
                 return store.list_messages(where, 0, None, n + 1)
@@ -179,7 +181,7 @@ def run(sz: Sizes) -> Section:
     speedup_loop = ratio(t["naive_loop"], t["contextd"])
     rpc_lc = ratio(t["naive_langchain"], rpc["seconds"])
     rows = [
-        ["contextd: columns -> Rust trim -> content of kept ids", fmt_ms(t["contextd"]), "1x"],
+        ["contextd BuildContext, server side (in process)", fmt_ms(t["contextd"]), "1x"],
         [
             "naive: load the window (content included) only",
             fmt_ms(t["load"]),
