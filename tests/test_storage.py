@@ -6,10 +6,12 @@ import threading
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from contextd import storage
 from contextd.batches import prepare_batch
 from contextd.domain import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
+from contextd.errors import Unavailable
 from contextd.storage import Store, ThreadFilter
 
 
@@ -98,3 +100,18 @@ def test_concurrent_appends_are_all_committed_in_order(tmp_path: Path) -> None:
         assert ids == [(total,)]
     finally:
         store.close()
+
+
+def test_writes_after_close_are_unavailable_not_lost_or_hung(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "db.duckdb")
+    key = ContextKey("default", "a1", "", "t1")
+    store.append(key, _batch("before"), AgentSettings())
+    store.close()
+    with pytest.raises(Unavailable):
+        store.append(key, _batch("after"), AgentSettings())
+    reopened = Store.open(tmp_path / "db.duckdb")
+    try:
+        rows = reopened.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)
+        assert [r.content for r in rows] == ["before"]
+    finally:
+        reopened.close()

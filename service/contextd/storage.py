@@ -345,6 +345,7 @@ class Store:
         self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._known_agents: set[tuple[str, str]] = set()
         self._queue: SimpleQueue[Any] = SimpleQueue()
+        self._submit_lock = threading.Lock()
         self._closed = False
         self._writer = threading.Thread(
             target=self._write_loop, name="contextd-writer", daemon=True
@@ -376,10 +377,11 @@ class Store:
 
     def close(self) -> None:
         """Stop the writer after the queued writes, checkpoint and close the file."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+        with self._submit_lock:  # no write can be queued behind the stop marker
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_STOP)
         self._writer.join()
         try:
             self._con.execute("CHECKPOINT")
@@ -458,9 +460,10 @@ class Store:
     # ----------------------------------------------------------------- the writer
 
     def _submit(self, job: _AppendJob | _CallJob) -> Any:
-        if self._closed:
-            raise Unavailable("the server is shutting down")
-        self._queue.put(job)
+        with self._submit_lock:
+            if self._closed:
+                raise Unavailable("the server is shutting down")
+            self._queue.put(job)
         return job.future.result()
 
     def _write(self, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
