@@ -8,11 +8,15 @@ message to a built index is timed too, where bm25s and rank_bm25 must rebuild.
 
 rank_bm25 is pure Python and is only run up to 100,000 messages. The libraries tokenise
 slightly differently (contextd keeps words of three or more characters, bm25s two or
-more), so their rankings are compared loosely (top-10 overlap), not asserted equal.
+more), so in the timed runs their rankings are compared loosely (top-10 overlap). Before
+timing, an untimed check feeds bm25s (method "lucene", the same formula up to a constant
+factor) contextd's own tokens for 2,000 texts and requires the same top-10 scores and ids
+(ties aside) for 20 queries; a difference fails the suite.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from typing import Any
@@ -32,25 +36,33 @@ def _words(text: str) -> list[str]:
 
 
 def child_bm25(lib: str, n: int, queries: int) -> dict[str, Any]:
-    """In a child process: build ``lib``'s index over ``n`` messages, then query it."""
+    """In a child process: build ``lib``'s index over ``n`` messages, then query it.
+
+    Imports and the id list are made before the clock and the memory sampler start, so
+    build time and peak memory cover tokenising and indexing only.
+    """
     texts = corpus.texts(n)
     qs = corpus.queries(queries)
+    ids = list(range(n))
     out: dict[str, Any] = {"mb": sum(len(t) for t in texts) / 1e6}
     search: Any
+    if lib == "contextd":
+        from contextd.core import Bm25Index
+    elif lib == "bm25s":
+        import bm25s  # type: ignore[import-untyped,unused-ignore]
+    else:
+        import numpy as np
+        from rank_bm25 import BM25Okapi  # type: ignore[import-untyped,unused-ignore]
     with PeakMemory() as mem:
         start = time.perf_counter()
         if lib == "contextd":
-            from contextd.core import Bm25Index
-
             index = Bm25Index()
-            index.add(list(range(n)), texts)
+            index.add(ids, texts)
 
             def search(q: str) -> list[int]:
                 return index.search(q, 10)[0]
 
         elif lib == "bm25s":
-            import bm25s  # type: ignore[import-untyped,unused-ignore]
-
             retriever = bm25s.BM25(k1=1.2, b=0.75)
             retriever.index(
                 bm25s.tokenize(texts, stopwords=None, show_progress=False), show_progress=False
@@ -61,9 +73,6 @@ def child_bm25(lib: str, n: int, queries: int) -> dict[str, Any]:
                 return [int(d) for d in docs[0]]
 
         else:
-            import numpy as np
-            from rank_bm25 import BM25Okapi  # type: ignore[import-untyped,unused-ignore]
-
             okapi = BM25Okapi([_words(t) for t in texts], k1=1.2, b=0.75)
 
             def search(q: str) -> list[int]:
@@ -95,15 +104,74 @@ def child_bm25(lib: str, n: int, queries: int) -> dict[str, Any]:
     return out
 
 
+def child_check_rankings(n: int, queries: int) -> dict[str, Any]:
+    """In a child process, untimed: contextd's Bm25Index against bm25s (method "lucene",
+    fed ``contextd.core.tokenize``'s tokens, so both see the same words) on ``n`` texts.
+
+    Lucene's BM25 leaves out the (k1 + 1) factor of contextd's formula, a constant, so the
+    scores are compared after scaling. Ties may be ordered either way: per query the score
+    lists must agree, and the ids scoring above the 10th score must be the same set.
+    Returns the queries that disagree, and how many had any hit.
+    """
+    import bm25s  # type: ignore[import-untyped,unused-ignore]
+
+    from contextd.core import Bm25Index, tokenize
+
+    k1, b, k = 1.2, 0.75, 10
+    texts = corpus.texts(n)
+    ours = Bm25Index(k1=k1, b=b)
+    ours.add(list(range(n)), texts)
+    theirs = bm25s.BM25(method="lucene", k1=k1, b=b)
+    theirs.index([tokenize(t) for t in texts], show_progress=False)
+    mismatches: list[str] = []
+    with_hits = 0
+    for q in corpus.queries(queries):
+        our_ids, our_scores = ours.search(q, k)
+        docs, scores = theirs.retrieve([tokenize(q)], k=k, show_progress=False)
+        hits = [(int(d), float(s) * (k1 + 1)) for d, s in zip(docs[0], scores[0], strict=True)]
+        their_ids = [d for d, s in hits if s > 0]
+        their_scores = [s for _, s in hits if s > 0]
+        with_hits += bool(our_ids or their_ids)
+        same_scores = len(our_scores) == len(their_scores) and all(
+            math.isclose(x, y, rel_tol=1e-3, abs_tol=1e-4)
+            for x, y in zip(our_scores, their_scores, strict=True)
+        )
+        if same_scores and our_scores:
+            cut = our_scores[-1] * (1 + 1e-3) + 1e-4
+            above_ours = {d for d, s in zip(our_ids, our_scores, strict=True) if s > cut}
+            above_theirs = {d for d, s in zip(their_ids, their_scores, strict=True) if s > cut}
+            same_scores = above_ours == above_theirs
+        if not same_scores:
+            ours_top = [(d, round(s, 4)) for d, s in zip(our_ids, our_scores, strict=True)]
+            theirs_top = [(d, round(s, 4)) for d, s in zip(their_ids, their_scores, strict=True)]
+            mismatches.append(f"{q!r}: contextd {ours_top} bm25s {theirs_top}")
+    return {"mismatches": mismatches, "with_hits": with_hits, "queries": queries}
+
+
 def _overlap(a: list[list[int]], b: list[list[int]]) -> float:
     shared = sum(len(set(x) & set(y)) for x, y in zip(a, b, strict=False))
     total = sum(len(x) for x in a[: len(b)])
     return shared / total if total else float("nan")
 
 
+CHECK_TEXTS = 2_000
+CHECK_QUERIES = 20
+
+
 def run(sz: Sizes) -> Section:
     raw: dict[str, Any] = {}
     rows: list[list[str]] = []
+    progress(f"BM25: checking contextd's top-10 against bm25s (lucene) on {CHECK_TEXTS:,} texts")
+    check = child.run(
+        "bench.bm25:child_check_rankings", {"n": CHECK_TEXTS, "queries": CHECK_QUERIES}
+    )
+    if check["mismatches"] or check["with_hits"] < CHECK_QUERIES // 2:
+        raise AssertionError(
+            f"BM25 rankings disagree with bm25s (lucene, same tokens) on "
+            f"{len(check['mismatches'])} of {CHECK_QUERIES} queries "
+            f"({check['with_hits']} had hits):\n" + "\n".join(check["mismatches"][:5])
+        )
+    raw["ranking_check"] = check
     for n in sz.bm25_sizes:
         for lib in LIBRARIES:
             if lib == "rank_bm25" and n > sz.rank_bm25_max:

@@ -86,12 +86,10 @@ _CODE_SNIPPETS = (
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One generated message. ``group`` ties a tool_use to its results (-1: none)."""
+    """One generated message."""
 
     role: int
     content: str
-    group: int = -1
-    tool_call_id: str = ""
 
 
 @cache
@@ -193,16 +191,9 @@ def conversation(n: int, *, seed: int = SEED, tools: bool = True) -> list[Messag
                 {"id": f"call_{group}_{k}", "name": rng.choice(_TECH), "input": {"q": k}}
                 for k in range(results)
             ]
-            out.append(Message(ROLE_TOOL_USE, json.dumps(calls), group))
-            for call in calls:
-                out.append(
-                    Message(
-                        ROLE_TOOL_RESULT,
-                        _tool_output(rng, prose, code, data),
-                        group,
-                        str(call["id"]),
-                    )
-                )
+            out.append(Message(ROLE_TOOL_USE, json.dumps(calls)))
+            for _call in calls:
+                out.append(Message(ROLE_TOOL_RESULT, _tool_output(rng, prose, code, data)))
             group += 1
             continue
         out.append(Message(role, _chat_text(rng, prose, code, data)))

@@ -2,8 +2,9 @@
 
 It has contextd's process model -- one Python process, a sync ``grpc.server`` over a
 ``ThreadPoolExecutor`` of the same size (32), the same message size limits -- and answers
-each request with one receipt per message, as contextd does, so the request and response
-bytes match. Whatever it reaches is what any Python gRPC server reaches on this machine,
+each request with one receipt per message (id, create_time, token_estimate and
+token_count, as contextd fills them for an agent without a model), so the request and
+response bytes match. Whatever it reaches is what any Python gRPC server reaches on this machine,
 so contextd's append rate is reported as a share of it.
 
 Run: ``python -m bench.echo_server --port 0 --workers 32``; it prints one JSON line
@@ -23,10 +24,9 @@ from types import FrameType
 
 import grpc
 
+from contextd.server import MAX_REQUEST_BYTES
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
-
-MAX_REQUEST_BYTES = 256 << 20
 
 
 class EchoServicer(pb_grpc.ContextServiceServicer):
@@ -46,8 +46,9 @@ class EchoServicer(pb_grpc.ContextServiceServicer):
         now_us = time.time_ns() // 1_000
         receipts = []
         for i, message in enumerate(request.messages):
+            # An agent without a model counts by the estimate, so both fields carry it.
             estimate = (len(message.content) + 3) // 4
-            receipt = pb.MessageReceipt(id=first + i, token_estimate=estimate)
+            receipt = pb.MessageReceipt(id=first + i, token_estimate=estimate, token_count=estimate)
             receipt.create_time.FromMicroseconds(now_us)
             receipts.append(receipt)
         return pb.AppendMessagesResponse(receipts=receipts)

@@ -9,19 +9,59 @@ its own CPU use so the report can say when it, not the server, was the limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
 from bench import corpus
+from contextd.server import MAX_REQUEST_BYTES
 
 AGENT = "bench-append"
+# The server's own message size limits, both ways, so large batches and windows fit.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+]
 
 
 def messages_pb(pb: Any, history: list[corpus.Message]) -> list[Any]:
     """``history`` as ``contextd.v1.Message`` protos (``pb`` is the generated module)."""
     return [pb.Message(role=m.role, content=m.content) for m in history]
+
+
+@contextlib.contextmanager
+def populated_stub(
+    address: str,
+    agent: str,
+    threads: Sequence[tuple[str, list[corpus.Message]]],
+    *,
+    model: str,
+    batch: int = 10_000,
+) -> Iterator[Any]:
+    """A blocking ``ContextServiceStub`` to ``address`` after ``CreateAgent(agent, model)``
+    and ``AppendMessages`` of each ``(thread, history)`` in calls of ``batch`` messages;
+    the channel is closed when the block ends."""
+    import grpc
+
+    from contextd.v1 import context_service_pb2 as pb
+    from contextd.v1 import context_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
+        stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name=agent, model=model)))
+        for thread, history in threads:
+            for start in range(0, len(history), batch):
+                stub.AppendMessages(
+                    pb.AppendMessagesRequest(
+                        agent=agent,
+                        thread=thread,
+                        messages=messages_pb(pb, history[start : start + batch]),
+                    )
+                )
+        yield stub
 
 
 def _request(pb: Any, caller: int, batch: int, offset: int) -> Any:
@@ -50,11 +90,7 @@ async def _drive(
     from contextd.v1 import context_service_pb2 as pb
     from contextd.v1 import context_service_pb2_grpc as pb_grpc
 
-    options = [
-        ("grpc.max_send_message_length", 256 << 20),
-        ("grpc.max_receive_message_length", 256 << 20),
-    ]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         await channel.channel_ready()
         stub = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
         requests = [_request(pb, k, batch, k * batch % 5_000) for k in range(concurrency)]

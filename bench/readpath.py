@@ -67,29 +67,16 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
     """The whole BuildContext RPC against a ``contextd serve`` process holding ``history``:
     the read path plus assembly, rendering, protobuf and transport. Returns the median
     seconds, the response size and how many messages the build kept."""
-    import grpc
-
     from bench import servers
-    from bench.load import messages_pb
+    from bench.load import populated_stub
     from contextd.v1 import context_service_pb2 as pb
-    from contextd.v1 import context_service_pb2_grpc as pb_grpc
 
-    options = [
-        ("grpc.max_receive_message_length", 256 << 20),
-        ("grpc.max_send_message_length", 256 << 20),
-    ]
     with tempfile.TemporaryDirectory(prefix="contextd-bench-build-") as tmp:
         server = servers.start_contextd(Path(tmp) / "data")
         try:
-            with grpc.insecure_channel(server.address, options=options) as channel:
-                stub = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
-                agent = pb.Agent(name=AGENT, model="gpt-4o")
-                stub.CreateAgent(pb.CreateAgentRequest(agent=agent))
-                for start in range(0, len(history), BATCH):
-                    batch = messages_pb(pb, history[start : start + BATCH])
-                    stub.AppendMessages(
-                        pb.AppendMessagesRequest(agent=AGENT, thread=THREAD, messages=batch)
-                    )
+            with populated_stub(
+                server.address, AGENT, [(THREAD, history)], model="gpt-4o", batch=BATCH
+            ) as stub:
                 request = pb.BuildContextRequest(
                     agent=AGENT,
                     thread=THREAD,

@@ -21,10 +21,8 @@ from bench.child import REPO
 
 @dataclass
 class ServerProcess:
-    name: str
     proc: subprocess.Popen[bytes]
     port: int
-    log_path: Path
 
     @property
     def address(self) -> str:
@@ -51,7 +49,7 @@ def _start(
     while time.monotonic() < deadline:
         for line in log_path.read_text().splitlines():
             if marker in line:
-                return ServerProcess(name, proc, int(json.loads(line)["port"]), log_path)
+                return ServerProcess(proc, int(json.loads(line)["port"]))
         if proc.poll() is not None:
             break
         time.sleep(0.05)

@@ -1,10 +1,13 @@
 """The seed design's store, for comparison: SQLite from Python, in process.
 
 WAL journal with ``synchronous=FULL`` so that every commit is durable, like contextd's
-acknowledged appends. Two variants: one INSERT and one commit per message (what a
-single-message append costs), and ``executemany`` of a whole batch in one commit. It runs
-in the benchmark process with no network and no serialisation, which flatters it: it is
-the ceiling of that design, not what a server built on it would reach.
+acknowledged appends. Two variants, both with a single caller: one INSERT and one commit
+per message (what one durable single-message append costs on this disk), and
+``executemany`` of a whole batch in one commit. It runs in the benchmark process with no
+network and no serialisation, and its rows have fewer columns than contextd's (no token
+count, chars, group or context id), which flatters it: it is the ceiling of that design,
+not what a server built on it would reach, and not the same load as contextd's 32
+concurrent callers.
 """
 
 from __future__ import annotations

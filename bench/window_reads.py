@@ -4,7 +4,8 @@ One ListMessages call with page_size 1,000 returns a whole 1,000-message window;
 baseline is the seed design's SQLite query for the same rows in process (no network, no
 protobuf), so the ratio shows what the service's layers cost on a read. contextd's own
 store read (``Store.list_messages`` in process) is timed too, to separate DuckDB from
-gRPC. Both stores also hold other threads' messages, so the query must select.
+gRPC. Both stores also hold other threads' messages, so the query must select; the first
+read of each path is checked message by message (role and content) against thread t0.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import corpus, servers, sqlite_baseline
-from bench.load import messages_pb
 from bench.model import Bar, Section
 from bench.sizes import Sizes
 from bench.stats import fmt_ms, fmt_ratio, median_time, progress, ratio
@@ -25,44 +25,50 @@ NOISE_THREADS = 9
 AGENT = "bench-reader"
 
 
-def run(sz: Sizes) -> Section:
-    import grpc
+def _check(path: str, got: list[tuple[int, str]], expected: list[corpus.Message]) -> None:
+    """``got`` (role, content) pairs must be ``expected``'s, in order: the right thread."""
+    want = [(m.role, m.content) for m in expected]
+    if got != want:
+        wrong = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+            min(len(got), len(want)),
+        )
+        raise AssertionError(
+            f"{path} read {len(got)} messages, expected {len(want)} of thread t0; "
+            f"first difference at message {wrong}"
+        )
 
+
+def run(sz: Sizes) -> Section:
+    from bench.load import populated_stub
     from bench.readpath import populate_thread, service_over
     from contextd.storage import Store, ThreadFilter
     from contextd.v1 import context_service_pb2 as pb
-    from contextd.v1 import context_service_pb2_grpc as pb_grpc
 
     history = corpus.conversation(WINDOW * (NOISE_THREADS + 1), tools=False)
     threads = [(f"t{k}", history[k * WINDOW : (k + 1) * WINDOW]) for k in range(NOISE_THREADS + 1)]
+    expected = threads[0][1]
     calls = sz.window_calls
     with tempfile.TemporaryDirectory(prefix="contextd-bench-reads-") as tmp_name:
         tmp = Path(tmp_name)
         progress(f"window reads: {len(threads)} threads of {WINDOW:,} messages, gRPC")
         server = servers.start_contextd(tmp / "contextd" / "data")
         try:
-            channel = grpc.insecure_channel(
-                server.address, options=[("grpc.max_receive_message_length", 256 << 20)]
-            )
-            stub = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
-            for thread, messages in threads:
-                stub.AppendMessages(
-                    pb.AppendMessagesRequest(
-                        agent=AGENT,
-                        thread=thread,
-                        messages=messages_pb(pb, messages),
-                    )
-                )
+            with populated_stub(server.address, AGENT, threads, model="") as stub:
+                request = pb.ListMessagesRequest(agent=AGENT, thread="t0", page_size=WINDOW)
 
-            def grpc_read() -> None:
-                response = stub.ListMessages(
-                    pb.ListMessagesRequest(agent=AGENT, thread="t0", page_size=WINDOW)
-                )
-                if len(response.messages) != WINDOW:
-                    raise AssertionError(f"ListMessages returned {len(response.messages)}")
+                def grpc_read() -> Any:
+                    response = stub.ListMessages(request)
+                    if len(response.messages) != WINDOW:
+                        raise AssertionError(f"ListMessages returned {len(response.messages)}")
+                    return response
 
-            t_grpc = median_time(grpc_read, calls, warmup=2)
-            channel.close()
+                _check(
+                    "ListMessages",
+                    [(m.role, m.content) for m in grpc_read().messages],
+                    expected,
+                )
+                t_grpc = median_time(grpc_read, calls, warmup=1)
         finally:
             server.stop()
 
@@ -74,12 +80,16 @@ def run(sz: Sizes) -> Section:
                 populate_thread(service, AGENT, thread, messages, model="")
             where = ThreadFilter("default", AGENT, "", "t0")
 
-            def store_read() -> None:
+            def store_read() -> list[Any]:
                 rows = store.list_messages(where, 0, None, WINDOW + 1)
                 if len(rows) != WINDOW:
                     raise AssertionError(f"Store.list_messages returned {len(rows)}")
+                return rows
 
-            t_store = median_time(store_read, calls, warmup=2)
+            _check(
+                "Store.list_messages", [(int(m.role), m.content) for m in store_read()], expected
+            )
+            t_store = median_time(store_read, calls, warmup=1)
         finally:
             store.close()
 
@@ -89,14 +99,16 @@ def run(sz: Sizes) -> Section:
                 sqlite_baseline.insert_batch(con, thread, messages)
             since = time.time_ns() // 1_000 - 86_400 * 1_000_000
 
-            def sqlite_read() -> None:
+            def sqlite_read() -> list[Any]:
                 rows = con.execute(
                     sqlite_baseline.SELECT_WINDOW, ("bench", "", "t0", since, WINDOW + 1)
                 ).fetchall()
                 if len(rows) != WINDOW:
                     raise AssertionError(f"SQLite returned {len(rows)}")
+                return rows
 
-            t_sqlite = median_time(sqlite_read, calls, warmup=2)
+            _check("SQLite", [(row[4], row[5]) for row in sqlite_read()], expected)
+            t_sqlite = median_time(sqlite_read, calls, warmup=1)
         finally:
             con.close()
 
@@ -120,7 +132,7 @@ def run(sz: Sizes) -> Section:
             f"A 1,000-message ListMessages takes {fmt_ms(t_grpc)} over gRPC, "
             f"{fmt_ratio(ratio(t_grpc, t_sqlite))} the time of the in-process SQLite query; "
             f"of that, the DuckDB read and row objects take {fmt_ms(t_store)} and the rest is "
-            "protobuf conversion and transport.",
+            "the service layer, protobuf and transport.",
         ],
         bars=[Bar("window read gRPC vs SQLite in process", ratio(t_sqlite, t_grpc), None)],
         raw=raw,

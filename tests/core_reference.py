@@ -4,121 +4,35 @@ Each reference is written for clarity, not speed, and where it can it takes a di
 route than the Rust code (brute force over every cut, rebuilding statistics from scratch)
 so that a shared misunderstanding is less likely to hide.
 
-It also knows how to get ``tiktoken`` working without a network: see
-:func:`tiktoken_encoding`.
+It also gets ``tiktoken`` working without a network (:func:`tiktoken_encoding`, which
+wraps ``bench.tiktoken_offline``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gzip
-import hashlib
-import json
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.tiktoken_offline import encoding
 
 # ----------------------------------------------------------------------------- tiktoken
-
-TIKTOKEN_URL = "https://openaipublic.blob.core.windows.net/encodings/{name}.tiktoken"
-OFFLINE_CACHE = Path(tempfile.gettempdir()) / "contextd-tiktoken-cache"
-
-
-def _bpe_openai_data_dir() -> Path | None:
-    """The ``data/`` folder of the ``bpe-openai`` crate the Rust core builds against.
-
-    That crate ships OpenAI's original ``*.tiktoken`` files (gzipped) and cargo has
-    unpacked its source to build the core, so they are on this machine whenever the
-    extension is. tiktoken itself checks each file's SHA-256 against the hash it knows,
-    so a wrong file fails loudly instead of giving a wrong reference.
-    """
-    cargo = shutil.which("cargo")
-    if cargo is None:
-        return None
-    try:
-        out = subprocess.run(
-            [
-                cargo,
-                "metadata",
-                "--offline",
-                "--format-version",
-                "1",
-                "--manifest-path",
-                str(REPO / "rust_core" / "Cargo.toml"),
-            ],
-            capture_output=True,
-            check=True,
-            text=True,
-            timeout=120,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for package in json.loads(out)["packages"]:
-        if package["name"] == "bpe-openai":
-            data = Path(package["manifest_path"]).parent / "data"
-            if data.is_dir():
-                return data
-    return None
-
-
-@functools.cache
-def _fill_offline_cache() -> Path | None:
-    """Put the encodings where tiktoken's cache looks (file name = sha1 of the URL)."""
-    data = _bpe_openai_data_dir()
-    if data is None:
-        return None
-    OFFLINE_CACHE.mkdir(parents=True, exist_ok=True)
-    for name in ("o200k_base", "cl100k_base"):
-        key = hashlib.sha1(TIKTOKEN_URL.format(name=name).encode()).hexdigest()
-        target = OFFLINE_CACHE / key
-        if not target.exists():
-            tmp = target.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(gzip.decompress((data / f"{name}.tiktoken.gz").read_bytes()))
-            tmp.replace(target)
-    return OFFLINE_CACHE
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str) -> Iterator[None]:
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 @functools.cache
 def tiktoken_encoding(name: str) -> Any:
-    """``tiktoken.get_encoding(name)`` without network access.
+    """``tiktoken.get_encoding(name)`` without network access (see
+    ``bench.tiktoken_offline``, the one copy of the offline loader).
 
     Returns ``None`` (callers skip) only when tiktoken is not installed or no offline copy
     of the encoding can be found and the download fails too.
     """
     try:
-        import tiktoken
-    except ImportError:
-        return None
-    cache = _fill_offline_cache()
-    try:
-        if cache is not None:
-            with _env("TIKTOKEN_CACHE_DIR", str(cache)):
-                return tiktoken.get_encoding(name)
-        return tiktoken.get_encoding(name)
-    except Exception:
+        return encoding(name)
+    except RuntimeError:
         return None
 
 
