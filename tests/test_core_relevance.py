@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -159,6 +160,33 @@ def test_bm25_replace_remove_and_properties() -> None:
     assert repr(index) == "Bm25Index(k1=1.5, b=0.5, stop_words=True, len=1)"
 
 
+def test_bm25_defaults_are_the_okapi_values() -> None:
+    index = core.Bm25Index()
+    assert (index.k1, index.b, index.stop_words, len(index), index.vocabulary_size) == (
+        1.2,
+        0.75,
+        False,
+        0,
+        0,
+    )
+    assert repr(index) == "Bm25Index(k1=1.2, b=0.75, stop_words=False, len=0)"
+
+
+def test_bm25_replacing_documents_keeps_results() -> None:
+    """Replacing every document many times (compaction runs on add too) changes nothing
+    a fresh index would answer differently."""
+    index = core.Bm25Index()
+    ids = list(range(50))
+    for round_ in range(8):
+        texts = [f"doc{i} topic{i % 7} round{round_}" for i in ids]
+        index.add(ids, texts)
+        fresh = core.Bm25Index()
+        fresh.add(ids, texts)
+        assert len(index) == 50 and index.vocabulary_size >= fresh.vocabulary_size
+        for q in ["topic3", f"round{round_}", "round0 doc7"]:
+            assert index.search(q, 60) == fresh.search(q, 60)
+
+
 def test_bm25_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="k1"):
         core.Bm25Index(k1=-1.0)
@@ -208,3 +236,37 @@ def test_bm25_is_safe_to_share_between_threads() -> None:
         stop.set()
         assert all(r.result() > 0 for r in readers)
     assert len(index) == 2000
+
+
+def test_bm25_getters_wait_for_a_long_add_without_the_gil() -> None:
+    """While an add holds the write lock (GIL released), len() waits for it detached, so
+    other Python threads keep running instead of the whole interpreter freezing."""
+    texts = [f"message {i} about topic{i % 97} and word{i % 13} " * 4 for i in range(200_000)]
+    index = core.Bm25Index()
+    done = threading.Event()
+    ticks = 0
+
+    def counter() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+
+    def add_all() -> None:
+        index.add(list(range(len(texts))), texts)
+        done.set()
+
+    adder = threading.Thread(target=add_all)
+    ticker = threading.Thread(target=counter)
+    adder.start()
+    ticker.start()
+    blocked = []
+    while not done.is_set():
+        before, started = ticks, time.perf_counter()
+        size = len(index)
+        elapsed, progressed = time.perf_counter() - started, ticks - before
+        assert size in (0, len(texts))  # never half a batch
+        if elapsed > 0.2:  # it waited for the add (not just a slow scheduler)
+            blocked.append(progressed)
+    adder.join()
+    ticker.join()
+    assert all(p > 0 for p in blocked), blocked

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +92,31 @@ def test_matches_reference_and_keeps_invariants(
         ref.total_tokens,
     )
     _check_invariants(c, budget, max_chars, r)
+    assert r.kept_start == (r.kept[0] if r.kept else None)
+    if c.truncated_tokens is None:  # the columns binding has no truncated_tokens
+        cols = core.trim_columns_to_budget(*_arrays(c), budget, max_chars)
+        assert (cols.kept, cols.truncated, cols.truncated_chars, cols.total_tokens) == (
+            r.kept,
+            r.truncated,
+            r.truncated_chars,
+            r.total_tokens,
+        )
+
+
+def _arrays(
+    c: Conversation,
+) -> tuple[
+    np.ndarray[tuple[int], np.dtype[np.uint8]],
+    np.ndarray[tuple[int], np.dtype[np.uint64]],
+    np.ndarray[tuple[int], np.dtype[np.uint64]],
+    np.ndarray[tuple[int], np.dtype[np.int64]],
+]:
+    return (
+        np.array(c.roles, dtype=np.uint8),
+        np.array(c.tokens, dtype=np.uint64),
+        np.array(c.chars, dtype=np.uint64),
+        np.array(c.groups, dtype=np.int64),
+    )
 
 
 @given(c=conversations(), budget=st.integers(0, 600))
@@ -162,3 +188,48 @@ def test_arbitrary_groups_are_still_safe(
     if r.kept:
         assert r.kept == list(range(r.kept[0], len(rows)))
         assert roles[r.kept[0]] != TOOL_RESULT
+
+
+def _columns(n: int) -> Conversation:
+    return Conversation([USER] * n, [1] * n, [4] * n, [-1] * n, None)
+
+
+def test_columns_are_read_in_place_and_the_walk_stops_at_the_budget() -> None:
+    """Read-only arrays work (nothing is written), and, as for lists, the invalid role at
+    index 0 of a long window is never reached."""
+    roles, tokens, chars, groups = _arrays(_columns(1_000_000))
+    roles[0] = 0
+    for a in (roles, tokens, chars, groups):
+        a.flags.writeable = False
+    r = core.trim_columns_to_budget(roles, tokens, chars, groups, 100)
+    assert (r.kept_start, len(r.kept), r.total_tokens) == (1_000_000 - 100, 100, 100)
+    empty = core.trim_columns_to_budget(*_arrays(_columns(0)), 100)
+    assert (empty.kept, empty.kept_start, empty.total_tokens) == ([], None, 0)
+    # Any buffer of the right item type qualifies, not only NumPy arrays.
+    assert core.trim_columns_to_budget(bytes([USER, USER]), *_arrays(_columns(2))[1:], 5).kept == [
+        0,
+        1,
+    ]
+
+
+def test_columns_of_the_wrong_type_or_layout_are_rejected() -> None:
+    roles, tokens, chars, groups = _arrays(_columns(4))
+    with pytest.raises(BufferError, match=r'column "tokens" must be .* of uint64'):
+        core.trim_columns_to_budget(roles, tokens.astype(np.int64), chars, groups, 10)
+    with pytest.raises(BufferError, match=r'column "roles" must be .* of uint8'):
+        core.trim_columns_to_budget(roles.astype(np.uint16), tokens, chars, groups, 10)
+    with pytest.raises(BufferError, match=r'column "groups".*non-contiguous'):
+        wide = np.zeros(8, dtype=np.int64)
+        core.trim_columns_to_budget(roles, tokens, chars, wide[::2], 10)
+    with pytest.raises(BufferError, match=r'column "chars".*2 dimensions'):
+        core.trim_columns_to_budget(roles, tokens, chars.reshape(2, 2), groups, 10)
+    with pytest.raises(TypeError, match='column "roles"'):
+        core.trim_columns_to_budget([USER] * 4, tokens, chars, groups, 10)  # type: ignore[arg-type]
+
+
+def test_columns_of_different_lengths_are_value_errors() -> None:
+    roles, tokens, chars, groups = _arrays(_columns(4))
+    with pytest.raises(ValueError, match='column "chars" has 3 entries'):
+        core.trim_columns_to_budget(roles, tokens, chars[:3], groups, 10)
+    with pytest.raises(ValueError, match='column "groups" has 5 entries'):
+        core.trim_columns_to_budget(roles, tokens, chars, np.zeros(5, dtype=np.int64), 10)

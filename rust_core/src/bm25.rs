@@ -22,9 +22,10 @@
 //! - a bulk add ([`Bm25Index::add_batch`]) tokenizes and folds [`ADD_CHUNK`] documents at a
 //!   time, so building a million-message index needs little beyond the index itself.
 //!
-//! Removal marks a tombstone and fixes `N` and `avgdl` at once; document frequencies of
-//! lists holding dead entries are recounted at query time, and once dead documents pass a
-//! quarter of the live ones every list is compacted and documents renumbered. Term
+//! Removal (and replacing a document by adding its id again) marks a tombstone and fixes
+//! `N` and `avgdl` at once; document frequencies of lists holding dead entries are
+//! recounted at query time, and once dead documents pass a quarter of the live ones (checked
+//! at the end of every add and remove) every list is compacted and documents renumbered. Term
 //! frequencies saturate at 65,535 (BM25's tf saturation makes the difference nil).
 //!
 //! Search is term-at-a-time into a dense score array, then a k-sized heap; ties are broken
@@ -165,9 +166,8 @@ pub struct Bm25Index {
     doc_ids: Vec<i64>,
     doc_len: Vec<u32>,
     alive: Vec<bool>,
+    /// Live documents by external id; `doc_ids` also holds the dead ones (until compacted).
     by_id: HashMap<i64, u32>,
-    live: usize,
-    dead: usize,
     total_len: u64,
 }
 
@@ -217,8 +217,6 @@ impl Bm25Index {
             doc_len: Vec::new(),
             alive: Vec::new(),
             by_id: HashMap::new(),
-            live: 0,
-            dead: 0,
             total_len: 0,
         })
     }
@@ -240,12 +238,17 @@ impl Bm25Index {
 
     /// Number of live documents.
     pub fn len(&self) -> usize {
-        self.live
+        self.by_id.len()
     }
 
     /// Whether the index holds no live document.
     pub fn is_empty(&self) -> bool {
-        self.live == 0
+        self.by_id.is_empty()
+    }
+
+    /// Number of dead (removed or replaced, not yet compacted) documents still stored.
+    fn dead(&self) -> usize {
+        self.doc_ids.len() - self.by_id.len()
     }
 
     /// Whether a live document has this id.
@@ -265,11 +268,19 @@ impl Bm25Index {
 
     /// Add a prepared document. An existing document with the same id is replaced.
     pub fn add_prepared(&mut self, id: i64, doc: &DocTerms) -> CoreResult<()> {
-        self.remove_one(id);
+        let added = self.insert_prepared(id, doc);
+        self.maybe_compact();
+        added
+    }
+
+    /// [`Bm25Index::add_prepared`] without the compaction check (a batch checks once).
+    fn insert_prepared(&mut self, id: i64, doc: &DocTerms) -> CoreResult<()> {
+        // Checked before replacing, so a full index keeps the old document.
         let idx = u32::try_from(self.doc_ids.len())
             .ok()
             .filter(|&i| i < u32::MAX)
             .ok_or_else(|| CoreError::InvalidArgument("index is full (2^32 documents)".into()))?;
+        self.remove_one(id);
         for &(start, end, tf) in &doc.terms {
             let (term, new) = self
                 .vocab
@@ -283,7 +294,6 @@ impl Bm25Index {
         self.doc_len.push(doc.len);
         self.alive.push(true);
         self.by_id.insert(id, idx);
-        self.live += 1;
         self.total_len += u64::from(doc.len);
         Ok(())
     }
@@ -340,10 +350,14 @@ impl Bm25Index {
                     || prepare_all(upcoming, stop_words),
                 )
             };
-            folded?;
+            if let Err(err) = folded {
+                self.maybe_compact();
+                return Err(err);
+            }
             at = end;
             ready = next;
         }
+        self.maybe_compact();
         if n > ADD_CHUNK {
             self.shrink_to_fit();
         }
@@ -353,7 +367,7 @@ impl Bm25Index {
     fn fold(&mut self, ids: &[i64], docs: &[DocTerms]) -> CoreResult<()> {
         ids.iter()
             .zip(docs)
-            .try_for_each(|(&id, doc)| self.add_prepared(id, doc))
+            .try_for_each(|(&id, doc)| self.insert_prepared(id, doc))
     }
 
     /// Make room for `additional` more documents in the per-document tables, so a bulk
@@ -386,8 +400,6 @@ impl Bm25Index {
         };
         let idx = idx as usize;
         self.alive[idx] = false;
-        self.live -= 1;
-        self.dead += 1;
         self.total_len -= u64::from(self.doc_len[idx]);
         true
     }
@@ -395,10 +407,18 @@ impl Bm25Index {
     /// Remove documents by id (unknown ids are ignored); returns how many were removed.
     pub fn remove(&mut self, ids: &[i64]) -> usize {
         let removed = ids.iter().filter(|&&id| self.remove_one(id)).count();
-        if self.dead > 0 && self.dead * 4 > self.live {
+        self.maybe_compact();
+        removed
+    }
+
+    /// Compact once dead documents (removed, or replaced by an add) pass a quarter of the
+    /// live ones. Called at the end of every add and remove, so a store whose documents
+    /// are replaced over and over stays bounded too.
+    fn maybe_compact(&mut self) {
+        let dead = self.dead();
+        if dead > 0 && dead * 4 > self.len() {
             self.compact();
         }
-        removed
     }
 
     /// Drop dead postings and renumber live documents densely.
@@ -428,12 +448,11 @@ impl Bm25Index {
             .enumerate()
             .map(|(i, &id)| (id, i as u32))
             .collect();
-        self.dead = 0;
     }
 
     /// The `k` best documents for `query`: `(id, score)` pairs, best first.
     pub fn search(&self, query: &str, k: usize) -> Vec<(i64, f64)> {
-        if k == 0 || self.live == 0 {
+        if k == 0 || self.is_empty() {
             return Vec::new();
         }
         let lowered = query.to_lowercase();
@@ -448,13 +467,14 @@ impl Bm25Index {
         if terms.is_empty() {
             return Vec::new();
         }
-        let n = self.live as f64;
+        let n = self.len() as f64;
+        let dead = self.dead();
         let avgdl = self.total_len as f64 / n;
         let mut scores = vec![0.0f64; self.doc_ids.len()];
         let mut touched: Vec<u32> = Vec::new();
         for &t in &terms {
             let list = &self.postings[t as usize];
-            let df = if self.dead == 0 {
+            let df = if dead == 0 {
                 list.len()
             } else {
                 list.iter().filter(|p| self.alive[p.doc as usize]).count()
@@ -590,10 +610,45 @@ mod tests {
                 .unwrap();
         }
         ix.remove(&(0..60).collect::<Vec<_>>());
-        assert_eq!(ix.dead, 0, "compacted");
+        assert_eq!(ix.dead(), 0, "compacted");
         assert_eq!(ix.doc_ids.len(), 40);
         for q in ["common", "word3 text1", "word7"] {
             assert_eq!(ix.search(q, 100), fresh.search(q, 100), "{q}");
+        }
+    }
+
+    fn postings_total(ix: &Bm25Index) -> usize {
+        ix.postings.iter().map(Vec::len).sum()
+    }
+
+    #[test]
+    fn replacing_documents_compacts_too() {
+        let text = |i: i64, round: i64| format!("word{} common text{} round{round}", i % 10, i % 3);
+        let ids: Vec<i64> = (0..100).collect();
+        let mut one = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        let mut batch = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+        for round in 0..10 {
+            for &i in &ids {
+                one.add(i, &text(i, round)).unwrap();
+            }
+            let texts: Vec<String> = ids.iter().map(|&i| text(i, round)).collect();
+            batch.add_batch(&ids, &texts).unwrap();
+            let mut fresh = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).unwrap();
+            fresh.add_batch(&ids, &texts).unwrap();
+            for ix in [&one, &batch] {
+                assert_eq!(ix.len(), 100);
+                // Never more than a quarter dead: 4 words per document.
+                assert!(
+                    ix.dead() * 4 <= ix.len(),
+                    "round {round}: {} dead",
+                    ix.dead()
+                );
+                assert!(ix.doc_ids.len() <= 125);
+                assert!(postings_total(ix) <= 125 * 4, "round {round}");
+                for q in ["common", "word3 text1", &format!("round{round}"), "round0"] {
+                    assert_eq!(ix.search(q, 200), fresh.search(q, 200), "{q}");
+                }
+            }
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Everything here is a pure function or a small value type with no I/O, so it can be
 //! tested with `cargo test` alone. The Python bindings live in `python.rs` behind the
-//! `python` feature; they only convert arguments and release the interpreter.
+//! `python` feature; they only borrow or convert arguments and release the interpreter
+//! around large inputs.
 
 pub mod bm25;
 pub mod error;

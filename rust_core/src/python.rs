@@ -1,16 +1,17 @@
 //! PyO3 bindings: the only file that knows about Python.
 //!
-//! Each binding copies its input out of Python objects while attached to the interpreter,
-//! runs the work detached from it (so other Python threads, e.g. gRPC handlers, keep
-//! running) and returns flat vectors, never one Python object per message.
+//! Each binding borrows its input from the Python objects (texts as UTF-8 views of the
+//! `str` objects, columns as views of the buffers), runs large work detached from the
+//! interpreter (so other Python threads, e.g. gRPC handlers, keep running; see
+//! [`run_sized`]) and returns flat vectors, never one Python object per message.
 
-use pyo3::buffer::PyBuffer;
+use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 
-use std::sync::{PoisonError, RwLock};
+use std::sync::{PoisonError, RwLock, RwLockReadGuard, TryLockError};
 
 use crate::bm25;
 use crate::error::CoreError;
@@ -18,7 +19,7 @@ use crate::models;
 use crate::relevance;
 use crate::specifics;
 use crate::text;
-use crate::tokens::Encoding;
+use crate::tokens::{self, Encoding};
 use crate::trim;
 
 create_exception!(
@@ -39,21 +40,34 @@ impl From<CoreError> for PyErr {
     }
 }
 
-/// Seed 004's estimate for each text, in order.
+/// Seed 004's estimate for each text, in order: `(code points + 3) / 4`.
+///
+/// A Python `str` knows its length in code points (O(1)), which for any string that is
+/// valid Unicode is its number of scalar values, so nothing is read or copied.
 #[pyfunction]
-fn estimate_tokens_batch(py: Python<'_>, texts: Vec<String>) -> Vec<u64> {
-    run_sized(py, total_len(&texts), move || {
-        texts.iter().map(|t| crate::estimate_tokens(t)).collect()
-    })
+fn estimate_tokens_batch(texts: Vec<Bound<'_, PyString>>) -> PyResult<Vec<u64>> {
+    texts
+        .iter()
+        .map(|t| Ok((t.len()? as u64).div_ceil(4)))
+        .collect()
 }
 
 /// Below this many bytes of input a call runs attached: handing the GIL over and taking
 /// it back costs more than the work, and under many threads (a busy gRPC server) taking
-/// it back can wait a whole switch interval.
-const DETACH_ABOVE_BYTES: usize = 64 * 1024;
+/// it back can wait a whole switch interval. The same size below which batches are not
+/// worth spreading over rayon's pool.
+const DETACH_MIN_BYTES: usize = tokens::PARALLEL_MIN_BYTES;
 
-fn total_len(texts: &[String]) -> usize {
-    texts.iter().map(String::len).sum()
+/// Borrow each Python string as UTF-8 (CPython keeps a string's UTF-8 form: for ASCII it
+/// is the string's own storage, otherwise it is made on first use and cached in the
+/// string), so no text is copied per call. The borrows live as long as `texts`, whose
+/// references keep the strings alive.
+fn borrow_texts<'a>(texts: &'a [Bound<'_, PyString>]) -> PyResult<Vec<&'a str>> {
+    texts.iter().map(|t| t.to_str()).collect()
+}
+
+fn total_len(texts: &[&str]) -> usize {
+    texts.iter().map(|t| t.len()).sum()
 }
 
 /// Run `work` detached from the interpreter when the input is large enough to pay for it.
@@ -62,7 +76,7 @@ where
     T: Send,
     F: FnOnce() -> T + Send,
 {
-    if input_bytes > DETACH_ABOVE_BYTES {
+    if input_bytes >= DETACH_MIN_BYTES {
         py.detach(work)
     } else {
         work()
@@ -79,18 +93,19 @@ fn estimate_tokens(text: &str) -> u64 {
 #[pyfunction]
 fn count_tokens(py: Python<'_>, text: &str, encoding: &str) -> PyResult<u64> {
     let encoding: Encoding = encoding.parse()?;
-    if encoding.is_exact() {
-        Ok(py.detach(|| encoding.count(text)))
-    } else {
-        Ok(encoding.count(text))
-    }
+    Ok(run_sized(py, text.len(), || encoding.count(text)))
 }
 
 /// Token counts of many texts with the named encoding, in order.
 #[pyfunction]
-fn count_tokens_batch(py: Python<'_>, texts: Vec<String>, encoding: &str) -> PyResult<Vec<u64>> {
+fn count_tokens_batch(
+    py: Python<'_>,
+    texts: Vec<Bound<'_, PyString>>,
+    encoding: &str,
+) -> PyResult<Vec<u64>> {
     let encoding: Encoding = encoding.parse()?;
-    Ok(run_sized(py, total_len(&texts), move || {
+    let texts = borrow_texts(&texts)?;
+    Ok(run_sized(py, total_len(&texts), || {
         encoding.count_batch(&texts)
     }))
 }
@@ -99,11 +114,12 @@ fn count_tokens_batch(py: Python<'_>, texts: Vec<String>, encoding: &str) -> PyR
 #[pyfunction]
 fn count_tokens_for_model_batch(
     py: Python<'_>,
-    texts: Vec<String>,
+    texts: Vec<Bound<'_, PyString>>,
     model: &str,
 ) -> PyResult<Vec<u64>> {
     let info = models::model_info(model)?;
-    Ok(run_sized(py, total_len(&texts), move || {
+    let texts = borrow_texts(&texts)?;
+    Ok(run_sized(py, total_len(&texts), || {
         info.count_batch(&texts)
     }))
 }
@@ -182,6 +198,11 @@ impl PyTrimResult {
     fn kept(&self) -> Vec<usize> {
         self.0.kept.clone()
     }
+    /// First kept index (`kept[0]`) without building the list; `None` when nothing is kept.
+    #[getter]
+    fn kept_start(&self) -> Option<usize> {
+        self.0.kept.first().copied()
+    }
     #[getter]
     fn truncated(&self) -> Vec<usize> {
         self.0.truncated.clone()
@@ -202,12 +223,28 @@ impl PyTrimResult {
     }
 }
 
+/// The part both trim bindings share. It runs attached: the walk stops at the budget, so
+/// it costs what fits the budget, which is less than handing the interpreter over and back.
+fn trim_messages(
+    messages: &trim::Messages<'_>,
+    budget: u64,
+    max_chars_per_message: u64,
+) -> PyResult<PyTrimResult> {
+    Ok(PyTrimResult(trim::trim_to_budget(
+        messages,
+        budget,
+        max_chars_per_message,
+    )?))
+}
+
 /// Choose the newest suffix of a conversation that fits `budget` tokens.
 #[pyfunction]
-#[pyo3(signature = (roles, tokens, chars, groups, budget, max_chars_per_message = 4000, truncated_tokens = None))]
+#[pyo3(signature = (
+    roles, tokens, chars, groups, budget,
+    max_chars_per_message = trim::DEFAULT_MAX_CHARS, truncated_tokens = None
+))]
 #[allow(clippy::too_many_arguments)]
 fn trim_to_budget(
-    py: Python<'_>,
     roles: Vec<u8>,
     tokens: Vec<u64>,
     chars: Vec<u64>,
@@ -216,48 +253,97 @@ fn trim_to_budget(
     max_chars_per_message: u64,
     truncated_tokens: Option<Vec<u64>>,
 ) -> PyResult<PyTrimResult> {
-    let trimmed = py.detach(move || {
-        let messages = trim::Messages {
-            roles: &roles,
-            tokens: &tokens,
-            chars: &chars,
-            groups: &groups,
-            truncated_tokens: truncated_tokens.as_deref(),
-        };
-        trim::trim_to_budget(&messages, budget, max_chars_per_message)
-    })?;
-    Ok(PyTrimResult(trimmed))
+    let messages = trim::Messages {
+        roles: &roles,
+        tokens: &tokens,
+        chars: &chars,
+        groups: &groups,
+        truncated_tokens: truncated_tokens.as_deref(),
+    };
+    trim_messages(&messages, budget, max_chars_per_message)
+}
+
+/// One column of `trim_columns_to_budget`: a buffer checked to be 1-D, C-contiguous and
+/// of items of exactly `T` (format, size and alignment are checked by [`PyBuffer::get`]).
+/// Only [`Column::new`] makes one, so [`Column::as_slice`] can rely on the checks.
+struct Column<T: Element>(PyBuffer<T>);
+
+impl<T: Element> Column<T> {
+    fn new(obj: &Bound<'_, PyAny>, name: &str, dtype: &str) -> PyResult<Self> {
+        let py = obj.py();
+        let expected = format!(
+            "column {name:?} must be a 1-D C-contiguous buffer of {dtype} \
+             (e.g. numpy.ascontiguousarray(x, dtype=numpy.{dtype}))"
+        );
+        let buf = PyBuffer::<T>::get(obj).map_err(|err| {
+            let msg = format!("{expected}: {}", err.value(py));
+            if err.is_instance_of::<PyBufferError>(py) {
+                PyBufferError::new_err(msg)
+            } else {
+                PyTypeError::new_err(msg)
+            }
+        })?;
+        if buf.dimensions() != 1 {
+            return Err(PyBufferError::new_err(format!(
+                "{expected}; got {} dimensions",
+                buf.dimensions()
+            )));
+        }
+        if !buf.is_c_contiguous() {
+            return Err(PyBufferError::new_err(format!(
+                "{expected}; got a strided (non-contiguous) view"
+            )));
+        }
+        Ok(Column(buf))
+    }
+
+    /// The column as a slice, read in place. `_attached` proves the GIL is held for as
+    /// long as the slice lives.
+    fn as_slice<'a>(&'a self, _attached: Python<'a>) -> &'a [T] {
+        let n = self.0.item_count();
+        if n == 0 {
+            return &[]; // an empty buffer's pointer may be null or dangling
+        }
+        // SAFETY: `Column::new` checked one dimension, C-contiguity, and items of exactly
+        // `T`'s format, size and alignment, so `buf_ptr()` points at `n` initialised `T`s.
+        // The export held by `self.0` (which outlives the slice) keeps the memory from being
+        // freed or resized. The GIL is held for the slice's whole life and no Python code
+        // runs meanwhile (the trim walk never calls back into Python), so no Python code
+        // can write to it; the view is only read (a read-only export is fine). Native code
+        // writing the buffer after releasing the GIL would break this, as it would for any
+        // buffer-protocol consumer; contextd passes arrays it owns.
+        unsafe { std::slice::from_raw_parts(self.0.buf_ptr() as *const T, n) }
+    }
 }
 
 /// `trim_to_budget` over columns given as buffers (e.g. NumPy arrays of a DuckDB/Arrow
-/// result: uint8 roles, uint64 tokens and chars, int64 groups), so a window of 100,000
-/// messages crosses into Rust as four memory copies instead of 400,000 Python ints.
+/// result: uint8 roles, uint64 tokens and chars, int64 groups). The buffers are read in
+/// place, not copied, so a call costs what the walk keeps, whatever the window's length.
 #[pyfunction]
-#[pyo3(signature = (roles, tokens, chars, groups, budget, max_chars_per_message = 4000))]
+#[pyo3(signature = (
+    roles, tokens, chars, groups, budget, max_chars_per_message = trim::DEFAULT_MAX_CHARS
+))]
 fn trim_columns_to_budget(
     py: Python<'_>,
-    roles: PyBuffer<u8>,
-    tokens: PyBuffer<u64>,
-    chars: PyBuffer<u64>,
-    groups: PyBuffer<i64>,
+    roles: &Bound<'_, PyAny>,
+    tokens: &Bound<'_, PyAny>,
+    chars: &Bound<'_, PyAny>,
+    groups: &Bound<'_, PyAny>,
     budget: u64,
     max_chars_per_message: u64,
 ) -> PyResult<PyTrimResult> {
-    let roles = roles.to_vec(py)?;
-    let tokens = tokens.to_vec(py)?;
-    let chars = chars.to_vec(py)?;
-    let groups = groups.to_vec(py)?;
-    let trimmed = py.detach(move || {
-        let messages = trim::Messages {
-            roles: &roles,
-            tokens: &tokens,
-            chars: &chars,
-            groups: &groups,
-            truncated_tokens: None,
-        };
-        trim::trim_to_budget(&messages, budget, max_chars_per_message)
-    })?;
-    Ok(PyTrimResult(trimmed))
+    let roles = Column::<u8>::new(roles, "roles", "uint8")?;
+    let tokens = Column::<u64>::new(tokens, "tokens", "uint64")?;
+    let chars = Column::<u64>::new(chars, "chars", "uint64")?;
+    let groups = Column::<i64>::new(groups, "groups", "int64")?;
+    let messages = trim::Messages {
+        roles: roles.as_slice(py),
+        tokens: tokens.as_slice(py),
+        chars: chars.as_slice(py),
+        groups: groups.as_slice(py),
+        truncated_tokens: None,
+    };
+    trim_messages(&messages, budget, max_chars_per_message)
 }
 
 /// The words of `text` as relevance scoring sees them.
@@ -270,22 +356,38 @@ fn tokenize(text: &str, stop_words: bool) -> Vec<String> {
 /// For each text, how many distinct query words it contains (seed 001).
 #[pyfunction]
 #[pyo3(signature = (query, texts, stop_words = false))]
-fn keyword_scores(py: Python<'_>, query: &str, texts: Vec<String>, stop_words: bool) -> Vec<u32> {
-    py.detach(move || relevance::keyword_scores(query, &texts, stop_words))
+fn keyword_scores(
+    py: Python<'_>,
+    query: &str,
+    texts: Vec<Bound<'_, PyString>>,
+    stop_words: bool,
+) -> PyResult<Vec<u32>> {
+    let texts = borrow_texts(&texts)?;
+    Ok(run_sized(py, total_len(&texts), || {
+        relevance::keyword_scores(query, &texts, stop_words)
+    }))
 }
 
 /// Indices of the texts sharing a word with the query, in order; all when none does.
 #[pyfunction]
 #[pyo3(signature = (query, texts, stop_words = false))]
-fn keyword_select(py: Python<'_>, query: &str, texts: Vec<String>, stop_words: bool) -> Vec<usize> {
-    py.detach(move || relevance::keyword_select(query, &texts, stop_words))
+fn keyword_select(
+    py: Python<'_>,
+    query: &str,
+    texts: Vec<Bound<'_, PyString>>,
+    stop_words: bool,
+) -> PyResult<Vec<usize>> {
+    let texts = borrow_texts(&texts)?;
+    Ok(run_sized(py, total_len(&texts), || {
+        relevance::keyword_select(query, &texts, stop_words)
+    }))
 }
 
 /// Verbatim details a summary must keep: URLs, inline code, paths, numbers with units,
 /// identifiers and error lines, in order of first appearance, without duplicates.
 #[pyfunction]
 fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
-    py.detach(|| specifics::extract_specifics(text))
+    run_sized(py, text.len(), || specifics::extract_specifics(text))
 }
 
 /// Incremental BM25 (Okapi) index; share one between threads freely.
@@ -299,21 +401,44 @@ fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
 ///   working memory stays small; an id already present is replaced. Nothing is rebuilt:
 ///   postings are appended.
 /// - remove(doc_ids) -> int: tombstones; N, avgdl and document frequencies are exact at
-///   once, and storage is compacted when dead entries pass a quarter of the live ones.
+///   once, and storage is compacted when dead entries (removed or replaced documents)
+///   pass a quarter of the live ones, checked after every add and remove.
 /// - search(query, k=10) -> (ids, scores): the k best, best first, ties by ascending id;
 ///   only documents sharing a word with the query are returned.
 /// - len(index), doc_id in index, and the k1, b, stop_words, vocabulary_size properties.
 ///
 /// Searches run concurrently under a read lock; add and remove take the write lock; all
-/// of it runs detached from the interpreter.
+/// of it runs detached from the interpreter. k1, b and stop_words are read without the
+/// lock; len, `in` and vocabulary_size wait for it detached when an add or remove holds it.
 #[pyclass(frozen, name = "Bm25Index", module = "contextd._core")]
 struct PyBm25Index {
     inner: RwLock<bm25::Bm25Index>,
+    // The settings never change after construction: kept here too so their getters (and
+    // `__repr__`) read them without the lock.
+    k1: f64,
+    b: f64,
     stop_words: bool,
 }
 
 impl PyBm25Index {
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, bm25::Bm25Index> {
+    /// Run `f` under the read lock. A long `add` holds the write lock with the GIL released,
+    /// so waiting for it while attached would freeze every Python thread: when the lock is
+    /// not free at once, wait for it detached.
+    fn with_read<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&bm25::Bm25Index) -> T + Send,
+    ) -> T {
+        let guard: RwLockReadGuard<'_, bm25::Bm25Index> = match self.inner.try_read() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return py.detach(|| f(&self.read()));
+            }
+        };
+        f(&guard)
+    }
+    fn read(&self) -> RwLockReadGuard<'_, bm25::Bm25Index> {
         self.inner.read().unwrap_or_else(PoisonError::into_inner)
     }
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, bm25::Bm25Index> {
@@ -324,10 +449,12 @@ impl PyBm25Index {
 #[pymethods]
 impl PyBm25Index {
     #[new]
-    #[pyo3(signature = (k1 = 1.2, b = 0.75, stop_words = false))]
+    #[pyo3(signature = (k1 = bm25::DEFAULT_K1, b = bm25::DEFAULT_B, stop_words = false))]
     fn new(k1: f64, b: f64, stop_words: bool) -> PyResult<Self> {
         Ok(PyBm25Index {
             inner: RwLock::new(bm25::Bm25Index::new(k1, b, stop_words)?),
+            k1,
+            b,
             stop_words,
         })
     }
@@ -353,8 +480,7 @@ impl PyBm25Index {
             }
             .into());
         }
-        // `texts` (the references keeping the strings alive) outlives the borrows below.
-        let borrowed: Vec<&str> = texts.iter().map(|t| t.to_str()).collect::<PyResult<_>>()?;
+        let borrowed = borrow_texts(&texts)?;
         let stop_words = self.stop_words;
         py.detach(|| {
             let first = &borrowed[..borrowed.len().min(bm25::ADD_CHUNK)];
@@ -375,22 +501,22 @@ impl PyBm25Index {
         py.detach(|| self.read().search(query, k).into_iter().unzip())
     }
 
-    fn __len__(&self) -> usize {
-        self.read().len()
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.with_read(py, bm25::Bm25Index::len)
     }
 
-    fn __contains__(&self, doc_id: i64) -> bool {
-        self.read().contains(doc_id)
+    fn __contains__(&self, py: Python<'_>, doc_id: i64) -> bool {
+        self.with_read(py, |ix| ix.contains(doc_id))
     }
 
     #[getter]
     fn k1(&self) -> f64 {
-        self.read().k1()
+        self.k1
     }
 
     #[getter]
     fn b(&self) -> f64 {
-        self.read().b()
+        self.b
     }
 
     #[getter]
@@ -399,18 +525,17 @@ impl PyBm25Index {
     }
 
     #[getter]
-    fn vocabulary_size(&self) -> usize {
-        self.read().vocabulary_size()
+    fn vocabulary_size(&self, py: Python<'_>) -> usize {
+        self.with_read(py, bm25::Bm25Index::vocabulary_size)
     }
 
-    fn __repr__(&self) -> String {
-        let ix = self.read();
+    fn __repr__(&self, py: Python<'_>) -> String {
         format!(
             "Bm25Index(k1={}, b={}, stop_words={}, len={})",
-            ix.k1(),
-            ix.b(),
-            if ix.stop_words() { "True" } else { "False" },
-            ix.len()
+            self.k1,
+            self.b,
+            if self.stop_words { "True" } else { "False" },
+            self.__len__(py)
         )
     }
 }

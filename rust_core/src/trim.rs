@@ -18,15 +18,21 @@
 //! 5. If not even the newest message fits alone, it is kept cut down to fit (the caller
 //!    truncates it to the reported character count) rather than sending an empty context.
 //!
-//! Group contract: the caller assigns one id (>= 0) per tool_use message and gives its
-//! tool_results the same id (it derives them from tool_call ids); `-1` means no group.
-//! A group's tool_use comes before its results; other messages may sit between them.
-//! That contract is what lets the walk stop early: walking back from the newest message,
-//! a group is "open" from its newest member until its tool_use is reached, and a cut is
-//! allowed only where no group is open. The walk stops at the first message that breaks
-//! the budget, so the work grows with what is kept, not with the length of the history.
-//! If the contract is broken (results with no tool_use) the group never closes, so
-//! nothing older than it is kept: the result is smaller, never invalid.
+//! Group contract (a precondition): the caller assigns one id (>= 0) per tool_use message
+//! and gives its tool_results the same id (it derives them from tool_call ids); `-1` means
+//! no group. Each group's tool_use comes before all of its results; other messages may sit
+//! between them. That contract is what lets the walk stop early: walking back from the
+//! newest message, a group is "open" from its newest member until its tool_use is reached,
+//! and a cut is allowed only where no group is open. The walk stops at the first message
+//! that breaks the budget, so it visits only the newest messages whose total fits the
+//! budget (the kept ones, plus any of a group left open when the budget ran out) and one
+//! more: the call costs O(that suffix), not O(history). The Python bindings read the
+//! columns in place for the same reason.
+//!
+//! Input that breaks the contract still yields a suffix within the budget that does not
+//! start with a tool_result, but it may split a group: a result placed before its
+//! tool_use closes the group early, so the cut can fall between them. Results with no
+//! tool_use at all keep their group open, so nothing older than them is kept.
 
 use hashbrown::HashSet;
 

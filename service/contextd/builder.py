@@ -373,9 +373,9 @@ class ContextBuilder:
             budget,
             max_chars,
         )
-        if not trim.kept:
+        if trim.kept_start is None:
             return max(0, len(roles) - 1)
-        return _group_start(groups, trim.kept[0])
+        return _group_start(groups, trim.kept_start)
 
     def _record_compression(
         self,

@@ -2,8 +2,10 @@
 
 The service imports the core through this module only, so the extension's surface is
 stated in one place with the reasons behind it. Everything here is a pure function or an
-immutable value; batch functions release the GIL while they work, so gRPC handler threads
-keep running, and spread big batches over all cores.
+immutable value. Texts are borrowed from the Python strings, not copied. Calls whose input
+exceeds 64 KiB of text release the GIL while they work, so gRPC handler threads keep
+running, and big batches are spread over all cores; smaller calls run holding the GIL,
+which costs less than releasing it and taking it back.
 
 Token counting
     ``o200k_base`` and ``cl100k_base`` are OpenAI's public BPEs, compiled into the
@@ -108,8 +110,9 @@ def count_tokens(text: str, encoding: EncodingName) -> int:
 def count_tokens_batch(texts: list[str], encoding: EncodingName) -> list[int]:
     """Token count of each text, in order.
 
-    The strings are copied once, then counted without the GIL; batches above 64 KiB of
-    text are split over all cores. Raises ``ValueError`` for an unknown encoding.
+    The strings are borrowed, not copied. Batches of 64 KiB of text or more are counted
+    without the GIL and split over all cores; smaller ones are counted holding it. Raises
+    ``ValueError`` for an unknown encoding.
     """
     return _core.count_tokens_batch(texts, encoding)
 
@@ -165,7 +168,10 @@ def trim_to_budget(
     alone), it is kept, listed in ``truncated`` with the character count to cut it to,
     in proportion to its own tokens per character.
 
-    The work grows with the number of messages kept, not with the history's length.
+    The walk stops at the first message that breaks the budget, so it costs what fits
+    the budget, not the history's length; converting the lists into Rust still costs one
+    pass over each (use :func:`trim_columns_to_budget` to avoid that on long histories).
+    ``kept_start`` is ``kept[0]`` (``None`` when nothing is kept) without building the list.
     Raises ``ValueError`` when the columns differ in length or a walked role is invalid.
     """
     return _core.trim_to_budget(
@@ -187,7 +193,13 @@ def trim_columns_to_budget(
 ) -> TrimResult:
     """:func:`trim_to_budget` over buffers (uint8 roles, uint64 tokens and chars, int64
     groups; NumPy arrays of a query result qualify), for windows too long to turn into
-    Python lists on every build."""
+    Python lists on every build.
+
+    The buffers are read in place, not copied, so a call costs what fits the budget
+    whatever the window's length. Each must be one-dimensional, C-contiguous and of exactly
+    that item type (``numpy.ascontiguousarray(x, dtype=...)`` makes one), else
+    ``BufferError`` (``TypeError`` for an object that is not a buffer); columns of
+    different lengths raise ``ValueError``."""
     return _core.trim_columns_to_budget(roles, tokens, chars, groups, budget, max_chars_per_message)
 
 
