@@ -198,6 +198,16 @@ def run(sz: Sizes) -> Section:
                 ">= 100x faster than load + langchain trim",
                 f"{fmt_ratio(speedup_lc)} (whole RPC: {fmt_ratio(rpc_lc)})",
                 speedup_lc >= 100 if n >= 100_000 else None,
+                why=(
+                    f"contextd's row is the whole server-side BuildContext "
+                    f"({fmt_ms(t['contextd'])}): besides reading the newest columns and the "
+                    "content that can fit, it looks up the agent, thread, latest summary, "
+                    "status entries and thread activity, counts every kept message again "
+                    "with the exact tokenizer, assembles, and commits its "
+                    "context.compressed event through the writer, while the naive paths "
+                    "only load and trim. Loading the window alone takes "
+                    f"{fmt_ratio(ratio(t['load'], t['contextd']))} contextd's whole build."
+                ),
             )
         ],
         findings=[
