@@ -16,6 +16,7 @@ from fake_anthropic import FakeAnthropic
 from google.protobuf import duration_pb2, field_mask_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect
+from contextd import core
 from contextd.config import Settings
 from contextd.server import RunningServer, create_server
 from contextd.v1 import context_service_pb2 as pb
@@ -157,6 +158,25 @@ def test_budget_is_never_exceeded_and_newest_turn_kept(
     data = json.loads(events[0].data)
     assert (data["original_count"], data["budget_tokens"]) == (300, 2_000)
     assert data["compressed_count"] == ctx.stats.messages_after
+
+
+@pytest.mark.parametrize("build_model", ["gpt-4o", "gpt-4", "claude-sonnet-4-5"])
+def test_history_tokens_are_exact_under_the_builds_model(
+    running: tuple[RunningServer, Client], build_model: str
+) -> None:
+    """The build reuses the counts stored at insert only when they were made with its
+    own tokenizer; under any other model it counts again, so the figure is always exact."""
+    _, client = running
+    _agent(client, model="gpt-4o")  # stored counts: o200k_base
+    texts = [
+        f"message {i}: " + "naïve café 東京 " * (i % 7) + "\n```py\nx = 1\n```" for i in range(40)
+    ]
+    client.append("a1", *texts)
+    ctx = _build(client, model=build_model)
+    assert len(ctx.messages) == 40
+    expected = core.count_tokens_for_model_batch([m.content for m in ctx.messages], build_model)
+    assert ctx.stats.history_tokens == sum(expected)
+    assert ctx.stats.tokenizer == core.model_info(build_model).tokenizer
 
 
 def test_context_grows_by_exactly_the_appended_messages(

@@ -54,6 +54,71 @@ def test_migrates_an_older_schema_in_place(tmp_path: Path) -> None:
         store.close()
 
 
+def test_v3_points_each_thread_at_its_newest_summary(tmp_path: Path) -> None:
+    """A file written at schema v2 with stored summaries: migrating to v3 fills each
+    thread's latest_summary_id from its messages, so builds find the same summary."""
+    path = tmp_path / "db.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
+        "applied_time_us BIGINT NOT NULL)"
+    )
+    for version, statements in storage.MIGRATIONS[:2]:
+        for statement in statements:
+            con.execute(statement)
+        con.execute("INSERT INTO schema_migrations VALUES (?, 0)", [version])
+    con.execute(
+        "INSERT INTO agents VALUES ('default', 'a1', '', '[]', 86400000000, 1, 1, 1, '', '{}')"
+    )
+    for context_id, thread in ((1, "t1"), (2, "t2")):
+        con.execute(
+            "INSERT INTO threads VALUES (?, 'default', 'a1', '', ?, 5, 9, 3, 6, NULL)",
+            [context_id, thread],
+        )
+    rows = [  # (id, context, is_summary): t1 has two summaries, t2 none
+        (1, 1, False),
+        (2, 1, True),
+        (3, 1, True),
+        (4, 1, False),
+        (5, 2, False),
+    ]
+    for message_id, context_id, is_summary in rows:
+        con.execute(
+            "INSERT INTO messages VALUES (?, ?, 'default', 'a1', '', ?, 1, ?, '', '', '', '', "
+            "1, ?, 1, 'estimate', 1, -1, '', ?, 0, 0)",
+            [message_id, context_id, f"t{context_id}", f"m{message_id}", message_id, is_summary],
+        )
+    con.close()
+    store = Store.open(path)
+    try:
+        refs = [store.context_ref(ContextKey("default", "a1", "", t)) for t in ("t1", "t2")]
+        assert [r.latest_summary_id if r else None for r in refs] == [3, 0]
+        assert refs[0] is not None and refs[1] is not None
+        summary = store.latest_summary(refs[0])
+        assert summary is not None and summary.content == "m3"
+        assert store.latest_summary(refs[1]) is None
+    finally:
+        store.close()
+
+
+def test_a_stored_summary_becomes_the_threads_latest(tmp_path: Path) -> None:
+    store = Store.open(tmp_path / "db.duckdb")
+    try:
+        key = ContextKey("default", "a1", "", "t1")
+        store.append(key, _batch("one", "two"), AgentSettings())
+        summary = prepare_batch(
+            [NewMessage(role=Role.USER, content="so far")], "", [()], summarized_ids=(1, 2)
+        )
+        [receipt] = store.append(key, summary, AgentSettings())
+        store.append(key, _batch("three"), AgentSettings())
+        ref = store.context_ref(key)
+        assert ref is not None and ref.latest_summary_id == receipt.id
+        found = store.latest_summary(ref)
+        assert found is not None and found.summarized_ids == (1, 2)
+    finally:
+        store.close()
+
+
 def test_reopening_does_not_migrate_again(tmp_path: Path) -> None:
     path = tmp_path / "db.duckdb"
     Store.open(path).close()

@@ -75,7 +75,9 @@ def test_tool_groups_tie_results_to_their_tool_use(server: InProcessServer) -> N
     client.append("a1", "done", role=ASSISTANT)
     client.append("a1", "orphan", role=TOOL_RESULT, tool_call_id="nope")
     store = server.running.store
-    table = store.window_columns(ContextKey("default", "a1", "", "t1"), 0)
+    ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
+    assert ref is not None
+    table = store.window_columns(ref, 0)
     assert table.column("group_id").to_pylist() == [-1, use.id, use.id, use.id, -1, -1]
     assert table.column("role").to_pylist() == [
         USER,
@@ -97,5 +99,8 @@ def test_openai_style_tool_calls_are_grouped(server: InProcessServer) -> None:
     )
     use = client.append("a1", "", role=ASSISTANT, tool_calls=calls).receipts[0]
     client.append("a1", "42", role=TOOL_RESULT, tool_call_id="call_9")
-    table = server.running.store.window_columns(ContextKey("default", "a1", "", "t1"), 0)
+    store = server.running.store
+    ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
+    assert ref is not None
+    table = store.window_columns(ref, 0)
     assert table.column("group_id").to_pylist() == [use.id, use.id]

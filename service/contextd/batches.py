@@ -21,8 +21,7 @@ def prepare_batch(
     estimates = core.estimate_tokens_batch(texts)
     if model:
         counts = core.count_tokens_for_model_batch(texts, model)
-        info = core.model_info(model)
-        tokenizer = info.tokenizer if info.margin == 1.0 else f"{info.tokenizer}*{info.margin}"
+        tokenizer = stored_tokenizer(model)
     else:
         counts, tokenizer = estimates, "estimate"
     return MessageBatch(
@@ -34,3 +33,10 @@ def prepare_batch(
         tool_call_ids=call_ids,
         summarized_ids=summarized_ids,
     )
+
+
+def stored_tokenizer(model: str) -> str:
+    """The label stored beside counts made under `model`: its tokenizer and margin
+    ("o200k_base", "o200k_base*1.3"). Equal labels mean equal counts for equal texts."""
+    info = core.model_info(model)
+    return info.tokenizer if info.margin == 1.0 else f"{info.tokenizer}*{info.margin}"

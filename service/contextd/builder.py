@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from contextd import core
 from contextd.assembly import BudgetTooSmallError, assemble, status_preamble
-from contextd.batches import prepare_batch
+from contextd.batches import prepare_batch, stored_tokenizer
 from contextd.clock import wall_clock_us
 from contextd.compaction import (
     make_summary_item,
@@ -32,6 +32,7 @@ from contextd.context_types import (
     HistoryItem,
     StrategyOptions,
     counter_for_model,
+    counter_with_known,
 )
 from contextd.domain import (
     Agent,
@@ -45,7 +46,7 @@ from contextd.domain import (
 )
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
 from contextd.render import to_anthropic, to_openai, to_text
-from contextd.storage import Store
+from contextd.storage import ContextRef, Store
 from contextd.summarizer import Summarizer
 from contextd.window import window_start_us
 
@@ -107,7 +108,7 @@ class _Plan:
     now_us: int
     agent_window_start_us: int
     window_start_us: int
-    thread_exists: bool
+    context: ContextRef | None  # None: the thread has no messages yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,8 @@ class _Window:
     previous_summary: HistoryItem | None
     not_loaded: int  # window messages left out because they cannot fit
     create_times: dict[int, int]
+    # Counts the store made at insert under the build's tokenizer, by counted text.
+    known_counts: dict[str, int] = field(default_factory=dict)
 
 
 class ContextBuilder:
@@ -136,8 +139,8 @@ class ContextBuilder:
             request.model,
             request.overrides,
         )
-        count = counter_for_model(plan.model)
         window = self._load_history(plan)
+        count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         before_loaded = window.not_loaded
         status = status_preamble(
             self._store.list_status(
@@ -220,13 +223,13 @@ class ContextBuilder:
         overrides: BuildOverrides,
     ) -> CompactResult:
         plan = self._plan(tenant, agent, scope, thread, model, overrides)
-        if not plan.thread_exists:
+        if plan.context is None:
             raise NotFound(
                 f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
                 reason="THREAD_NOT_FOUND",
             )
-        count = counter_for_model(plan.model)
         window = self._load_history(plan, everything=True)
+        count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         previous = window.previous_summary
         items, _repaired = repair_tool_pairs(window.items)
         costs = count([it.counted_text for it in items]) if items else []
@@ -297,26 +300,25 @@ class ContextBuilder:
                 safety_margin=0.2 if merged.safety_margin is None else merged.safety_margin,
             )
         key = ContextKey(tenant, agent_name, scope, thread)
-        one = self._store.get_thread(key)
+        context = self._store.context_ref(key)
         now = wall_clock_us()
         agent_start = window_start_us(now, agent.rolling_window_us, agent.last_clear_time_us)
         start = window_start_us(
             now,
             agent.rolling_window_us,
             agent.last_clear_time_us,
-            one.last_clear_time_us if one else None,
+            context.last_clear_time_us if context else None,
         )
-        return _Plan(agent, key, chosen, budget, options, now, agent_start, start, one is not None)
-
-    def _previous_summary(self, key: ContextKey) -> HistoryItem | None:
-        stored = self._store.latest_summary(key)
-        return HistoryItem.from_stored(stored) if stored is not None else None
+        return _Plan(agent, key, chosen, budget, options, now, agent_start, start, context)
 
     def _load_history(self, plan: _Plan, *, everything: bool = False) -> _Window:
         """The window's messages that can matter, with content, after the latest stored
         summary that covers part of this window (if any)."""
-        previous = self._previous_summary(plan.key)
-        table = self._store.window_columns(plan.key, plan.window_start_us)
+        if plan.context is None:
+            return _Window([], None, 0, {})
+        stored_summary = self._store.latest_summary(plan.context)
+        previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
+        table = self._store.window_columns(plan.context, plan.window_start_us)
         # NumPy views of the Arrow columns: no Python object per message on this path.
         ids = table.column("id").to_numpy()
         first = 0
@@ -338,14 +340,20 @@ class ContextBuilder:
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
         times = table.column("create_time_us").to_numpy()[first:]
+        kept_ids = ids[start:]
         loaded = self._store.window_messages_from(
-            plan.key, plan.window_start_us, int(times[start]), int(ids[start])
+            plan.context,
+            plan.window_start_us,
+            (int(times[start]), int(ids[start])),
+            (int(kept_ids.min()), int(kept_ids.max())),
         )
+        label = stored_tokenizer(plan.model)
         return _Window(
             [HistoryItem.from_stored(m) for m in loaded],
             previous,
             start,
             {m.id: m.create_time_us for m in loaded},
+            {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
         )
 
     def _candidates(

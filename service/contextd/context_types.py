@@ -55,6 +55,22 @@ def counter_for_model(model: str) -> TokenCounter:
     return count
 
 
+def counter_with_known(count: TokenCounter, known: dict[str, int]) -> TokenCounter:
+    """`count`, answering texts whose count is already known without counting them again.
+
+    A build loads messages whose counts the store computed at insert with the same
+    tokenizer; keyed by the exact text, a known count can only be reused for the very
+    text it was computed on, so any text that assembly changes is counted afresh.
+    """
+
+    def counted(texts: list[str]) -> list[int]:
+        missing = [t for t in texts if t not in known]
+        fresh = iter(count(missing) if missing else ())
+        return [known[t] if t in known else next(fresh) for t in texts]
+
+    return counted
+
+
 def counter_for_encoding(encoding: core.EncodingName) -> TokenCounter:
     """An exact BPE (``o200k_base``, ``cl100k_base``) or a seed estimate by name."""
 

@@ -151,6 +151,9 @@ class StoredMessage:
     group_id: int = -1
     is_summary: bool = False
     summarized_ids: tuple[int, int] | None = None
+    # What `token_count` was counted with ("o200k_base", "o200k_base*1.3", "estimate"):
+    # a build reuses the stored count when it equals its model's.
+    tokenizer: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,11 +39,18 @@ class RunningServer:
     port: int
     store: Store
     health: health.HealthServicer
+    workers: futures.ThreadPoolExecutor
 
     def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING, drain calls in flight, then flush and close the store."""
+        """NOT_SERVING, drain calls in flight, then flush and close the store.
+
+        The worker pool is joined before the store closes: a handler whose call was
+        cancelled at the end of the grace period may still be running, and closing DuckDB
+        under it would turn a clean shutdown into a crash.
+        """
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
+        self.workers.shutdown(wait=True, cancel_futures=True)
         self.store.close()
 
 
@@ -67,10 +74,11 @@ def create_server(settings: Settings) -> RunningServer:
                 max_batch_messages=settings.max_batch_messages,
             ),
         )
+        workers = futures.ThreadPoolExecutor(
+            max_workers=settings.workers, thread_name_prefix="contextd-rpc"
+        )
         server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=settings.workers, thread_name_prefix="contextd-rpc"
-            ),
+            workers,
             interceptors=[ErrorMappingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
@@ -104,7 +112,9 @@ def create_server(settings: Settings) -> RunningServer:
         raise
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=port, store=store, health=health_servicer)
+    return RunningServer(
+        server=server, port=port, store=store, health=health_servicer, workers=workers
+    )
 
 
 def serve(settings: Settings) -> None:

@@ -156,12 +156,26 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
         ],
     ),
+    (
+        3,
+        [
+            # The newest compaction summary of each thread, so a build finds it by id
+            # instead of scanning the thread's messages; 0 when it has none.
+            "ALTER TABLE threads ADD COLUMN latest_summary_id BIGINT NOT NULL DEFAULT 0",
+            """
+            UPDATE threads SET latest_summary_id = s.id
+            FROM (SELECT context_id, max(id) AS id FROM messages WHERE is_summary
+                  GROUP BY context_id) s
+            WHERE threads.context_id = s.context_id
+            """,
+        ],
+    ),
 ]
 
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
     "external_id, metadata, token_estimate, create_time_us, token_count, group_id, "
-    "is_summary, first_summarized_id, last_summarized_id"
+    "is_summary, first_summarized_id, last_summarized_id, tokenizer"
 )
 # How many tool-call ids the writer remembers to tie results to their tool_use without a
 # query; older ones are looked up in the table.
@@ -228,6 +242,15 @@ class ThreadFilter:
     thread: str | None  # None: every thread of the agent in the scope
 
 
+@dataclass(frozen=True, slots=True)
+class ContextRef:
+    """A thread as the store addresses it: what a build resolves once, then reads by."""
+
+    context_id: int
+    last_clear_time_us: int | None
+    latest_summary_id: int  # 0: the thread has no stored summary
+
+
 def _agent_from_row(row: Sequence[Any]) -> Agent:
     docs = tuple(AgentDoc(name=d["name"], content=d["content"]) for d in json.loads(row[3]))
     return Agent(
@@ -277,6 +300,7 @@ def _message_from_row(row: Sequence[Any]) -> StoredMessage:
         group_id=row[14],
         is_summary=bool(row[15]),
         summarized_ids=(row[16], row[17]) if row[15] else None,
+        tokenizer=row[18],
     )
 
 
@@ -577,6 +601,7 @@ class Store:
         thread_deltas: dict[ContextKey, list[int]] = {}
         new_contexts: dict[ContextKey, int] = {}
         agents_seen: dict[tuple[str, str], AgentSettings] = {}
+        summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
 
         for job in jobs:
             agents_seen.setdefault((job.key.tenant, job.key.agent), job.default_settings)
@@ -636,6 +661,8 @@ class Store:
             )
             columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
             summary = batch.summarized_ids
+            if summary is not None:
+                summaries[context_id] = ids[-1]
             columns["is_summary"].extend([summary is not None] * n)
             columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
             columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
@@ -668,7 +695,9 @@ class Store:
             context_id = new_contexts.get(key)
             if context_id is not None:
                 writer.execute(
-                    "INSERT INTO threads VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                    "INSERT INTO threads (context_id, tenant, agent, scope, thread, "
+                    "create_time_us, last_message_time_us, message_count, token_estimate) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [
                         context_id,
                         key.tenant,
@@ -706,6 +735,11 @@ class Store:
                 "unnest(?::BIGINT[]) AS tokens, unnest(?::BIGINT[]) AS first_us, "
                 "unnest(?::BIGINT[]) AS last_us) AS d WHERE threads.context_id = d.context_id",
                 updates,
+            )
+        for context_id, summary_id in summaries.items():
+            writer.execute(
+                "UPDATE threads SET latest_summary_id = ? WHERE context_id = ?",
+                [summary_id, context_id],
             )
         self._context_ids.update(new_contexts)
         return all_receipts
@@ -883,7 +917,19 @@ class Store:
         rows = self._cursor().execute(sql, params).fetchall()
         return [_message_from_row(r) for r in rows]
 
-    def window_columns(self, key: ContextKey, window_start_us: int) -> pa.Table:
+    def context_ref(self, key: ContextKey) -> ContextRef | None:
+        """What a build needs to know of a thread before reading it, in one lookup; None
+        when the thread has no messages yet."""
+        row = _first(
+            self._cursor().execute(
+                "SELECT context_id, last_clear_us, latest_summary_id FROM threads "
+                "WHERE tenant = ? AND agent = ? AND scope = ? AND thread = ?",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        )
+        return ContextRef(int(row[0]), row[1], int(row[2])) if row else None
+
+    def window_columns(self, context: ContextRef, window_start_us: int) -> pa.Table:
         """The window of one thread as columns, without content: the first read of a build.
 
         Columns: id (int64), role (uint8), token_count (uint64), chars (uint64), group_id
@@ -893,19 +939,16 @@ class Store:
         keep (`window_messages_from`), so its cost follows the budget, not the window.
         `window_start_us` is the full start (thread clear included).
         """
-        cur = self._cursor()
-        row = _context_row(cur, key)
-        if row is None:
-            return _EMPTY_WINDOW
         # No ORDER BY: rows come back in insertion order, which is (time, id) order
         # unless history was imported out of order; `_in_window_order` checks and sorts
         # only then, which saves the sort of a long window on every build.
         table: pa.Table = (
-            cur.sql(
+            self._cursor()
+            .sql(
                 "SELECT id, role, token_count::UBIGINT AS token_count, "
                 "chars::UBIGINT AS chars, group_id, create_time_us FROM messages "
                 "WHERE context_id = $1 AND create_time_us > $2 AND NOT is_summary",
-                params=[row[0], window_start_us],
+                params=[context.context_id, window_start_us],
             )
             .to_arrow_table()
             .combine_chunks()
@@ -913,23 +956,55 @@ class Store:
         return _in_window_order(table)
 
     def window_messages_from(
-        self, key: ContextKey, window_start_us: int, from_time_us: int, from_id: int
+        self,
+        context: ContextRef,
+        window_start_us: int,
+        start: tuple[int, int],
+        id_range: tuple[int, int],
     ) -> list[StoredMessage]:
-        """The window's messages from (from_time_us, from_id) on, oldest first, without
-        stored summaries: the newest suffix a build keeps, read as one range."""
-        cur = self._cursor()
-        context = _context_row(cur, key)
-        if context is None:
-            return []
-        # The context id is passed as a value, not a subquery, so DuckDB uses the index.
-        rows = cur.execute(
-            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = ? "
-            "AND create_time_us > ? AND NOT is_summary "
-            "AND (create_time_us > ? OR (create_time_us = ? AND id >= ?)) "
-            "ORDER BY create_time_us, id",
-            [context[0], window_start_us, from_time_us, from_time_us, from_id],
-        ).fetchall()
+        """The window's messages from `start` (time, id) on, oldest first, without stored
+        summaries: the newest suffix a build keeps, read as one range.
+
+        `id_range` (smallest and largest id of that suffix, from `window_columns`) adds
+        nothing to the result; it lets DuckDB skip every row group outside it by its
+        min/max statistics (ids grow with insertion), so the read costs the suffix, not
+        the thread. It also leaves out messages appended since the columns were read,
+        so a build loads exactly what it planned.
+        """
+        from_time_us, from_id = start
+        rows = (
+            self._cursor()
+            .execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages "
+                "WHERE id BETWEEN ? AND ? AND context_id = ? "
+                "AND create_time_us > ? AND NOT is_summary "
+                "AND (create_time_us > ? OR (create_time_us = ? AND id >= ?)) "
+                "ORDER BY create_time_us, id",
+                [
+                    id_range[0],
+                    id_range[1],
+                    context.context_id,
+                    window_start_us,
+                    from_time_us,
+                    from_time_us,
+                    from_id,
+                ],
+            )
+            .fetchall()
+        )
         return [_message_from_row(r) for r in rows]
+
+    def latest_summary(self, context: ContextRef) -> StoredMessage | None:
+        """The newest stored summary of a thread, whatever the window."""
+        if not context.latest_summary_id:
+            return None
+        row = _first(
+            self._cursor().execute(
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ? AND context_id = ?",
+                [context.latest_summary_id, context.context_id],
+            )
+        )
+        return _message_from_row(row) if row else None
 
     def messages_by_ids(self, tenant: str, ids: Sequence[int]) -> list[StoredMessage]:
         """Whole messages by id, ordered by (create_time, id); ids of other tenants are
@@ -947,18 +1022,6 @@ class Store:
             .fetchall()
         )
         return [_message_from_row(r) for r in rows]
-
-    def latest_summary(self, key: ContextKey) -> StoredMessage | None:
-        """The newest stored summary of a thread, whatever the window."""
-        row = _first(
-            self._cursor().execute(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id = "
-                "(SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ? "
-                "AND thread = ?) AND is_summary ORDER BY id DESC LIMIT 1",
-                [key.tenant, key.agent, key.scope, key.thread],
-            )
-        )
-        return _message_from_row(row) if row else None
 
     def thread_activity(
         self, tenant: str, agent: str, scope: str, window_start_us: int, limit: int
