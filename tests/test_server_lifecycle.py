@@ -141,6 +141,11 @@ def test_kill9_loses_no_acknowledged_write(spawn_server: SpawnServer) -> None:
     assert not missing, f"{len(missing)} acknowledged messages lost, e.g. {sorted(missing)[:5]}"
     stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1")).stats
     assert stats.total_message_count == len(stored)  # thread metadata matches the rows
+    # Thread counters were still pending in the killed writer (it flushes them when idle
+    # or once a second); the restart recounts them from the rows, each exactly once.
+    threads = client.stub.ListThreads(pb.ListThreadsRequest(agent="a1")).threads
+    per_thread = {f"t{n}": sum(1 for c in stored if c.startswith(f"w{n}-")) for n in range(8)}
+    assert {t.thread: t.message_count for t in threads} == per_thread
 
 
 def test_second_server_on_held_file_fails_clearly(

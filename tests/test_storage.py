@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import duckdb
@@ -115,6 +116,57 @@ def test_a_stored_summary_becomes_the_threads_latest(tmp_path: Path) -> None:
         assert ref is not None and ref.latest_summary_id == receipt.id
         found = store.latest_summary(ref)
         assert found is not None and found.summarized_ids == (1, 2)
+    finally:
+        store.close()
+
+
+def test_thread_counters_are_exact_while_appends_race_reads(tmp_path: Path) -> None:
+    """Readers add the writer's pending counters to the table's; under concurrent appends
+    (the writer flushes while busy) a read never counts a message twice or misses one
+    that was acknowledged before it began, and the counts survive a reopen."""
+    path = tmp_path / "db.duckdb"
+    store = Store.open(path)
+    acked = [0] * 4
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        key = ContextKey("default", "a1", "", f"t{n}")
+        try:
+            while not stop.is_set():
+                store.append(key, _batch(f"{n}-{acked[n]}"), AgentSettings())
+                acked[n] += 1
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    writers = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in writers:
+        t.start()
+    reads = 0
+    deadline = time.monotonic() + 2.5  # longer than the flush interval: flushes happen
+    try:
+        while time.monotonic() < deadline:
+            floor = list(acked)
+            counts = {
+                t.thread: t.message_count for t in store.list_threads("default", "a1", "", None, 10)
+            }
+            for n in range(4):
+                # Never below what was acknowledged before the read, never above what
+                # was started (at most one call in flight per writer).
+                assert floor[n] <= counts.get(f"t{n}", 0) <= acked[n] + 1
+            reads += 1
+    finally:
+        stop.set()
+        for t in writers:
+            t.join()
+    assert not errors and reads > 10
+    final = {t.thread: t.message_count for t in store.list_threads("default", "a1", "", None, 10)}
+    assert final == {f"t{n}": acked[n] for n in range(4)}
+    store.close()
+    store = Store.open(path)
+    try:
+        reopened = store.list_threads("default", "a1", "", None, 10)
+        assert {t.thread: t.message_count for t in reopened} == final
     finally:
         store.close()
 

@@ -48,6 +48,7 @@ from contextd.domain import (
     Thread,
 )
 from contextd.errors import AlreadyExists, NotFound, StoreLocked, Unavailable
+from contextd.thread_counters import PendingCounters
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,30 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                   GROUP BY context_id) s
             WHERE threads.context_id = s.context_id
             """,
+            # Thread counters are written lazily (see thread_counters.py); this records
+            # the last message id the threads table has counted.
+            "CREATE TABLE store_state (key VARCHAR PRIMARY KEY, value BIGINT NOT NULL)",
+            "INSERT INTO store_state SELECT 'thread_counters_through_id', coalesce(max(id), 0) "
+            "FROM messages",
         ],
     ),
 ]
+
+# Threads with the counters the writer has not flushed yet (`contextd_pending`, an Arrow
+# table in the reader's frame) added: what every read of thread counters selects from.
+_LIVE_THREADS = """
+    WITH live_threads AS (
+        SELECT t.context_id, t.tenant, t.agent, t.scope, t.thread,
+               least(t.create_time_us, coalesce(p.first_us, t.create_time_us))
+                   AS create_time_us,
+               greatest(t.last_message_time_us, coalesce(p.last_us, t.last_message_time_us))
+                   AS last_message_time_us,
+               t.message_count + coalesce(p.n, 0) AS message_count,
+               t.token_estimate + coalesce(p.tokens, 0) AS token_estimate,
+               t.last_clear_us
+        FROM threads t LEFT JOIN contextd_pending p ON p.context_id = t.context_id
+    )
+"""
 
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
@@ -360,6 +382,8 @@ class Store:
         self._cursors: list[duckdb.DuckDBPyConnection] = []
         self._cursors_lock = threading.Lock()
         self._migrate()
+        self._recount_threads()
+        self._pending = PendingCounters()
         self.clock = MonotonicClock()
         self.clock.advance_to(self._newest_time_us())
         self._next_message_id, self._next_context_id = self._next_ids()
@@ -501,6 +525,7 @@ class Store:
             while True:
                 job = self._queue.get()
                 if job is _STOP:
+                    self._flush_counters(writer)
                     return
                 appends: list[_AppendJob] = []
                 calls: list[_CallJob] = []
@@ -521,9 +546,56 @@ class Store:
                             future.set_exception(exc)
                     self._rollback(writer)
                 if stop:
+                    self._flush_counters(writer)
                     return
+                if self._pending.flush_due(idle=self._queue.empty()):
+                    self._flush_counters(writer)
         finally:
             writer.close()
+
+    def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Write the pending thread counters and the id they count through, in one
+        transaction; on failure they stay pending and the next flush retries."""
+        through_id = self._next_message_id - 1  # every id below it is committed
+        try:
+            with self._pending.flushing() as contextd_flush:  # noqa: F841 - scanned by the script
+                writer.execute(
+                    "BEGIN TRANSACTION;\n"
+                    "UPDATE threads SET message_count = threads.message_count + d.n, "
+                    "token_estimate = threads.token_estimate + d.tokens, "
+                    "create_time_us = least(threads.create_time_us, d.first_us), "
+                    "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
+                    "FROM contextd_flush d WHERE threads.context_id = d.context_id;\n"
+                    f"UPDATE store_state SET value = {int(through_id)} "
+                    "WHERE key = 'thread_counters_through_id';\n"
+                    "COMMIT"
+                )
+        except duckdb.Error:
+            self._rollback(writer)
+            log.exception("writing thread counters failed; they stay pending")
+
+    def _recount_threads(self) -> None:
+        """Add the messages after the counted id to their threads' counters: the counts
+        that were pending when the process last stopped without flushing them."""
+        self._con.execute(
+            """
+            BEGIN TRANSACTION;
+            UPDATE threads SET message_count = threads.message_count + a.n,
+                token_estimate = threads.token_estimate + a.tokens,
+                create_time_us = least(threads.create_time_us, a.first_us),
+                last_message_time_us = greatest(threads.last_message_time_us, a.last_us)
+            FROM (SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
+                         min(create_time_us) AS first_us, max(create_time_us) AS last_us
+                  FROM messages
+                  WHERE id > (SELECT value FROM store_state
+                              WHERE key = 'thread_counters_through_id')
+                  GROUP BY context_id) a
+            WHERE threads.context_id = a.context_id;
+            UPDATE store_state SET value = (SELECT coalesce(max(id), 0) FROM messages)
+            WHERE key = 'thread_counters_through_id';
+            COMMIT
+            """
+        )
 
     def _gather(self, first: Any, appends: list[_AppendJob], calls: list[_CallJob]) -> bool:
         """Take `first` and whatever else is already queued, up to the group limit."""
@@ -564,9 +636,7 @@ class Store:
         """Commit a group of appends in one transaction; isolate a failing job on error."""
         saved = (self._next_message_id, self._next_context_id, dict(self._context_ids))
         try:
-            writer.execute("BEGIN TRANSACTION")
-            receipts = self._insert_appends(writer, jobs)
-            writer.execute("COMMIT")
+            receipts, counted = self._insert_appends(writer, jobs)  # commits
         except BaseException as exc:
             self._rollback(writer)
             self._next_message_id, self._next_context_id, self._context_ids = saved
@@ -579,6 +649,8 @@ class Store:
             for job in jobs:
                 self._commit_appends(writer, [job])
             return
+        for context_id, (n, tokens, first_us, last_us) in counted.items():
+            self._pending.add(context_id, n, tokens, first_us, last_us)
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
 
@@ -594,7 +666,10 @@ class Store:
 
     def _insert_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
-    ) -> list[list[MessageReceipt]]:
+    ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
+        """Insert and commit the group; return its receipts and, per context id, the
+        counts it adds to its thread ([messages, tokens, first time, last time]), which
+        the caller leaves pending (see thread_counters.py)."""
         columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
         all_receipts: list[list[MessageReceipt]] = []
         # per context: [count, tokens, min time, max time]
@@ -608,6 +683,7 @@ class Store:
         # Ticked before any message time: an auto-created agent's clear marker (its create
         # time) must precede the messages that created it, or they would start outside.
         now_us = self.clock.tick()
+        in_transaction = False  # opened early only when an agent must be created
         for (tenant, name), settings in agents_seen.items():
             # Known agents skip the statement: an upsert costs milliseconds per commit.
             if (tenant, name) in self._known_agents:
@@ -616,6 +692,9 @@ class Store:
                 writer.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             )
             if not exists:
+                if not in_transaction:
+                    writer.execute("BEGIN TRANSACTION")
+                    in_transaction = True
                 writer.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
             self._known_agents.add((tenant, name))
 
@@ -680,69 +759,52 @@ class Store:
             delta[2] = min(delta[2], min(times))
             delta[3] = max(delta[3], max(times))
 
-        table = pa.table(columns, schema=_ARROW_SCHEMA)
-        writer.register("contextd_append_batch", table)
-        try:
-            writer.execute(
-                f"INSERT INTO messages ({_ARROW_COLUMNS}) "
-                f"SELECT {_ARROW_COLUMNS} FROM contextd_append_batch"
+        # The whole group is written by one client call: a script of BEGIN, the inserts
+        # and updates, and COMMIT. Every call into DuckDB gives up the GIL and must win it
+        # back, and with dozens of handler threads waiting that costs more than the
+        # statements themselves, so a group makes one call. The scripts read their rows
+        # from the Arrow tables below through DuckDB's replacement scans (the names of
+        # this frame's local variables); they carry no parameters.
+        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)  # noqa: F841 - scanned by the script
+        script = [] if in_transaction else ["BEGIN TRANSACTION"]
+        script.append(
+            f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
+        )
+        counted = {
+            new_contexts.get(key) or self._context_ids[key]: delta
+            for key, delta in thread_deltas.items()
+        }
+        if new_contexts:
+            # New threads start with zero counters: like every other append, theirs are
+            # added by the next counter flush (or by the recount after a crash), so no
+            # message is ever counted twice.
+            contextd_new_threads = pa.table(  # noqa: F841 - scanned by the script
+                {
+                    "context_id": list(new_contexts.values()),
+                    "first_us": [thread_deltas[k][2] for k in new_contexts],
+                    "last_us": [thread_deltas[k][3] for k in new_contexts],
+                }
             )
-        finally:
-            writer.unregister("contextd_append_batch")
-
-        updates: list[list[int]] = [[], [], [], [], []]  # context, n, tokens, first, last
-        for key, (count, tokens, first, last) in thread_deltas.items():
-            context_id = new_contexts.get(key)
-            if context_id is not None:
-                writer.execute(
-                    "INSERT INTO threads (context_id, tenant, agent, scope, thread, "
-                    "create_time_us, last_message_time_us, message_count, token_estimate) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        context_id,
-                        key.tenant,
-                        key.agent,
-                        key.scope,
-                        key.thread,
-                        first,
-                        last,
-                        count,
-                        tokens,
-                    ],
-                )
-            else:
-                for column, value in zip(
-                    updates, (self._context_ids[key], count, tokens, first, last), strict=True
-                ):
-                    column.append(value)
-        if len(updates[0]) == 1:
-            writer.execute(
-                "UPDATE threads SET message_count = message_count + ?, "
-                "token_estimate = token_estimate + ?, "
-                "create_time_us = least(create_time_us, ?), "
-                "last_message_time_us = greatest(last_message_time_us, ?) WHERE context_id = ?",
-                [updates[1][0], updates[2][0], updates[3][0], updates[4][0], updates[0][0]],
+            script.append(
+                "INSERT INTO threads (context_id, tenant, agent, scope, thread, create_time_us, "
+                "last_message_time_us, message_count, token_estimate) "
+                "SELECT d.context_id, b.tenant, b.agent, b.scope, b.thread, d.first_us, "
+                "d.last_us, 0, 0 FROM contextd_new_threads d JOIN (SELECT DISTINCT "
+                "context_id, tenant, agent, scope, thread FROM contextd_batch) b "
+                "ON b.context_id = d.context_id"
             )
-        elif updates[0]:
-            # One statement for every existing thread of the group: each statement costs
-            # more than the rows it touches.
-            writer.execute(
-                "UPDATE threads SET message_count = threads.message_count + d.n, "
-                "token_estimate = threads.token_estimate + d.tokens, "
-                "create_time_us = least(threads.create_time_us, d.first_us), "
-                "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
-                "FROM (SELECT unnest(?::BIGINT[]) AS context_id, unnest(?::BIGINT[]) AS n, "
-                "unnest(?::BIGINT[]) AS tokens, unnest(?::BIGINT[]) AS first_us, "
-                "unnest(?::BIGINT[]) AS last_us) AS d WHERE threads.context_id = d.context_id",
-                updates,
+        if summaries:
+            contextd_summaries = pa.table(  # noqa: F841 - scanned by the script
+                {"context_id": list(summaries), "summary_id": list(summaries.values())}
             )
-        for context_id, summary_id in summaries.items():
-            writer.execute(
-                "UPDATE threads SET latest_summary_id = ? WHERE context_id = ?",
-                [summary_id, context_id],
+            script.append(
+                "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
+                "WHERE threads.context_id = d.context_id"
             )
+        script.append("COMMIT")
+        writer.execute(";\n".join(script))
         self._context_ids.update(new_contexts)
-        return all_receipts
+        return all_receipts, counted
 
     def _group_of(
         self,
@@ -1033,9 +1095,9 @@ class Store:
         comes from its metadata; only the others are counted from the messages.
         """
         cur = self._cursor()
-        rows = cur.execute(
+        rows = self._thread_rows(
             "SELECT thread, last_message_time_us, create_time_us, message_count, context_id, "
-            "greatest(?, coalesce(last_clear_us, ?)) AS start_us FROM threads "
+            "greatest(?, coalesce(last_clear_us, ?)) AS start_us FROM live_threads "
             "WHERE tenant = ? AND agent = ? AND scope = ? "
             "AND last_message_time_us > greatest(?, coalesce(last_clear_us, ?)) "
             "ORDER BY last_message_time_us DESC, thread LIMIT ?",
@@ -1049,7 +1111,7 @@ class Store:
                 window_start_us,
                 limit,
             ],
-        ).fetchall()
+        )
         activity = []
         for thread, last_us, first_us, count, context_id, start_us in rows:
             if first_us <= start_us:
@@ -1213,27 +1275,32 @@ class Store:
 
     # ----------------------------------------------------------------- threads and stats
 
+    def _thread_rows(self, sql: str, params: list[Any]) -> list[Any]:
+        """The rows of `sql`, which selects from `live_threads`: the threads table with
+        the counters the writer has not flushed yet added (see thread_counters.py)."""
+        cur = self._cursor()
+        while True:
+            generation, pending = self._pending.snapshot()
+            contextd_pending = pending  # noqa: F841 - scanned by the query below
+            rows = cur.execute(_LIVE_THREADS + sql, params).fetchall()
+            if self._pending.unchanged_since(generation):
+                return rows
+
     def get_thread(self, key: ContextKey) -> Thread | None:
-        row = _first(
-            self._cursor().execute(
-                f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
-                "AND scope = ? AND thread = ?",
-                [key.tenant, key.agent, key.scope, key.thread],
-            )
+        rows = self._thread_rows(
+            f"SELECT {_THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
+            "AND scope = ? AND thread = ?",
+            [key.tenant, key.agent, key.scope, key.thread],
         )
-        return _thread_from_row(row) if row else None
+        return _thread_from_row(rows[0]) if rows else None
 
     def list_threads(
         self, tenant: str, agent: str, scope: str, after_thread: str | None, limit: int
     ) -> list[Thread]:
-        rows = (
-            self._cursor()
-            .execute(
-                f"SELECT {_THREAD_COLUMNS} FROM threads WHERE tenant = ? AND agent = ? "
-                "AND scope = ? AND thread > ? ORDER BY thread LIMIT ?",
-                [tenant, agent, scope, after_thread or "", limit],
-            )
-            .fetchall()
+        rows = self._thread_rows(
+            f"SELECT {_THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
+            "AND scope = ? AND thread > ? ORDER BY thread LIMIT ?",
+            [tenant, agent, scope, after_thread or "", limit],
         )
         return [_thread_from_row(r) for r in rows]
 
