@@ -37,6 +37,7 @@ class Recorded:
     path: str
     headers: dict[str, str]
     body: Any
+    peer: tuple[str, int]  # the client's address: equal for requests on one connection
 
 
 def message_json(text: str, model: str = "claude-haiku-4-5") -> dict[str, Any]:
@@ -89,6 +90,8 @@ class FakeAnthropic:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the real API
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("content-length", "0"))
                 raw = self.rfile.read(length)
@@ -97,7 +100,12 @@ class FakeAnthropic:
                 except ValueError:
                     body = raw.decode(errors="replace")
                 fake.requests.append(
-                    Recorded(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+                    Recorded(
+                        self.path,
+                        {k.lower(): v for k, v in self.headers.items()},
+                        body,
+                        self.client_address,
+                    )
                 )
                 reply = fake.reply
                 if reply.delay_s and fake._released.wait(reply.delay_s):

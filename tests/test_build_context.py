@@ -220,6 +220,25 @@ def test_summarize_uses_llm_then_reuses_the_stored_summary(
     assert json.loads(event.data)["summarizer_path"] == "llm"
 
 
+def test_summaries_share_one_client_connection(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """The summarizer keeps one anthropic client: later summaries reuse its connection
+    instead of opening (and closing) one per call."""
+    _, client = running
+    fake.reply_text("## Goal\nKeep going.")
+    for round_ in range(3):
+        for i in range(30):
+            client.append("a1", f"round {round_} step {i} " + "details " * 30)
+        client.stub.CompactContext(
+            pb.CompactContextRequest(
+                agent="a1", thread="t1", options=pb.BuildOptions(keep_recent_tokens=500)
+            )
+        )
+    assert len(fake.requests) == 3
+    assert len({r.peer for r in fake.requests}) == 1
+
+
 @pytest.mark.parametrize("failure", ["error", "slow"])
 def test_summary_falls_back_when_the_llm_fails(
     running: tuple[RunningServer, Client], fake: FakeAnthropic, failure: str

@@ -40,6 +40,7 @@ class RunningServer:
     store: Store
     health: health.HealthServicer
     workers: futures.ThreadPoolExecutor
+    summarizer: AnthropicSummarizer
 
     def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, drain calls in flight, then flush and close the store.
@@ -51,6 +52,7 @@ class RunningServer:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         self.workers.shutdown(wait=True, cancel_futures=True)
+        self.summarizer.close()
         self.store.close()
 
 
@@ -113,7 +115,12 @@ def create_server(settings: Settings) -> RunningServer:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(
-        server=server, port=port, store=store, health=health_servicer, workers=workers
+        server=server,
+        port=port,
+        store=store,
+        health=health_servicer,
+        workers=workers,
+        summarizer=summarizer,
     )
 
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from contextd import core
 from contextd.context_types import HistoryItem, parse_tool_calls
@@ -261,6 +262,18 @@ class AnthropicSummarizer:
     ) -> None:
         self.config = config or AnthropicConfig()
         self.fallback = fallback or ExtractiveSummarizer()
+        # One client for every summary (it keeps its HTTP connections), remade only when
+        # the API key in the environment changes.
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+        self._client_key: str | None = None
+
+    def close(self) -> None:
+        """Close the HTTP client (at server shutdown)."""
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+            self._client, self._client_key = None, None
 
     def summarize(
         self, items: Sequence[HistoryItem], previous_summary: str | None
@@ -293,21 +306,24 @@ class AnthropicSummarizer:
         key = self.config.api_key or os.environ.get("ANTHROPIC_API_KEY")
         if not key:
             raise RuntimeError("no API key (set ANTHROPIC_API_KEY)")
-        client = anthropic.Anthropic(
-            api_key=key,
-            base_url=self.config.base_url,
-            timeout=self.config.timeout_s,
-            max_retries=self.config.max_retries,
+        with self._client_lock:
+            if self._client is None or self._client_key != key:
+                if self._client is not None:
+                    self._client.close()
+                self._client = anthropic.Anthropic(
+                    api_key=key,
+                    base_url=self.config.base_url,
+                    timeout=self.config.timeout_s,
+                    max_retries=self.config.max_retries,
+                )
+                self._client_key = key
+            client = self._client
+        response = client.messages.create(
+            model=self.config.model,
+            max_tokens=self.config.max_tokens,
+            system=self.config.system_prompt,
+            messages=[{"role": "user", "content": self.prompt(items, previous_summary)}],
         )
-        try:
-            response = client.messages.create(
-                model=self.config.model,
-                max_tokens=self.config.max_tokens,
-                system=self.config.system_prompt,
-                messages=[{"role": "user", "content": self.prompt(items, previous_summary)}],
-            )
-        finally:
-            client.close()
         blocks = getattr(response, "content", None)
         if not isinstance(blocks, list):
             raise ValueError("malformed response: no content list")
