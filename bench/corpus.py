@@ -205,6 +205,41 @@ def texts(n: int, *, seed: int = SEED) -> list[str]:
     return [m.content for m in conversation(n, seed=seed)]
 
 
+def unique_texts(n: int, *, seed: int = SEED + 13) -> list[str]:
+    """Texts that share almost no piece with each other: made-up words of random letters,
+    random numbers, identifiers and base64, in lengths like :func:`texts`. The worst case
+    for a tokenizer that caches the counts of repeated pieces (real chat repeats its words
+    far more; the generated conversation, cut from shared pools, repeats them most)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    b64 = letters + letters.upper() + "0123456789+/"
+
+    def word() -> str:
+        w = "".join(rng.choices(letters, k=rng.randint(3, 11)))
+        return w.capitalize() if rng.random() < 0.1 else w
+
+    def piece() -> str:
+        r = rng.random()
+        if r < 0.75:
+            return word()
+        if r < 0.85:
+            return str(rng.randint(0, 10**9))
+        if r < 0.95:
+            return f"{word()}_{word()}({rng.randint(0, 99)})."
+        return "".join(rng.choices(b64, k=rng.randint(16, 120)))
+
+    out = []
+    for _ in range(n):
+        length = min(50_000, max(5, int(rng.lognormvariate(5.5, 1.0))))
+        parts: list[str] = []
+        size = 0
+        while size < length:
+            parts.append(piece())
+            size += len(parts[-1]) + 1
+        out.append(" ".join(parts)[:length])
+    return out
+
+
 def queries(count: int, *, seed: int = SEED + 7) -> list[str]:
     """Search queries of two to four words from the mid-frequency vocabulary."""
     rng = random.Random(seed)
