@@ -413,32 +413,40 @@ def _check_doc(doc: AgentDoc, index: int, seen: set[str]) -> None:
 
 
 def _utf8_len(text: str) -> int:
-    # Four bytes per character bounds UTF-8, so most texts skip the encode.
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _check_message(
     message: NewMessage, index: int, max_bytes: int, latest_us: int
 ) -> tuple[str, ...]:
-    """Reject what cannot be stored; return the tool-call ids the message declares."""
-    prefix = f"messages[{index}]"
-    ids = tool_call_ids(message.tool_calls, f"{prefix}.tool_calls")
-    check_json(message.metadata, f"{prefix}.metadata", object_only=True)
-    if len(message.external_id) > MAX_EXTERNAL_ID_CHARS:
-        raise InvalidArgument(
-            f"{prefix}.external_id is longer than {MAX_EXTERNAL_ID_CHARS} characters",
-            field=f"{prefix}.external_id",
-        )
-    if len(message.tool_call_id) > MAX_EXTERNAL_ID_CHARS:
-        raise InvalidArgument(
-            f"{prefix}.tool_call_id is longer than {MAX_EXTERNAL_ID_CHARS} characters",
-            field=f"{prefix}.tool_call_id",
-        )
-    size = _utf8_len(message.content) + _utf8_len(message.tool_calls) + _utf8_len(message.metadata)
-    check_size(size, max_bytes, f"{prefix} (content + tool_calls + metadata)")
+    """Reject what cannot be stored; return the tool-call ids the message declares.
+
+    Runs once per message of every append, so the field names of error messages are
+    built only when there is an error, and sizes are measured in UTF-8 only when the
+    character count alone cannot show the message is under the limit.
+    """
+    tool_calls, metadata = message.tool_calls, message.metadata
+    ids = tool_call_ids(tool_calls, f"messages[{index}].tool_calls") if tool_calls else ()
+    if metadata:
+        check_json(metadata, f"messages[{index}].metadata", object_only=True)
+    for name, value in (
+        ("external_id", message.external_id),
+        ("tool_call_id", message.tool_call_id),
+    ):
+        if len(value) > MAX_EXTERNAL_ID_CHARS:
+            raise InvalidArgument(
+                f"messages[{index}].{name} is longer than {MAX_EXTERNAL_ID_CHARS} characters",
+                field=f"messages[{index}].{name}",
+            )
+    content = message.content
+    # Four bytes per character bounds UTF-8, so most messages skip the encode.
+    if 4 * (len(content) + len(tool_calls) + len(metadata)) > max_bytes:
+        size = _utf8_len(content) + _utf8_len(tool_calls) + _utf8_len(metadata)
+        check_size(size, max_bytes, f"messages[{index}] (content + tool_calls + metadata)")
     if message.create_time_us is not None and message.create_time_us > latest_us:
         raise InvalidArgument(
-            f"{prefix}.create_time is in the future; leave it unset to use the server's time",
-            field=f"{prefix}.create_time",
+            f"messages[{index}].create_time is in the future; leave it unset to use the "
+            "server's time",
+            field=f"messages[{index}].create_time",
         )
     return ids

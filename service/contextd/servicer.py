@@ -37,9 +37,8 @@ from contextd.v1 import context_service_pb2_grpc as pb_grpc
 def _timestamp(us: int | None) -> timestamp_pb2.Timestamp | None:
     if us is None:
         return None
-    ts = timestamp_pb2.Timestamp()
-    ts.FromMicroseconds(us)
-    return ts
+    seconds, micros = divmod(us, 1_000_000)  # micros >= 0, as Timestamp requires
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=micros * 1_000)
 
 
 def _duration(us: int) -> duration_pb2.Duration:
