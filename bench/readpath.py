@@ -6,7 +6,8 @@ window (content included) into Python, then trim -- with langchain (build messag
 called in process (``ContextService.build_context``): it reads only the narrow columns
 (id, role, token_count, chars, group_id) as Arrow, trims them in Rust as NumPy buffers,
 loads content only for the newest messages that can fit (``Store.window_messages_from``),
-then assembles the context, counts it exactly and records its ``context.compressed``
+then assembles the context, counts it exactly (reusing the counts stored at insert where
+they were made with the same tokenizer) and records its ``context.compressed``
 event. Its cost follows the budget, not the history, and it does more work than the
 naive paths, which only trim.
 
@@ -202,8 +203,8 @@ def run(sz: Sizes) -> Section:
                     f"contextd's row is the whole server-side BuildContext "
                     f"({fmt_ms(t['contextd'])}): besides reading the newest columns and the "
                     "content that can fit, it looks up the agent, thread, latest summary, "
-                    "status entries and thread activity, counts every kept message again "
-                    "with the exact tokenizer, assembles, and commits its "
+                    "status entries and thread activity, counts exactly what was not counted "
+                    "at insert under the same tokenizer, assembles, and commits its "
                     "context.compressed event through the writer, while the naive paths "
                     "only load and trim. Loading the window alone takes "
                     f"{fmt_ratio(ratio(t['load'], t['contextd']))} contextd's whole build."
