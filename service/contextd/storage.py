@@ -48,7 +48,7 @@ from contextd.domain import (
     Thread,
 )
 from contextd.errors import AlreadyExists, NotFound, StoreLocked, Unavailable
-from contextd.thread_counters import PendingCounters
+from contextd.thread_counters import IDLE_FLUSH_S, PendingCounters
 
 log = logging.getLogger(__name__)
 
@@ -523,7 +523,13 @@ class Store:
         writer = self._con.cursor()
         try:
             while True:
-                job = self._queue.get()
+                try:
+                    # With counters pending, wait only so long for work: a writer that
+                    # stays idle that long writes them while no caller is waiting.
+                    job = self._queue.get(timeout=IDLE_FLUSH_S if len(self._pending) else None)
+                except Empty:
+                    self._flush_counters(writer)
+                    continue
                 if job is _STOP:
                     self._flush_counters(writer)
                     return
@@ -548,7 +554,7 @@ class Store:
                 if stop:
                     self._flush_counters(writer)
                     return
-                if self._pending.flush_due(idle=self._queue.empty()):
+                if self._pending.flush_due():
                     self._flush_counters(writer)
         finally:
             writer.close()

@@ -5,7 +5,7 @@ time) that ListThreads, GetContextStats and the status preamble read. Updating t
 every group commit was the largest single cost of an append: an UPDATE costs DuckDB about
 1.5 ms whatever it touches, more than inserting the messages. So the writer adds each
 commit's counts here instead, and writes them to the table in one statement when it has
-nothing else to do or at least once a second.
+nothing else to do (no call for IDLE_FLUSH_S) or at least once a second.
 
 Readers add what is pending to what they read, so an acknowledged append is always
 counted. A reader snapshots the pending counts with a generation number, runs its query,
@@ -27,6 +27,9 @@ import pyarrow as pa
 
 # How long the writer lets counters wait while appends keep it busy.
 FLUSH_INTERVAL_S = 1.0
+# How long the writer waits for work before it calls itself idle and flushes: long enough
+# that the next call of a steady stream of appends is not made to wait behind a flush.
+IDLE_FLUSH_S = 0.05
 
 PENDING_SCHEMA = pa.schema(
     [
@@ -62,12 +65,9 @@ class PendingCounters:
                 delta[2] = min(delta[2], first_us)
                 delta[3] = max(delta[3], last_us)
 
-    def flush_due(self, idle: bool) -> bool:
-        """Whether the writer should flush now: there is something to write, and it is
-        idle or has let counters wait for FLUSH_INTERVAL_S."""
-        return bool(self._deltas) and (
-            idle or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
-        )
+    def flush_due(self) -> bool:
+        """Whether a busy writer should flush now: counters have waited FLUSH_INTERVAL_S."""
+        return bool(self._deltas) and time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
 
     def snapshot(self) -> tuple[int, pa.Table]:
         """The generation and the pending counters, for a reader to add to the table's."""
