@@ -5,7 +5,7 @@ so two libraries measured in one process would mix their numbers; CPU pinning
 (``sched_setaffinity``) must happen before a library sizes its thread pool; and a
 library's warm caches or leaked threads must not flatter or penalise the next one.
 
-Usage (internal): ``python -m bench.child '{"fn": "bench.bm25:child_build", "kwargs": {}}'``.
+Usage (internal): ``python -m bench.child '{"fn": "bench.bm25:child_bm25", "kwargs": {}}'``.
 The function's JSON-serialisable return value is printed as the last line of stdout.
 """
 

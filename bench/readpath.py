@@ -4,8 +4,9 @@ The naive path is what an agent framework does with a message store: load the wh
 window (content included) into Python, then trim -- with langchain (build message objects,
 ``trim_messages``) or with a plain loop. contextd's row is the server's own BuildContext,
 called in process (``ContextService.build_context``): it reads only the narrow columns
-(id, role, token_count, chars, group_id) as Arrow, trims them in Rust as NumPy buffers,
-loads content only for the newest messages that can fit (``Store.window_messages_from``),
+(id, role, token_count, chars, group_id, create_time_us) as Arrow, trims them in Rust as
+NumPy buffers, loads content only for the newest messages that can fit
+(``Store.window_messages_from``),
 then assembles the context, counts it exactly (reusing the counts stored at insert where
 they were made with the same tokenizer) and records its ``context.compressed``
 event. Its cost follows the budget, not the history, and it does more work than the

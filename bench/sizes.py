@@ -3,7 +3,7 @@
 quick is what ``make test`` runs on every change: tiny sizes, one or two repetitions, the
 whole suite in well under 90 s on two cores, so it proves the suite works rather than
 measuring much. full is for docs/benchmarks.md: the issue's sizes (up to 1,000,000
-messages), repetitions chosen so the run stays under about 45 minutes on two cores.
+messages), repetitions chosen so the run stays under about 10 minutes on two cores.
 """
 
 from __future__ import annotations

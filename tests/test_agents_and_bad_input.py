@@ -350,3 +350,52 @@ def test_server_survives_bad_input(server: InProcessServer) -> None:
             _append(server.client, pb.Message(content="bad"))
     _append(server.client, pb.Message(role=USER, content="still serving"))
     assert server.client.contents(server.client.window("a1")) == ["still serving"]
+
+
+# ----------------------------------------------------------------- out-of-range values
+
+
+def test_times_and_durations_out_of_range_are_invalid_argument(client: Client) -> None:
+    from google.protobuf import timestamp_pb2
+
+    year_10000 = timestamp_pb2.Timestamp(seconds=253_402_300_800)
+    huge = duration_pb2.Duration(seconds=10**15)
+    calls = [
+        lambda: _append(client, pb.Message(role=USER, content="x", create_time=year_10000)),
+        lambda: client.stub.CreateAgent(
+            pb.CreateAgentRequest(agent=pb.Agent(name="a2", rolling_window=huge))
+        ),
+        lambda: client.stub.SetStatus(
+            pb.SetStatusRequest(
+                agent="a1",
+                entry=pb.StatusEntry(key="k", kind=pb.STATUS_KIND_THREAD, state="s", summary="x"),
+                ttl=huge,
+            )
+        ),
+        lambda: client.stub.ListEvents(pb.ListEventsRequest(agent="a1", start_time=year_10000)),
+    ]
+    client.append("a1", "exists")
+    for call in calls:
+        error = _error(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "out of range" in (error.details() or "")
+    assert client.contents(client.history("a1")) == ["exists"]  # nothing else written
+
+
+@pytest.mark.parametrize("position", [[], ["x", "y"], [1.5, 2], [1, 2, 3]])
+def test_a_hand_edited_page_token_is_invalid_argument(client: Client, position: list) -> None:  # type: ignore[type-arg]
+    import base64
+    import json
+
+    for i in range(3):
+        client.append("a1", f"m{i}")
+    first = client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1))
+    body = json.loads(base64.urlsafe_b64decode(first.next_page_token))
+    body["p"] = position
+    forged = base64.urlsafe_b64encode(json.dumps(body).encode()).decode()
+    code = _code(
+        lambda: client.stub.ListMessages(
+            pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1, page_token=forged)
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT

@@ -277,6 +277,30 @@ def test_compact_context_on_demand(
     assert len(ctx.messages) < 30
 
 
+def test_a_backdated_message_after_a_summary_is_still_built(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """A message appended after a compaction with a create time inside the summarized
+    span was not summarized: the build keeps it (it used to vanish from the context)."""
+    from google.protobuf import timestamp_pb2
+
+    _, client = running
+    fake.reply_text("## Goal\nCompacted.")
+    receipts = [client.append("a1", f"m{i} " + "words " * 50).receipts[0] for i in range(30)]
+    client.stub.CompactContext(
+        pb.CompactContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(keep_recent_tokens=100)
+        )
+    )
+    early = timestamp_pb2.Timestamp()
+    early.FromMicroseconds(receipts[1].create_time.ToMicroseconds() - 1)
+    client.append("a1", "backdated note", create_time=early)
+    ctx = _build(client)
+    assert ctx.messages[0].is_summary
+    assert "backdated note" in [m.content for m in ctx.messages]
+    assert ctx.stats.summarizer_path == "reused"
+
+
 def test_compact_with_nothing_old_is_failed_precondition(
     running: tuple[RunningServer, Client],
 ) -> None:

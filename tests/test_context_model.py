@@ -333,3 +333,17 @@ def test_assistant_messages_are_listed_with_their_role(client: Client) -> None:
     client.append("a1", "q")
     client.append("a1", "a", role=ASSISTANT)
     assert [m.role for m in client.window("a1")] == [USER, ASSISTANT]
+
+
+def test_a_clear_after_a_future_dated_message_hides_it(client: Client) -> None:
+    """A client may date a message slightly ahead of the server's clock (within the
+    allowed skew); a clear that follows must still come after it, as after a restart."""
+    from google.protobuf import timestamp_pb2
+
+    ahead = timestamp_pb2.Timestamp()
+    ahead.FromMicroseconds(time.time_ns() // 1_000 + 60_000_000)
+    client.append("a1", "from the future", create_time=ahead)
+    client.stub.ClearContext(pb.ClearContextRequest(agent="a1", thread="t1"))
+    assert client.window("a1") == []
+    client.append("a1", "after the clear")
+    assert client.contents(client.window("a1")) == ["after the clear"]

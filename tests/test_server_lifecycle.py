@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Client, SpawnServer
@@ -233,3 +234,18 @@ def test_taken_address_fails_clearly(spawn_server: SpawnServer, tmp_path: Path) 
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{running.port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [(["--workers", "0"], "must be above zero"), (["--log-level", "loud"], "invalid choice")],
+)
+def test_bad_serve_options_are_one_line_errors(flag: list[str], says: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "contextd", "serve", *flag],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2
+    assert says in done.stderr and "Traceback" not in done.stderr

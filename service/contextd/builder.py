@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import numpy.typing as npt
 
 from contextd import core
-from contextd.assembly import BudgetTooSmallError, assemble, status_preamble
+from contextd.assembly import NO_CHAR_LIMIT, BudgetTooSmallError, assemble, status_preamble
 from contextd.batches import prepare_batch, stored_tokenizer
 from contextd.clock import wall_clock_us
 from contextd.compaction import (
@@ -27,6 +27,7 @@ from contextd.compaction import (
     summary_body,
 )
 from contextd.context_types import (
+    DEFAULT_SAFETY_MARGIN,
     AssembledContext,
     Budget,
     HistoryItem,
@@ -297,7 +298,9 @@ class ContextBuilder:
             budget = Budget.for_model(
                 chosen,
                 output_reserve=merged.output_reserve_tokens,
-                safety_margin=0.2 if merged.safety_margin is None else merged.safety_margin,
+                safety_margin=(
+                    DEFAULT_SAFETY_MARGIN if merged.safety_margin is None else merged.safety_margin
+                ),
             )
         key = ContextKey(tenant, agent_name, scope, thread)
         context = self._store.context_ref(key)
@@ -321,25 +324,23 @@ class ContextBuilder:
         table = self._store.window_columns(plan.context, plan.window_start_us)
         # NumPy views of the Arrow columns: no Python object per message on this path.
         ids = table.column("id").to_numpy()
-        first = 0
+        rest: slice | npt.NDArray[np.intp] = slice(None)
         if previous is not None and previous.summary_of is not None:
-            first = int(np.searchsorted(ids, previous.summary_of[1], side="right"))
-            if first == 0:
-                previous = None  # it summarizes messages outside this window
-        ids = ids[first:]
+            rest, previous = _not_summarized(ids, previous)
+        ids = ids[rest]
         if len(ids) == 0:
             return _Window([], previous, 0, {})
-        roles = table.column("role").to_numpy()[first:]
-        tokens = table.column("token_count").to_numpy()[first:]
-        chars = table.column("chars").to_numpy()[first:]
-        groups = table.column("group_id").to_numpy()[first:]
+        roles = table.column("role").to_numpy()[rest]
+        tokens = table.column("token_count").to_numpy()[rest]
+        chars = table.column("chars").to_numpy()[rest]
+        groups = table.column("group_id").to_numpy()[rest]
         if everything or plan.options.summarize:
             too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
-        times = table.column("create_time_us").to_numpy()[first:]
+        times = table.column("create_time_us").to_numpy()[rest]
         kept_ids = ids[start:]
         loaded = self._store.window_messages_from(
             plan.context,
@@ -347,6 +348,9 @@ class ContextBuilder:
             (int(times[start]), int(ids[start])),
             (int(kept_ids.min()), int(kept_ids.max())),
         )
+        if not isinstance(rest, slice):  # summarized messages may sit between kept ones
+            wanted = set(kept_ids.tolist())
+            loaded = [m for m in loaded if m.id in wanted]
         label = stored_tokenizer(plan.model)
         return _Window(
             [HistoryItem.from_stored(m) for m in loaded],
@@ -372,7 +376,7 @@ class ContextBuilder:
             elidable = (roles == int(Role.TOOL_RESULT)) & (chars > opts.elide_threshold_chars)
             costs = np.where(elidable, np.minimum(tokens, ELIDED_COST), tokens).astype(np.uint64)
         budget = int(plan.budget.prompt_budget * CANDIDATE_SLACK) + 1
-        max_chars = opts.max_chars_per_message if opts.truncate else 2**62
+        max_chars = opts.max_chars_per_message if opts.truncate else NO_CHAR_LIMIT
         trim = core.trim_columns_to_budget(
             np.ascontiguousarray(roles),
             np.ascontiguousarray(costs),
@@ -381,8 +385,8 @@ class ContextBuilder:
             budget,
             max_chars,
         )
-        if trim.kept_start is None:
-            return max(0, len(roles) - 1)
+        if trim.kept_start is None:  # not even the newest fits: load its whole turn
+            return _group_start(groups, max(0, len(roles) - 1))
         return _group_start(groups, trim.kept_start)
 
     def _record_compression(
@@ -432,13 +436,8 @@ class ContextBuilder:
 
 
 # The build options that are strategy options under the same name.
-_STRATEGY_FIELDS = (
-    "truncate",
-    "max_chars_per_message",
-    "summarize",
-    "keep_recent_tokens",
-    "elide_tool_results",
-    "elide_threshold_chars",
+_STRATEGY_FIELDS = tuple(
+    f.name for f in fields(StrategyOptions) if f.name in BuildOverrides.__slots__
 )
 
 
@@ -451,6 +450,28 @@ def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
         return replace(StrategyOptions(), **chosen)
     except ValueError as exc:
         raise InvalidArgument(f"invalid build options: {exc}", field="options") from exc
+
+
+def _not_summarized(
+    ids: npt.NDArray[np.int64], summary: HistoryItem
+) -> tuple[slice | npt.NDArray[np.intp], HistoryItem | None]:
+    """Which window positions (ids in window order) a stored summary leaves, and the
+    summary if it still applies.
+
+    It replaces the window up to its last summarized message, but only messages that
+    existed when it was made (ids below its own): a message appended later with an
+    earlier create time falls inside that span and is still the caller's to see. A
+    summary whose last message has left the window summarizes nothing in it.
+    """
+    assert summary.summary_of is not None
+    at = np.flatnonzero(ids == summary.summary_of[1])
+    if len(at) == 0:
+        return slice(None), None
+    end = int(at[0]) + 1
+    late = np.flatnonzero(ids[:end] > summary.id)
+    if len(late) == 0:
+        return slice(end, None), summary  # the common case: a plain suffix
+    return np.concatenate([late, np.arange(end, len(ids))]), summary
 
 
 def _group_start(groups: Sequence[int] | npt.NDArray[np.int64], index: int) -> int:

@@ -32,10 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             serve(settings)
-        except StoreLocked as exc:
-            print(f"contextd: cannot start: {exc}", file=sys.stderr)
-            return 2
-        except OSError as exc:
+        except (StoreLocked, OSError) as exc:  # a held file, a taken address
             print(f"contextd: cannot start: {exc}", file=sys.stderr)
             return 2
         exit_now(0)

@@ -16,8 +16,8 @@ def wall_clock_us() -> int:
 
 
 class MonotonicClock:
-    def __init__(self, floor_us: int = 0) -> None:
-        self._last = floor_us
+    def __init__(self) -> None:
+        self._last = 0
         self._lock = threading.Lock()
 
     def advance_to(self, floor_us: int) -> None:

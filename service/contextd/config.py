@@ -1,13 +1,15 @@
 """Server settings, from flags with environment variables as defaults.
 
-Every setting has an environment variable (CONTEXTD_*) so a process manager can configure
-the server without flags; a flag, when given, wins.
+Every serve option has an environment variable (CONTEXTD_*) so a process manager can
+configure the server without flags; a flag, when given, wins. (`max_group_rows`, the
+writer's group-commit limit, is a tuning knob for tests and benchmarks, not an option.)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +57,25 @@ _SERVE_OPTIONS: dict[str, str] = {
     "anthropic_base_url": "Anthropic API base URL (unset: the SDK's, which also honours "
     "ANTHROPIC_BASE_URL)",
 }
-_CHOICES = {"log_format": ["json", "text"]}
+_CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
+# Numbers must be above zero, except these, which may be zero.
+_MAY_BE_ZERO = {"grace_seconds"}
+
+
+def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | float]:
+    """argparse type of a numeric option: a bad or out-of-range value is reported by
+    argparse like any bad flag, never as a traceback at start-up."""
+
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be {'zero or more' if name in _MAY_BE_ZERO else 'above zero'}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +83,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help_text in _SERVE_OPTIONS.items():
         env = f"CONTEXTD_{name.upper()}"
         default = getattr(defaults, name)
-        kind = type(default) if isinstance(default, int | float) else str
+        kind: Callable[[str], object] = str
+        if name == "log_level":
+            kind = str.upper
+        elif isinstance(default, int | float):
+            kind = _number(type(default), name)
         # A string default goes through `type`, so a bad environment value is reported
         # by argparse like a bad flag, not as a traceback.
         raw = os.environ.get(env, None if default is None else str(default))
@@ -79,5 +103,4 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     values = {name: getattr(args, name) for name in _SERVE_OPTIONS}
     values["data_dir"] = Path(values["data_dir"])
-    values["log_level"] = values["log_level"].upper()
     return Settings(**values)

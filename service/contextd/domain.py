@@ -16,7 +16,6 @@ T = TypeVar("T")
 DEFAULT_TENANT = "default"
 DEFAULT_THREAD = "main"
 DEFAULT_ROLLING_WINDOW_US = 86_400 * 1_000_000
-MICROS_PER_SECOND = 1_000_000
 
 
 class Role(IntEnum):
@@ -103,7 +102,7 @@ class ContextKey:
 
 @dataclass(frozen=True, slots=True)
 class NewMessage:
-    """A message as a client appends it, validated, with its token estimate."""
+    """A message as a client appends it (validated by the service)."""
 
     role: Role
     content: str

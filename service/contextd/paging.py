@@ -48,8 +48,13 @@ def encode(token: PageToken, params: tuple[Any, ...]) -> str:
     return base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
 
 
-def decode(raw: str, params: tuple[Any, ...]) -> PageToken | None:
-    """The decoded token, or None for the first page; INVALID_ARGUMENT when malformed."""
+def decode(raw: str, params: tuple[Any, ...], shape: tuple[type, ...]) -> PageToken | None:
+    """The decoded token, or None for the first page; INVALID_ARGUMENT when malformed.
+
+    `shape` is the type of each element of the position the list pages by (e.g. (int,
+    int) for (time, id)): a token is only base64 JSON, so one edited by hand must fail
+    here, not later as an internal error.
+    """
     if not raw:
         return None
     try:
@@ -61,6 +66,13 @@ def decode(raw: str, params: tuple[Any, ...]) -> PageToken | None:
         raise InvalidArgument(
             "page_token is not a token this server issued", field="page_token"
         ) from exc
+    well_formed = (
+        len(position) == len(shape)
+        and all(type(v) is t for v, t in zip(position, shape, strict=True))
+        and (window is None or type(window) is int)
+    )
+    if not well_formed:
+        raise InvalidArgument("page_token is not a token this server issued", field="page_token")
     if fingerprint != _fingerprint(params):
         raise InvalidArgument(
             "page_token was issued for a request with other parameters", field="page_token"

@@ -116,7 +116,7 @@ class ContextService:
     def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
         size = page_size(requested_size)
         params = ("agents", tenant)
-        position = decode(token, params)
+        position = decode(token, params, (str,))
         after = str(position.position[0]) if position else None
         agents = self._store.list_agents(tenant, after, size + 1)
         return Page(*cut_page(agents, size, params, lambda a: (a.name,)))
@@ -166,7 +166,7 @@ class ContextService:
         check_name(thread, "thread", allow_empty=True)
         size = page_size(requested_size)
         params = ("messages", tenant, agent, scope, thread, int(message_range))
-        position = decode(token, params)
+        position = decode(token, params, (int, int))
         found = self._store.get_agent(tenant, agent)
         window: int | None = None
         if message_range == MessageRange.WINDOW:
@@ -200,7 +200,7 @@ class ContextService:
         check_name(scope, "scope", allow_empty=True)
         size = page_size(requested_size)
         params = ("threads", tenant, agent, scope)
-        position = decode(token, params)
+        position = decode(token, params, (str,))
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
         threads = self._store.list_threads(tenant, agent, scope, after, size + 1)
@@ -273,7 +273,7 @@ class ContextService:
         check_name(scope, "scope", allow_empty=True)
         size = page_size(requested_size)
         params = ("status", tenant, agent, scope, include_expired)
-        position = decode(token, params)
+        position = decode(token, params, (str,))
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
         live_at = None if include_expired else wall_clock_us()
@@ -300,7 +300,7 @@ class ContextService:
         check_name(agent, "agent")
         size = page_size(requested_size)
         params = ("events", tenant, agent, event_type, start_us, end_us)
-        position = decode(token, params)
+        position = decode(token, params, (int,))
         self._store.get_agent(tenant, agent)
         after = int(position.position[0]) if position else 0
         events = self._store.list_events(

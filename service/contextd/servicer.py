@@ -41,23 +41,32 @@ def _timestamp(us: int | None) -> timestamp_pb2.Timestamp | None:
     return timestamp_pb2.Timestamp(seconds=seconds, nanos=micros * 1_000)
 
 
+# google.protobuf.Duration's documented range, which keeps every time sum within int64.
+_MAX_DURATION_S = 315_576_000_000
+
+
+def _micros(value: timestamp_pb2.Timestamp | duration_pb2.Duration, field: str) -> int:
+    """A Timestamp or Duration in microseconds; INVALID_ARGUMENT when it is outside what
+    protobuf allows or what the store can hold (a signed 64-bit count of microseconds)."""
+    try:
+        micros = value.ToMicroseconds()  # checks a Timestamp's range, not a Duration's
+    except ValueError as exc:
+        raise InvalidArgument(f"{field} is out of range: {exc}", field=field) from exc
+    if isinstance(value, duration_pb2.Duration) and abs(value.seconds) > _MAX_DURATION_S:
+        raise InvalidArgument(
+            f"{field} is out of range: at most {_MAX_DURATION_S:,} seconds (10,000 years)",
+            field=field,
+        )
+    return micros
+
+
 def _duration(us: int) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromMicroseconds(us)
     return d
 
 
-_OPTION_FIELDS = (
-    "truncate",
-    "max_chars_per_message",
-    "summarize",
-    "keep_recent_tokens",
-    "elide_tool_results",
-    "elide_threshold_chars",
-    "safety_margin",
-    "output_reserve_tokens",
-    "budget_tokens",
-)
+_OPTION_FIELDS = BuildOverrides.__slots__  # the proto's BuildOptions fields, same names
 
 
 def _overrides(options: pb.BuildOptions) -> BuildOverrides:
@@ -113,7 +122,9 @@ def _status_entry(entry: pb.StatusEntry) -> StatusEntry:
         summary=entry.summary,
         update_time_us=0,
         expire_time_us=(
-            entry.expire_time.ToMicroseconds() if entry.HasField("expire_time") else None
+            _micros(entry.expire_time, "entry.expire_time")
+            if entry.HasField("expire_time")
+            else None
         ),
     )
 
@@ -210,7 +221,7 @@ def _agent_pb(agent: Agent) -> pb.Agent:
 
 def _settings(agent: pb.Agent) -> AgentSettings:
     window = (
-        agent.rolling_window.ToMicroseconds()
+        _micros(agent.rolling_window, "agent.rolling_window")
         if agent.HasField("rolling_window")
         else DEFAULT_ROLLING_WINDOW_US
     )
@@ -246,7 +257,9 @@ def _new_message(message: pb.Message, index: int) -> NewMessage:
         external_id=message.external_id,
         metadata=message.metadata,
         create_time_us=(
-            message.create_time.ToMicroseconds() if message.HasField("create_time") else None
+            _micros(message.create_time, f"messages[{index}].create_time")
+            if message.HasField("create_time")
+            else None
         ),
     )
 
@@ -470,7 +483,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             request.agent,
             request.scope,
             _status_entry(request.entry),
-            request.ttl.ToMicroseconds() if request.HasField("ttl") else None,
+            _micros(request.ttl, "ttl") if request.HasField("ttl") else None,
         )
         return pb.SetStatusResponse(entry=_status_pb(entry))
 
@@ -504,8 +517,8 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             self._tenant(context),
             request.agent,
             request.type,
-            request.start_time.ToMicroseconds() if request.HasField("start_time") else None,
-            request.end_time.ToMicroseconds() if request.HasField("end_time") else None,
+            _micros(request.start_time, "start_time") if request.HasField("start_time") else None,
+            _micros(request.end_time, "end_time") if request.HasField("end_time") else None,
             request.page_size,
             request.page_token,
         )

@@ -178,6 +178,17 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     ),
 ]
 
+# Adds per-context counts (`{counts}`: a table or subquery of context_id, n, tokens,
+# first_us, last_us) to the threads' counters: the flush of pending counts and the recount
+# after a crash.
+_ADD_TO_THREAD_COUNTERS = (
+    "UPDATE threads SET message_count = threads.message_count + d.n, "
+    "token_estimate = threads.token_estimate + d.tokens, "
+    "create_time_us = least(threads.create_time_us, d.first_us), "
+    "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
+    "FROM {counts} d WHERE threads.context_id = d.context_id"
+)
+
 # Threads with the counters the writer has not flushed yet (`contextd_pending`, an Arrow
 # table in the reader's frame) added: what every read of thread counters selects from.
 _LIVE_THREADS = """
@@ -230,16 +241,6 @@ _ARROW_SCHEMA = pa.schema(
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
-_EMPTY_WINDOW = pa.table(
-    {
-        "id": pa.array([], pa.int64()),
-        "role": pa.array([], pa.uint8()),
-        "token_count": pa.array([], pa.uint64()),
-        "chars": pa.array([], pa.uint64()),
-        "group_id": pa.array([], pa.int64()),
-        "create_time_us": pa.array([], pa.int64()),
-    }
-)
 
 
 def _in_window_order(table: pa.Table) -> pa.Table:
@@ -374,9 +375,8 @@ _STOP = object()
 class Store:
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, path: Path, max_group_rows: int) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, max_group_rows: int) -> None:
         self._con = con
-        self._path = path
         self._max_group_rows = max_group_rows
         self._local = threading.local()
         self._cursors: list[duckdb.DuckDBPyConnection] = []
@@ -393,6 +393,7 @@ class Store:
         self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._known_agents: set[tuple[str, str]] = set()
         self._queue: SimpleQueue[Any] = SimpleQueue()
+        self._held: Any = None  # a job taken from the queue for the next group
         self._submit_lock = threading.Lock()
         self._closed = False
         self._writer = threading.Thread(
@@ -421,7 +422,7 @@ class Store:
                     f"{text.splitlines()[0]}"
                 ) from exc
             raise
-        return cls(con, path, max_group_rows)
+        return cls(con, max_group_rows)
 
     def close(self) -> None:
         """Stop the writer after the queued writes, checkpoint and close the file."""
@@ -440,10 +441,6 @@ class Store:
                 cur.close()
             self._cursors.clear()
         self._con.close()
-
-    @property
-    def path(self) -> Path:
-        return self._path
 
     def _migrate(self) -> None:
         con = self._con
@@ -523,13 +520,16 @@ class Store:
         writer = self._con.cursor()
         try:
             while True:
-                try:
-                    # With counters pending, wait only so long for work: a writer that
-                    # stays idle that long writes them while no caller is waiting.
-                    job = self._queue.get(timeout=IDLE_FLUSH_S if len(self._pending) else None)
-                except Empty:
-                    self._flush_counters(writer)
-                    continue
+                job, self._held = self._held, None
+                if job is None:
+                    try:
+                        # With counters pending, wait only so long for work: a writer that
+                        # stays idle that long writes them while no caller is waiting.
+                        timeout = IDLE_FLUSH_S if len(self._pending) else None
+                        job = self._queue.get(timeout=timeout)
+                    except Empty:
+                        self._flush_counters(writer)
+                        continue
                 if job is _STOP:
                     self._flush_counters(writer)
                     return
@@ -567,54 +567,53 @@ class Store:
             with self._pending.flushing() as contextd_flush:  # noqa: F841 - scanned by the script
                 writer.execute(
                     "BEGIN TRANSACTION;\n"
-                    "UPDATE threads SET message_count = threads.message_count + d.n, "
-                    "token_estimate = threads.token_estimate + d.tokens, "
-                    "create_time_us = least(threads.create_time_us, d.first_us), "
-                    "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
-                    "FROM contextd_flush d WHERE threads.context_id = d.context_id;\n"
-                    f"UPDATE store_state SET value = {int(through_id)} "
+                    + _ADD_TO_THREAD_COUNTERS.format(counts="contextd_flush")
+                    + f";\nUPDATE store_state SET value = {int(through_id)} "
                     "WHERE key = 'thread_counters_through_id';\n"
                     "COMMIT"
                 )
-        except duckdb.Error:
+        except Exception:  # the writer must survive: every later write depends on it
             self._rollback(writer)
             log.exception("writing thread counters failed; they stay pending")
 
     def _recount_threads(self) -> None:
         """Add the messages after the counted id to their threads' counters: the counts
         that were pending when the process last stopped without flushing them."""
+        uncounted = """(
+            SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
+                   min(create_time_us) AS first_us, max(create_time_us) AS last_us
+            FROM messages
+            WHERE id > (SELECT value FROM store_state WHERE key = 'thread_counters_through_id')
+            GROUP BY context_id)"""
         self._con.execute(
-            """
-            BEGIN TRANSACTION;
-            UPDATE threads SET message_count = threads.message_count + a.n,
-                token_estimate = threads.token_estimate + a.tokens,
-                create_time_us = least(threads.create_time_us, a.first_us),
-                last_message_time_us = greatest(threads.last_message_time_us, a.last_us)
-            FROM (SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
-                         min(create_time_us) AS first_us, max(create_time_us) AS last_us
-                  FROM messages
-                  WHERE id > (SELECT value FROM store_state
-                              WHERE key = 'thread_counters_through_id')
-                  GROUP BY context_id) a
-            WHERE threads.context_id = a.context_id;
-            UPDATE store_state SET value = (SELECT coalesce(max(id), 0) FROM messages)
-            WHERE key = 'thread_counters_through_id';
-            COMMIT
-            """
+            "BEGIN TRANSACTION;\n"
+            + _ADD_TO_THREAD_COUNTERS.format(counts=uncounted)
+            + ";\nUPDATE store_state SET value = (SELECT coalesce(max(id), 0) FROM messages) "
+            "WHERE key = 'thread_counters_through_id';\n"
+            "COMMIT"
         )
 
     def _gather(self, first: Any, appends: list[_AppendJob], calls: list[_CallJob]) -> bool:
-        """Take `first` and whatever else is already queued, up to the group limit."""
+        """Take `first` and whatever of the same kind is queued right behind it, up to the
+        group limit: a run of appends (committed together) or a run of calls.
+
+        A job of the other kind ends the group and is held for the next one, so writes
+        commit in the order they arrived: an append queued after a DeleteAgent must not be
+        committed before the delete (it would be acknowledged, then deleted).
+        """
         rows = 0
         job = first
         while True:
-            if isinstance(job, _AppendJob):
+            if job is _STOP:
+                return True  # finish this group, then stop
+            if isinstance(job, _AppendJob) and not calls:
                 appends.append(job)
                 rows += len(job.batch)
-            elif isinstance(job, _CallJob):
+            elif isinstance(job, _CallJob) and not appends:
                 calls.append(job)
             else:
-                return True  # _STOP: finish this group, then stop
+                self._held = job
+                return False
             if rows >= self._max_group_rows:
                 return False
             try:
@@ -640,12 +639,13 @@ class Store:
 
     def _commit_appends(self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]) -> None:
         """Commit a group of appends in one transaction; isolate a failing job on error."""
-        saved = (self._next_message_id, self._next_context_id, dict(self._context_ids))
+        # New context ids enter the cache only after their commit, so it needs no restore.
+        saved = (self._next_message_id, self._next_context_id)
         try:
             receipts, counted = self._insert_appends(writer, jobs)  # commits
         except BaseException as exc:
             self._rollback(writer)
-            self._next_message_id, self._next_context_id, self._context_ids = saved
+            self._next_message_id, self._next_context_id = saved
             self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
             self._known_agents.clear()  # may name agents whose insert was rolled back
             if len(jobs) == 1:
@@ -691,7 +691,7 @@ class Store:
         now_us = self.clock.tick()
         in_transaction = False  # opened early only when an agent must be created
         for (tenant, name), settings in agents_seen.items():
-            # Known agents skip the statement: an upsert costs milliseconds per commit.
+            # Known agents skip the lookup: a statement costs more than a commit's rows.
             if (tenant, name) in self._known_agents:
                 continue
             exists = _first(
@@ -721,6 +721,9 @@ class Store:
             times = [
                 commit_time if m.create_time_us is None else m.create_time_us for m in messages
             ]
+            # A client's time may be ahead of the clock (within the allowed skew): later
+            # clears and commits must still come after it, as they do after a restart.
+            self.clock.advance_to(max(times))
             columns["id"].extend(ids)
             columns["context_id"].extend([context_id] * n)
             columns["tenant"].extend([key.tenant] * n)
@@ -766,11 +769,11 @@ class Store:
             delta[3] = max(delta[3], max(times))
 
         # The whole group is written by one client call: a script of BEGIN, the inserts
-        # and updates, and COMMIT. Every call into DuckDB gives up the GIL and must win it
-        # back, and with dozens of handler threads waiting that costs more than the
-        # statements themselves, so a group makes one call. The scripts read their rows
-        # from the Arrow tables below through DuckDB's replacement scans (the names of
-        # this frame's local variables); they carry no parameters.
+        # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
+        # the GIL and must win it back, and with dozens of handler threads waiting that
+        # costs more than the statements themselves, so a group makes one call. The
+        # scripts read their rows from the Arrow tables below through DuckDB's replacement
+        # scans (the names of this frame's local variables); they carry no parameters.
         contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)  # noqa: F841 - scanned by the script
         script = [] if in_transaction else ["BEGIN TRANSACTION"]
         script.append(
@@ -928,11 +931,11 @@ class Store:
             cur.execute("DELETE FROM status_entries WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM events WHERE tenant = ? AND agent = ?", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
+            # In the same writer job: the next append must not reuse the deleted ids.
+            self._forget_contexts(tenant, name)
             return int(row[0]) if row else 0
 
-        deleted = self._write(delete)
-        self._write(lambda _cur: self._forget_contexts(tenant, name))
-        return deleted
+        return self._write(delete)
 
     def _forget_contexts(self, tenant: str, agent: str) -> None:
         """Drop cached context ids of a deleted agent (runs on the writer thread)."""
@@ -1118,17 +1121,23 @@ class Store:
                 limit,
             ],
         )
-        activity = []
-        for thread, last_us, first_us, count, context_id, start_us in rows:
-            if first_us <= start_us:
-                counted = _first(
-                    cur.execute(
-                        "SELECT count(*) FROM messages WHERE context_id = ? AND create_time_us > ?",
-                        [context_id, start_us],
-                    )
-                )
-                count = counted[0] if counted else 0
-            activity.append(ThreadActivity(thread, last_us, int(count)))
+        # Threads that began before their window start are counted from their messages,
+        # all in one statement: one branch per thread, each an equality on context_id
+        # (which the index serves), instead of a query per thread.
+        partial = [(r[4], r[5]) for r in rows if r[2] <= r[5]]
+        counted: dict[int, int] = {}
+        if partial:
+            branch = "SELECT ?, count(*) FROM messages WHERE context_id = ? AND create_time_us > ?"
+            params = [
+                v for context_id, start_us in partial for v in (context_id, context_id, start_us)
+            ]
+            counted = dict(
+                cur.execute(" UNION ALL ".join([branch] * len(partial)), params).fetchall()
+            )
+        activity = [
+            ThreadActivity(thread, last_us, int(counted.get(context_id, count)))
+            for thread, last_us, _first_us, count, context_id, _start_us in rows
+        ]
         return activity
 
     # ----------------------------------------------------------------- status entries
@@ -1368,7 +1377,7 @@ def _first(result: duckdb.DuckDBPyConnection) -> Any:
     """The first row, reading the result to its end.
 
     DuckDB keeps a partly read result open on its connection and refuses other work on it
-    (e.g. registering an Arrow batch) until the result is finished, so never fetchone().
+    until the result is finished, so never fetchone().
     """
     rows = result.fetchall()
     return rows[0] if rows else None

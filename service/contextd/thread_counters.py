@@ -1,11 +1,12 @@
 """Thread counters the writer has not yet written to the threads table.
 
 Every thread row carries counters (messages, estimated tokens, first and last message
-time) that ListThreads, GetContextStats and the status preamble read. Updating that row in
-every group commit was the largest single cost of an append: an UPDATE costs DuckDB about
-1.5 ms whatever it touches, more than inserting the messages. So the writer adds each
-commit's counts here instead, and writes them to the table in one statement when it has
-nothing else to do (no call for IDLE_FLUSH_S) or at least once a second.
+time) that ListThreads, GetContextStats (for its thread's clear marker) and the status
+preamble read. Updating that row in every group commit was the largest single cost of an
+append: an UPDATE costs DuckDB about 1.5 ms whatever it touches, more than inserting the
+messages. So the writer adds each commit's counts here instead, and writes them to the
+table in one transaction when it has nothing else to do (no call for IDLE_FLUSH_S) or
+once they have waited FLUSH_INTERVAL_S.
 
 Readers add what is pending to what they read, so an acknowledged append is always
 counted. A reader snapshots the pending counts with a generation number, runs its query,
@@ -49,13 +50,17 @@ class PendingCounters:
         self._lock = threading.Lock()
         self._deltas: dict[int, list[int]] = {}
         self._generation = 0
-        self._last_flush = time.monotonic()
+        self._waiting_since = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._deltas)
 
     def add(self, context_id: int, n: int, tokens: int, first_us: int, last_us: int) -> None:
         with self._lock:
+            if not self._deltas:
+                # Counters wait from their first pending count, not from the last flush:
+                # the first group after a quiet spell does not flush at once.
+                self._waiting_since = time.monotonic()
             delta = self._deltas.get(context_id)
             if delta is None:
                 self._deltas[context_id] = [n, tokens, first_us, last_us]
@@ -67,7 +72,7 @@ class PendingCounters:
 
     def flush_due(self) -> bool:
         """Whether a busy writer should flush now: counters have waited FLUSH_INTERVAL_S."""
-        return bool(self._deltas) and time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S
+        return bool(self._deltas) and time.monotonic() - self._waiting_since >= FLUSH_INTERVAL_S
 
     def snapshot(self) -> tuple[int, pa.Table]:
         """The generation and the pending counters, for a reader to add to the table's."""
@@ -88,7 +93,6 @@ class PendingCounters:
             yield self._table()
             self._deltas.clear()
             self._generation += 1
-            self._last_flush = time.monotonic()
 
     def _table(self) -> pa.Table:
         ids = list(self._deltas)
