@@ -99,7 +99,7 @@ def trim_reference(
     if n == 0 or budget == 0:
         return Trim()
     i = n - 1
-    stands_alone = roles[i] == TOOL_USE or (roles[i] in (USER, ASSISTANT) and groups[i] < 0)
+    stands_alone = roles[i] != TOOL_RESULT
     eff_chars = min(chars[i], max_chars)
     c = cost(i)
     if not stands_alone or c == 0:

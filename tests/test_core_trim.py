@@ -24,8 +24,9 @@ class Conversation:
 
 @st.composite
 def conversations(draw: st.DrawFn) -> Conversation:
-    """Well-formed histories: each tool group is one tool_use followed, possibly with
-    other messages in between, by zero or more results; some orphan results (-1)."""
+    """Well-formed histories: each tool group is one head (a tool_use, or an assistant
+    turn carrying tool calls) followed, possibly with other messages in between, by zero
+    or more results; some orphan results (-1)."""
     roles: list[int] = []
     groups: list[int] = []
     pending: list[int] = []
@@ -36,7 +37,7 @@ def conversations(draw: st.DrawFn) -> Conversation:
             gid = draw(st.integers(0, 10**12).filter(lambda g: g not in used))
             used.add(gid)
             pending.append(gid)
-            roles.append(TOOL_USE)
+            roles.append(draw(st.sampled_from([TOOL_USE, ASSISTANT])))
             groups.append(gid)
         elif kind == "result" and pending:
             roles.append(TOOL_RESULT)

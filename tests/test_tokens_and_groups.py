@@ -104,3 +104,27 @@ def test_openai_style_tool_calls_are_grouped(server: InProcessServer) -> None:
     assert ref is not None
     table = store.window_columns(ref, 0)
     assert table.column("group_id").to_pylist() == [use.id, use.id]
+
+
+def test_groups_follow_what_builds_call_a_tool_call(server: InProcessServer) -> None:
+    """Insert-time groups and builds read tool_calls the same way: the OpenAI message
+    wrapper ties its result, a call without a name (which cannot be rendered) ties none."""
+    client = server.client
+    wrapped = json.dumps(
+        {
+            "tool_calls": [
+                {"id": "w1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]
+        }
+    )
+    use = client.append("a1", "", role=ASSISTANT, tool_calls=wrapped).receipts[0]
+    client.append("a1", "42", role=TOOL_RESULT, tool_call_id="w1")
+    client.append("a1", "", role=ASSISTANT, tool_calls=json.dumps([{"id": "n1"}]))
+    client.append("a1", "7", role=TOOL_RESULT, tool_call_id="n1")
+    store = server.running.store
+    ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
+    assert ref is not None
+    table = store.window_columns(ref, 0)
+    assert table.column("group_id").to_pylist() == [use.id, use.id, -1, -1]
+    built = client.stub.BuildContext(pb.BuildContextRequest(agent="a1", thread="t1"))
+    assert [m.tool_call_id for m in built.messages if m.role == TOOL_RESULT] == ["w1"]

@@ -18,11 +18,12 @@
 //! 5. If not even the newest message fits alone, it is kept cut down to fit (the caller
 //!    truncates it to the reported character count) rather than sending an empty context.
 //!
-//! Group contract (a precondition): the caller assigns one id (>= 0) per tool_use message
+//! Group contract (a precondition): the caller assigns one id (>= 0) per message that
+//! calls tools (its head: a tool_use, or an assistant or other turn carrying tool calls)
 //! and gives its tool_results the same id (it derives them from tool_call ids); `-1` means
-//! no group. Each group's tool_use comes before all of its results; other messages may sit
+//! no group. Each group's head comes before all of its results; other messages may sit
 //! between them. That contract is what lets the walk stop early: walking back from the
-//! newest message, a group is "open" from its newest member until its tool_use is reached,
+//! newest message, a group is "open" from its newest member until its head is reached,
 //! and a cut is allowed only where no group is open. The walk stops at the first message
 //! that breaks the budget, so it visits only the newest messages whose total fits the
 //! budget (the kept ones, plus any of a group left open when the budget ran out) and one
@@ -31,8 +32,8 @@
 //!
 //! Input that breaks the contract still yields a suffix within the budget that does not
 //! start with a tool_result, but it may split a group: a result placed before its
-//! tool_use closes the group early, so the cut can fall between them. Results with no
-//! tool_use at all keep their group open, so nothing older than them is kept.
+//! head closes the group early, so the cut can fall between them. Results with no
+//! head at all keep their group open, so nothing older than them is kept.
 
 use hashbrown::HashSet;
 
@@ -153,10 +154,11 @@ pub fn trim_to_budget(messages: &Messages<'_>, budget: u64, max_chars: u64) -> C
         let role = Role::try_from(messages.roles[i])?;
         let group = messages.groups[i];
         if group >= 0 {
-            if role == Role::ToolUse {
-                open.remove(&group);
-            } else {
+            // Results open their group; any other member is the head that closes it.
+            if role == Role::ToolResult {
                 open.insert(group);
+            } else {
+                open.remove(&group);
             }
         }
         if open.is_empty() && role != Role::ToolResult {
@@ -182,18 +184,14 @@ pub fn trim_to_budget(messages: &Messages<'_>, budget: u64, max_chars: u64) -> C
 }
 
 /// Rule 5: nothing fits, so keep the newest message alone, cut to fit, if it may stand
-/// alone (not a tool_result, not a result-like member of a group). The cut keeps the
+/// alone (not a tool_result; a group's head with no results yet may). The cut keeps the
 /// message's own tokens-per-character density, so dense text (CJK, code) is cut shorter
 /// than prose would be.
 fn newest_cut_to_fit(messages: &Messages<'_>, budget: u64, max_chars: u64) -> CoreResult<Trimmed> {
     let Some(i) = messages.roles.len().checked_sub(1) else {
         return Ok(Trimmed::default());
     };
-    let stands_alone = match Role::try_from(messages.roles[i])? {
-        Role::ToolResult => false,
-        Role::ToolUse => true,
-        Role::User | Role::Assistant => messages.groups[i] < 0,
-    };
+    let stands_alone = Role::try_from(messages.roles[i])? != Role::ToolResult;
     let chars = messages.chars[i].min(max_chars);
     let cost = messages.cost(i, max_chars);
     if !stands_alone || budget == 0 || cost == 0 {
@@ -253,6 +251,19 @@ mod tests {
         assert_eq!(run(&roles, &tokens, &groups, 25).kept, vec![4]);
         assert_eq!(run(&roles, &tokens, &groups, 35).kept, vec![1, 2, 3, 4]);
         assert_eq!(run(&roles, &tokens, &groups, 40).kept, vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn an_assistant_turn_carrying_tool_calls_heads_its_group() {
+        // user, assistant with tool_calls (g3), result(g3): OpenAI's shape of a call.
+        let roles = [U, A, TR];
+        let groups = [-1, 3, 3];
+        assert_eq!(run(&roles, &[1, 1, 1], &groups, 10).kept, vec![0, 1, 2]);
+        assert_eq!(run(&roles, &[1, 1, 1], &groups, 2).kept, vec![1, 2]);
+        assert_eq!(
+            run(&roles, &[1, 1, 1], &groups, 1).kept,
+            Vec::<usize>::new()
+        );
     }
 
     #[test]

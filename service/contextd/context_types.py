@@ -6,8 +6,9 @@ of microseconds since the Unix epoch, as in :mod:`contextd.domain`.
 
 Tool calls
     A message's ``tool_calls`` is JSON text. :func:`parse_tool_calls` is the one place
-    that interprets it, so every module agrees on what a call is. Accepted shapes, as a
-    list or a single object:
+    that interprets it, so every module (the store's tool groups at insert included)
+    agrees on what a call is. Accepted shapes, as a list, a single object, or an object
+    whose ``"tool_calls"`` is the list (an OpenAI assistant message):
 
     * Anthropic style ``{"id", "name", "input"}`` (an optional ``"type": "tool_use"``);
     * OpenAI style ``{"id", "type": "function", "function": {"name", "arguments"}}``
@@ -338,6 +339,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         data = json.loads(text)
     except ValueError:
         return []
+    if isinstance(data, dict) and isinstance(data.get("tool_calls"), list):
+        data = data["tool_calls"]
     entries: Sequence[Any] = data if isinstance(data, list) else [data]
     calls: list[ToolCall] = []
     for entry in entries:

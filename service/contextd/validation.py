@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+from contextd.context_types import parse_tool_calls
 from contextd.errors import InvalidArgument, ResourceExhausted
 
 MAX_NAME_CHARS = 128
@@ -57,22 +58,8 @@ def check_size(size_bytes: int, limit_bytes: int, what: str) -> None:
 
 
 def tool_call_ids(tool_calls: str, what: str) -> tuple[str, ...]:
-    """The call ids a message's tool_calls JSON declares ('' when none).
-
-    Accepted shapes: a list of calls, one call, or an object with a "tool_calls" list;
-    a call is an object whose "id" is a string. This covers Anthropic tool_use blocks
-    ({"id", "name", "input"}) and OpenAI tool calls ({"id", "type", "function"}).
-    """
-    if not tool_calls:
-        return ()
-    try:
-        parsed = json.loads(tool_calls)
-    except ValueError as exc:
-        raise InvalidArgument(f"{what} is not valid JSON: {exc}", field=what) from exc
-    if isinstance(parsed, dict):
-        parsed = parsed.get("tool_calls", [parsed])
-    if not isinstance(parsed, list):
-        return ()
-    return tuple(
-        call["id"] for call in parsed if isinstance(call, dict) and isinstance(call.get("id"), str)
-    )
+    """The ids of the calls a message's tool_calls JSON declares; INVALID_ARGUMENT when it
+    is not JSON. What counts as a call is :func:`parse_tool_calls`'s to say, so the tool
+    groups the store records are the ones builds and renderings see."""
+    check_json(tool_calls, what)
+    return tuple(call.id for call in parse_tool_calls(tool_calls) if call.id)
