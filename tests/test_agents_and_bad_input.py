@@ -136,7 +136,10 @@ def test_bad_thread_and_scope_names_are_invalid_argument(client: Client) -> None
 
 
 def test_longest_name_is_accepted(client: Client) -> None:
-    _append(client, pb.Message(role=USER, content="x"), agent="a" * 128)
+    response = _append(client, pb.Message(role=USER, content="x"), agent="a" * 128)
+    assert len(response.receipts) == 1
+    agent = client.stub.GetAgent(pb.GetAgentRequest(name="a" * 128)).agent
+    assert agent.name == "a" * 128
 
 
 def test_unspecified_and_unknown_roles_are_invalid_argument(client: Client) -> None:
