@@ -32,6 +32,28 @@ TOOL_USE = pb.ROLE_TOOL_USE
 TOOL_RESULT = pb.ROLE_TOOL_RESULT
 
 
+def scope_pb(scope: str) -> pb.Scope:
+    """A test's scope string as the wire's typed scope: "" is the default scope,
+    "guild:G/channel:C/user:U" and "dm:U" the typed kinds, anything else a key."""
+    if not scope:
+        return pb.Scope()
+    if scope.startswith("guild:"):
+        guild, channel, user = (part.split(":", 1)[1] for part in scope.split("/"))
+        return pb.Scope(
+            channel=pb.ChannelScope(guild_id=guild, channel_id=channel, user_id=user)
+        )
+    if scope.startswith("dm:"):
+        return pb.Scope(direct_message=pb.DirectMessageScope(user_id=scope[3:]))
+    return pb.Scope(key=scope)
+
+
+def rendering(response: pb.BuildContextResponse, fmt: int) -> str:
+    """The content of one rendering of a build response (AssertionError if absent)."""
+    found = [r.content for r in response.renderings if r.format == fmt]
+    assert len(found) == 1, f"expected one rendering of format {fmt}, got {len(found)}"
+    return found[0]
+
+
 @dataclass
 class Client:
     """A thin test client over the real stub, with shorthands for common calls."""
@@ -51,15 +73,23 @@ class Client:
     ) -> pb.AppendMessagesResponse:
         messages = [pb.Message(role=role, content=c, **fields) for c in contents]  # type: ignore[arg-type]
         response: pb.AppendMessagesResponse = self.stub.AppendMessages(
-            pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=messages)
+            pb.AppendMessagesRequest(
+                agent=agent,
+                scope=scope_pb(scope),
+                thread=thread,
+                messages=messages,
+                create_agent_if_missing=True,
+            )
         )
         return response
 
     def window(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
-        return self.list_messages(agent, thread=thread, scope=scope)
+        return self.list_messages(agent, thread=thread, scope=scope_pb(scope))
 
     def history(self, agent: str, thread: str = "t1", scope: str = "") -> list[pb.Message]:
-        return self.list_messages(agent, thread=thread, scope=scope, range=pb.MESSAGE_RANGE_ALL)
+        return self.list_messages(
+            agent, thread=thread, scope=scope_pb(scope), range=pb.MESSAGE_RANGE_ALL
+        )
 
     def list_messages(self, agent: str, **kwargs: Any) -> list[pb.Message]:
         """Every page of ListMessages, concatenated."""

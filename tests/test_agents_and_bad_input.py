@@ -8,7 +8,7 @@ from google.protobuf import duration_pb2, field_mask_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from conftest import USER, Client, InProcessServer
+from conftest import USER, Client, InProcessServer, scope_pb
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -27,7 +27,13 @@ def _append(
     client: Client, *messages: pb.Message, agent: str = "a1", thread: str = "t1", scope: str = ""
 ) -> pb.AppendMessagesResponse:
     response: pb.AppendMessagesResponse = client.stub.AppendMessages(
-        pb.AppendMessagesRequest(agent=agent, scope=scope, thread=thread, messages=list(messages))
+        pb.AppendMessagesRequest(
+            agent=agent,
+            scope=scope_pb(scope),
+            thread=thread,
+            messages=list(messages),
+            create_agent_if_missing=True,
+        )
     )
     return response
 

@@ -15,7 +15,7 @@ import pytest
 from fake_anthropic import FakeAnthropic
 from google.protobuf import duration_pb2, field_mask_pb2
 
-from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect
+from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect, rendering
 from contextd import core
 from contextd.config import Settings
 from contextd.server import RunningServer, create_server
@@ -73,7 +73,7 @@ def test_context_includes_agent_docs(running: tuple[RunningServer, Client]) -> N
     _agent(client, docs=[pb.AgentDoc(name="style.md", content="Use metric units.")])
     ctx = _build(client, formats=[pb.CONTEXT_FORMAT_ANTHROPIC])
     assert [(d.name, d.content) for d in ctx.docs] == [("style.md", "Use metric units.")]
-    assert "Use metric units." in json.loads(ctx.anthropic_json)["system"]
+    assert "Use metric units." in json.loads(rendering(ctx, pb.CONTEXT_FORMAT_ANTHROPIC))["system"]
 
 
 def test_context_includes_thread_status(running: tuple[RunningServer, Client]) -> None:
@@ -330,15 +330,15 @@ def test_elide_old_tool_results(running: tuple[RunningServer, Client]) -> None:
     assert list(ctx.stats.elided_ids) == [big.id]
     stored = next(m for m in client.history("a1") if m.id == big.id)
     assert stored.content == "x" * 10_000  # the stored message stays intact
-    anthropic = json.loads(ctx.anthropic_json)
+    anthropic = json.loads(rendering(ctx, pb.CONTEXT_FORMAT_ANTHROPIC))
     roles = [m["role"] for m in anthropic["messages"]]
     assert all(a != b for a, b in pairwise(roles))
-    openai = json.loads(ctx.openai_json)
+    openai = json.loads(rendering(ctx, pb.CONTEXT_FORMAT_OPENAI))
     tool_ids = {
         c["id"] for m in openai if m["role"] == "assistant" for c in m.get("tool_calls", [])
     }
     assert {m["tool_call_id"] for m in openai if m["role"] == "tool"} <= tool_ids
-    assert ctx.text.count("User:") >= 5
+    assert rendering(ctx, pb.CONTEXT_FORMAT_TEXT).count("User:") >= 5
 
 
 # ----------------------------------------------------------------- status and bad input
@@ -531,7 +531,7 @@ def test_parallel_tool_calls_stay_paired_in_every_rendering(
     uses = [m for m in ctx.messages if m.role == TOOL_USE]
     answered = {c["id"] for m in uses for c in json.loads(m.tool_calls)}
     assert {m.tool_call_id for m in results} == answered  # groups kept whole
-    anthropic = json.loads(ctx.anthropic_json)["messages"]
+    anthropic = json.loads(rendering(ctx, pb.CONTEXT_FORMAT_ANTHROPIC))["messages"]
     assert anthropic[0]["role"] == "user"
     for before, after in pairwise(anthropic):
         assert before["role"] != after["role"]
@@ -540,7 +540,7 @@ def test_parallel_tool_calls_stay_paired_in_every_rendering(
         if answers:
             asked = {b["id"] for b in before["content"] if b.get("type") == "tool_use"}
             assert answers <= asked
-    openai = json.loads(ctx.openai_json)
+    openai = json.loads(rendering(ctx, pb.CONTEXT_FORMAT_OPENAI))
     seen: set[str] = set()
     for m in openai:
         seen |= {c["id"] for c in m.get("tool_calls", [])}

@@ -49,6 +49,7 @@ from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
 from contextd.render import to_anthropic, to_openai, to_text
 from contextd.storage import ContextRef, Store
 from contextd.summarizer import Summarizer
+from contextd.validation import quote
 from contextd.window import window_start_us
 
 COMPRESSED_EVENT = "context.compressed"
@@ -288,7 +289,7 @@ class ContextBuilder:
             core.model_info(chosen)
         except core.UnknownModelError as exc:
             raise InvalidArgument(
-                f"model {chosen!r} is not in the model registry", field="model"
+                f"model {quote(chosen)} is not in the model registry", field="model"
             ) from exc
         merged = agent.build_options.over(overrides) if agent.build_options else overrides
         options = strategy_options(merged)

@@ -41,6 +41,7 @@ from contextd.validation import (
     check_json,
     check_name,
     check_size,
+    quote,
     tool_call_ids,
 )
 from contextd.window import window_start_us
@@ -386,7 +387,7 @@ def _checked_settings(settings: AgentSettings) -> AgentSettings:
             core.model_info(settings.model)
         except core.UnknownModelError as exc:
             raise InvalidArgument(
-                f"agent.model {settings.model!r} is not in the model registry; known models: "
+                f"agent.model {quote(settings.model)} is not in the model registry; known models: "
                 f"{', '.join(core.list_models())}",
                 field="agent.model",
             ) from exc

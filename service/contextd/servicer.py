@@ -28,6 +28,7 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
+from contextd import scopes
 from contextd.errors import InvalidArgument
 from contextd.service import ContextService
 from contextd.v1 import context_service_pb2 as pb
@@ -78,6 +79,11 @@ def _options_pb(overrides: BuildOverrides | None) -> pb.BuildOptions:
     return pb.BuildOptions(**(overrides.as_dict() if overrides else {}))  # type: ignore[arg-type]
 
 
+_FORMAT_NAMES: dict[str, int] = {
+    "anthropic": pb.CONTEXT_FORMAT_ANTHROPIC,
+    "openai": pb.CONTEXT_FORMAT_OPENAI,
+    "text": pb.CONTEXT_FORMAT_TEXT,
+}
 _FORMATS: dict[int, str] = {
     pb.CONTEXT_FORMAT_ANTHROPIC: "anthropic",
     pb.CONTEXT_FORMAT_OPENAI: "openai",
@@ -87,11 +93,31 @@ _FORMATS: dict[int, str] = {
 
 def _formats(values: Sequence[int]) -> tuple[str, ...]:
     out: list[str] = []
-    for value in values:
+    for i, value in enumerate(values):
         if value not in _FORMATS:
-            raise InvalidArgument(f"formats holds an unknown format {value}", field="formats")
+            raise InvalidArgument(
+                f"formats[{i}] is {value}; use CONTEXT_FORMAT_ANTHROPIC, CONTEXT_FORMAT_OPENAI "
+                "or CONTEXT_FORMAT_TEXT",
+                field=f"formats[{i}]",
+            )
+        if _FORMATS[value] in out:
+            raise InvalidArgument(
+                f"formats[{i}] repeats {pb.ContextFormat.Name(value)}", field=f"formats[{i}]"
+            )
         out.append(_FORMATS[value])
-    return tuple(dict.fromkeys(out))
+    return tuple(out)
+
+
+def _view(value: int) -> bool:
+    """Whether the response carries the structured context (True) or renderings only."""
+    if value in (pb.CONTEXT_VIEW_UNSPECIFIED, pb.CONTEXT_VIEW_FULL):
+        return True
+    if value == pb.CONTEXT_VIEW_RENDERINGS:
+        return False
+    raise InvalidArgument(
+        f"view {value} is not a known view; use CONTEXT_VIEW_FULL or CONTEXT_VIEW_RENDERINGS",
+        field="view",
+    )
 
 
 def _status_pb(entry: StatusEntry) -> pb.StatusEntry:
@@ -129,23 +155,55 @@ def _status_entry(entry: pb.StatusEntry) -> StatusEntry:
     )
 
 
+def _scope(scope: pb.Scope, field: str = "scope") -> str:
+    """The canonical scope string of a request's typed scope ("" when unset)."""
+    kind = scope.WhichOneof("kind")
+    if kind is None:
+        return scopes.DEFAULT_SCOPE
+    if kind == "key":
+        return scopes.key_scope(scope.key, field)
+    if kind == "channel":
+        c = scope.channel
+        return scopes.channel_scope(c.guild_id, c.channel_id, c.user_id, field)
+    return scopes.direct_message_scope(scope.direct_message.user_id, field)
+
+
+def _scope_pb(scope: str) -> pb.Scope:
+    kind = scopes.parse(scope)
+    if isinstance(kind, scopes.ChannelScope):
+        return pb.Scope(
+            channel=pb.ChannelScope(
+                guild_id=kind.guild_id, channel_id=kind.channel_id, user_id=kind.user_id
+            )
+        )
+    if isinstance(kind, scopes.DirectMessageScope):
+        return pb.Scope(direct_message=pb.DirectMessageScope(user_id=kind.user_id))
+    if isinstance(kind, scopes.KeyScope):
+        return pb.Scope(key=kind.key)
+    return pb.Scope()
+
+
 def _event_pb(event: Event) -> pb.Event:
     return pb.Event(
         id=event.id,
         type=event.type,
         agent=event.agent,
-        scope=event.scope,
+        scope=_scope_pb(event.scope),
         thread=event.thread,
         create_time=_timestamp(event.create_time_us),
         data=event.data,
     )
 
 
-def _build_response(result: BuildResult) -> pb.BuildContextResponse:
+def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ctx = result.context
     s = ctx.stats
+    renderings = [
+        pb.Rendering(format=_FORMAT_NAMES[name], content=content)  # type: ignore[arg-type]
+        for name, content in result.renderings.items()
+    ]
     truncated, elided = set(s.truncated_ids), set(s.elided_ids)
-    messages = [
+    messages = [] if not full else [
         pb.ContextMessage(
             id=item.id,
             role=int(item.role),  # type: ignore[arg-type]
@@ -160,7 +218,7 @@ def _build_response(result: BuildResult) -> pb.BuildContextResponse:
         )
         for item in ctx.history
     ]
-    if ctx.new_message is not None:
+    if full and ctx.new_message is not None:
         messages.append(
             pb.ContextMessage(
                 role=pb.ROLE_USER,
@@ -192,15 +250,15 @@ def _build_response(result: BuildResult) -> pb.BuildContextResponse:
         user_message_truncated=s.new_message_truncated,
         messages_loaded=result.messages_loaded,
     )
+    if not full:
+        return pb.BuildContextResponse(stats=stats, renderings=renderings)
     return pb.BuildContextResponse(
         system_prompt=ctx.system_prompt,
         docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
         status=ctx.status,
         messages=messages,
         stats=stats,
-        anthropic_json=result.renderings.get("anthropic", ""),
-        openai_json=result.renderings.get("openai", ""),
-        text=result.renderings.get("text", ""),
+        renderings=renderings,
     )
 
 
@@ -237,7 +295,8 @@ def _settings(agent: pb.Agent) -> AgentSettings:
 def _role(value: int, index: int) -> Role:
     if value == pb.ROLE_UNSPECIFIED:
         raise InvalidArgument(
-            f"messages[{index}].role is required (USER, ASSISTANT, TOOL_USE or TOOL_RESULT)",
+            f"messages[{index}].role is required (ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL_USE "
+            "or ROLE_TOOL_RESULT)",
             field=f"messages[{index}].role",
         )
     try:
@@ -257,8 +316,8 @@ def _new_message(message: pb.Message, index: int) -> NewMessage:
         external_id=message.external_id,
         metadata=message.metadata,
         create_time_us=(
-            _micros(message.create_time, f"messages[{index}].create_time")
-            if message.HasField("create_time")
+            _micros(message.source_time, f"messages[{index}].source_time")
+            if message.HasField("source_time")
             else None
         ),
     )
@@ -269,7 +328,7 @@ def _message_pb(m: StoredMessage) -> pb.Message:
         id=m.id,
         tenant=m.tenant,
         agent=m.agent,
-        scope=m.scope,
+        scope=_scope_pb(m.scope),
         thread=m.thread,
         role=int(m.role),  # type: ignore[arg-type]
         content=m.content,
@@ -289,7 +348,7 @@ def _message_pb(m: StoredMessage) -> pb.Message:
 def _thread_pb(t: Thread) -> pb.Thread:
     return pb.Thread(
         agent=t.agent,
-        scope=t.scope,
+        scope=_scope_pb(t.scope),
         thread=t.thread,
         create_time=_timestamp(t.create_time_us),
         last_message_time=_timestamp(t.last_message_time_us),
@@ -379,7 +438,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     ) -> pb.AppendMessagesResponse:
         messages = [_new_message(m, i) for i, m in enumerate(request.messages)]
         receipts = self._service.append_messages(
-            self._tenant(context), request.agent, request.scope, request.thread, messages
+            self._tenant(context), request.agent, _scope(request.scope), request.thread, messages
         )
         return pb.AppendMessagesResponse(
             receipts=[
@@ -399,7 +458,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         page = self._service.list_messages(
             self._tenant(context),
             request.agent,
-            request.scope,
+            _scope(request.scope),
             request.thread,
             _range(request.range),
             request.page_size,
@@ -415,7 +474,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ClearContextRequest, context: grpc.ServicerContext
     ) -> pb.ClearContextResponse:
         marker = self._service.clear_context(
-            self._tenant(context), request.agent, request.scope, request.thread
+            self._tenant(context), request.agent, _scope(request.scope), request.thread
         )
         return pb.ClearContextResponse(clear_time=_timestamp(marker))
 
@@ -425,7 +484,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         page = self._service.list_threads(
             self._tenant(context),
             request.agent,
-            request.scope,
+            _scope(request.scope),
             request.page_size,
             request.page_token,
         )
@@ -437,18 +496,19 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.GetContextStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetContextStatsResponse:
         stats = self._service.context_stats(
-            self._tenant(context), request.agent, request.scope, request.thread
+            self._tenant(context), request.agent, _scope(request.scope), request.thread
         )
         return pb.GetContextStatsResponse(stats=_stats_pb(stats))
 
     def BuildContext(
         self, request: pb.BuildContextRequest, context: grpc.ServicerContext
     ) -> pb.BuildContextResponse:
+        full = _view(request.view)
         result = self._service.build_context(
             BuildRequest(
                 tenant=self._tenant(context),
                 agent=request.agent,
-                scope=request.scope,
+                scope=_scope(request.scope),
                 thread=request.thread,
                 user_message=request.user_message,
                 model=request.model,
@@ -456,7 +516,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
                 formats=_formats(request.formats),
             )
         )
-        return _build_response(result)
+        return _build_response(result, full)
 
     def CompactContext(
         self, request: pb.CompactContextRequest, context: grpc.ServicerContext
@@ -464,7 +524,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         result = self._service.compact_context(
             self._tenant(context),
             request.agent,
-            request.scope,
+            _scope(request.scope),
             request.thread,
             request.model,
             _overrides(request.options),
@@ -481,7 +541,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         entry = self._service.set_status(
             self._tenant(context),
             request.agent,
-            request.scope,
+            _scope(request.scope),
             _status_entry(request.entry),
             _micros(request.ttl, "ttl") if request.HasField("ttl") else None,
         )
@@ -493,7 +553,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         page = self._service.list_status(
             self._tenant(context),
             request.agent,
-            request.scope,
+            _scope(request.scope),
             request.include_expired,
             request.page_size,
             request.page_token,
@@ -506,7 +566,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ClearStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClearStatusResponse:
         removed = self._service.clear_status(
-            self._tenant(context), request.agent, request.scope, request.key
+            self._tenant(context), request.agent, _scope(request.scope), request.key
         )
         return pb.ClearStatusResponse(removed_count=removed)
 

@@ -12,6 +12,16 @@ MAX_NAME_CHARS = 128
 MAX_DOC_NAME_CHARS = 256
 MAX_EXTERNAL_ID_CHARS = 256
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/\-]*")
+# Error messages travel in gRPC trailers, which clients cap (8 KiB by default in Python):
+# echoing a whole bad value could turn a clear error into a metadata-size failure.
+QUOTE_CHARS = 40
+
+
+def quote(value: str, limit: int = QUOTE_CHARS) -> str:
+    """A short, printable rendering of a client's value for an error message."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
 def check_name(value: str, what: str, *, allow_empty: bool = False) -> str:
@@ -26,7 +36,7 @@ def check_name(value: str, what: str, *, allow_empty: bool = False) -> str:
         )
     if not _NAME.fullmatch(value):
         raise InvalidArgument(
-            f"{what} {value!r} may only contain letters, digits and . _ : @ / - "
+            f"{what} {quote(value)} may only contain letters, digits and . _ : @ / - "
             "and must start with a letter or a digit",
             field=what,
         )
