@@ -39,9 +39,7 @@ def scope_pb(scope: str) -> pb.Scope:
         return pb.Scope()
     if scope.startswith("guild:"):
         guild, channel, user = (part.split(":", 1)[1] for part in scope.split("/"))
-        return pb.Scope(
-            channel=pb.ChannelScope(guild_id=guild, channel_id=channel, user_id=user)
-        )
+        return pb.Scope(channel=pb.ChannelScope(guild_id=guild, channel_id=channel, user_id=user))
     if scope.startswith("dm:"):
         return pb.Scope(direct_message=pb.DirectMessageScope(user_id=scope[3:]))
     return pb.Scope(key=scope)

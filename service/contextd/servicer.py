@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from contextd import scopes
 from contextd.builder import BuildRequest, BuildResult
 from contextd.context_types import StatusEntry, StatusKind
 from contextd.domain import (
@@ -28,7 +29,6 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd import scopes
 from contextd.errors import InvalidArgument
 from contextd.service import ContextService
 from contextd.v1 import context_service_pb2 as pb
@@ -203,21 +203,25 @@ def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         for name, content in result.renderings.items()
     ]
     truncated, elided = set(s.truncated_ids), set(s.elided_ids)
-    messages = [] if not full else [
-        pb.ContextMessage(
-            id=item.id,
-            role=int(item.role),  # type: ignore[arg-type]
-            content=item.content,
-            tool_calls=item.tool_calls,
-            tool_call_id=item.tool_call_id,
-            token_count=item.token_count,
-            truncated=item.id in truncated,
-            elided=item.id in elided,
-            is_summary=item.is_summary,
-            create_time=_timestamp(result.create_times.get(item.id)),
-        )
-        for item in ctx.history
-    ]
+    messages = (
+        []
+        if not full
+        else [
+            pb.ContextMessage(
+                id=item.id,
+                role=int(item.role),  # type: ignore[arg-type]
+                content=item.content,
+                tool_calls=item.tool_calls,
+                tool_call_id=item.tool_call_id,
+                token_count=item.token_count,
+                truncated=item.id in truncated,
+                elided=item.id in elided,
+                is_summary=item.is_summary,
+                create_time=_timestamp(result.create_times.get(item.id)),
+            )
+            for item in ctx.history
+        ]
+    )
     if full and ctx.new_message is not None:
         messages.append(
             pb.ContextMessage(
