@@ -399,9 +399,10 @@ def test_a_hand_edited_page_token_is_invalid_argument(client: Client, position: 
     for i in range(3):
         client.append("a1", f"m{i}")
     first = client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1))
-    body = json.loads(base64.urlsafe_b64decode(first.next_page_token))
+    raw, _, signature = base64.urlsafe_b64decode(first.next_page_token).rpartition(b".")
+    body = json.loads(raw)
     body["p"] = position
-    forged = base64.urlsafe_b64encode(json.dumps(body).encode()).decode()
+    forged = base64.urlsafe_b64encode(json.dumps(body).encode() + b"." + signature).decode()
     code = _code(
         lambda: client.stub.ListMessages(
             pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1, page_token=forged)

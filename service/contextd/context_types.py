@@ -337,7 +337,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         return []
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if isinstance(data, dict) and isinstance(data.get("tool_calls"), list):
         data = data["tool_calls"]
@@ -355,7 +355,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             if isinstance(arguments, str):
                 try:
                     value: Any = json.loads(arguments) if arguments.strip() else {}
-                except ValueError:
+                except (ValueError, RecursionError):
                     value = {"arguments": arguments}
             else:
                 value = arguments

@@ -1,17 +1,27 @@
-"""Opaque page tokens.
+"""Opaque, signed page tokens and page cutting.
 
 A token carries the position after which the next page starts, the window start fixed by
 the first page, and a fingerprint of the request it was issued for, so that a token reused
-with other parameters is rejected instead of silently returning a wrong page.
+with other parameters is rejected instead of silently returning a wrong page. Tokens are
+signed with HMAC-SHA256 under a key kept in the data directory: a client can read a token
+(it is only base64 JSON) but cannot forge or edit one, and what a token decodes to is
+range-checked anyway before any query sees it.
+
+Pages stop at a count and at a byte size (AIP-158 allows short pages), so a page of
+messages near the size limit never becomes a response of hundreds of megabytes.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
+import os
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.errors import InvalidArgument
@@ -20,6 +30,13 @@ T = TypeVar("T")
 
 DEFAULT_PAGE_SIZE = 100
 MAX_PAGE_SIZE = 1000
+# A page stops once its items hold this many bytes (the last one may cross it).
+# Below gRPC clients' default 4 MiB receive limit even with one 1 MiB message over it.
+MAX_PAGE_BYTES = 2 << 20
+KEY_FILE = "page_token.key"
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_MAX_POSITION_CHARS = 512
+_NOT_OURS = "page_token is not a token this server issued"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,57 +56,122 @@ def page_size(requested: int) -> int:
     return min(requested, MAX_PAGE_SIZE)
 
 
+def load_or_create_key(data_dir: Path) -> bytes:
+    """The signing key of this data directory, created on first use (0600, atomic)."""
+    path = data_dir / KEY_FILE
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(32))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temporary, path)  # fails if another process created the key first
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink()
+    return path.read_bytes()
+
+
 def _fingerprint(params: tuple[Any, ...]) -> str:
     return hashlib.sha256(json.dumps(params).encode()).hexdigest()[:16]
 
 
-def encode(token: PageToken, params: tuple[Any, ...]) -> str:
-    body = {"p": list(token.position), "w": token.window_start_us, "f": _fingerprint(params)}
-    return base64.urlsafe_b64encode(json.dumps(body, separators=(",", ":")).encode()).decode()
+def _in_range(value: object, kind: type) -> bool:
+    if type(value) is not kind:
+        return False
+    if isinstance(value, int):
+        return _INT64[0] <= value <= _INT64[1]
+    if isinstance(value, str):
+        return len(value) <= _MAX_POSITION_CHARS
+    return True
 
 
-def decode(raw: str, params: tuple[Any, ...], shape: tuple[type, ...]) -> PageToken | None:
-    """The decoded token, or None for the first page; INVALID_ARGUMENT when malformed.
+class PageTokens:
+    """Issues and checks the page tokens of one server's data (one signing key)."""
 
-    `shape` is the type of each element of the position the list pages by (e.g. (int,
-    int) for (time, id)): a token is only base64 JSON, so one edited by hand must fail
-    here, not later as an internal error.
-    """
-    if not raw:
-        return None
-    try:
-        body = json.loads(base64.urlsafe_b64decode(raw.encode()))
-        position = tuple(body["p"])
-        window = body["w"]
-        fingerprint = body["f"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise InvalidArgument(
-            "page_token is not a token this server issued", field="page_token"
-        ) from exc
-    well_formed = (
-        len(position) == len(shape)
-        and all(type(v) is t for v, t in zip(position, shape, strict=True))
-        and (window is None or type(window) is int)
-    )
-    if not well_formed:
-        raise InvalidArgument("page_token is not a token this server issued", field="page_token")
-    if fingerprint != _fingerprint(params):
-        raise InvalidArgument(
-            "page_token was issued for a request with other parameters", field="page_token"
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def _sign(self, body: bytes) -> str:
+        return hmac.new(self._key, body, hashlib.sha256).hexdigest()[:32]
+
+    def encode(self, token: PageToken, params: tuple[Any, ...]) -> str:
+        body = json.dumps(
+            {"p": list(token.position), "w": token.window_start_us, "f": _fingerprint(params)},
+            separators=(",", ":"),
+        ).encode()
+        signed = body + b"." + self._sign(body).encode()
+        return base64.urlsafe_b64encode(signed).decode()
+
+    def decode(
+        self, raw: str, params: tuple[Any, ...], shape: tuple[type, ...]
+    ) -> PageToken | None:
+        """The decoded token, or None for the first page; INVALID_ARGUMENT when it was not
+        issued by this server, was edited, or was issued for other request parameters.
+
+        `shape` is the type of each element of the position the list pages by (e.g. (int,
+        int) for (time, id)).
+        """
+        if not raw:
+            return None
+        if len(raw) > 4 * _MAX_POSITION_CHARS:
+            raise InvalidArgument(_NOT_OURS, field="page_token", reason="INVALID_PAGE_TOKEN")
+        try:
+            body, _, signature = base64.urlsafe_b64decode(raw.encode()).rpartition(b".")
+            if not hmac.compare_digest(signature, self._sign(body).encode()):
+                raise ValueError("bad signature")
+            decoded = json.loads(body)
+            position = tuple(decoded["p"])
+            window = decoded["w"]
+            fingerprint = decoded["f"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(
+                _NOT_OURS, field="page_token", reason="INVALID_PAGE_TOKEN"
+            ) from exc
+        well_formed = (
+            len(position) == len(shape)
+            and all(_in_range(v, t) for v, t in zip(position, shape, strict=True))
+            and (window is None or _in_range(window, int))
         )
-    return PageToken(position=position, window_start_us=window)
+        if not well_formed:
+            raise InvalidArgument(_NOT_OURS, field="page_token", reason="INVALID_PAGE_TOKEN")
+        if fingerprint != _fingerprint(params):
+            raise InvalidArgument(
+                "page_token was issued for a request with other parameters",
+                field="page_token",
+                reason="INVALID_PAGE_TOKEN",
+            )
+        return PageToken(position=position, window_start_us=window)
 
-
-def cut_page(
-    rows: Sequence[T],
-    size: int,
-    params: tuple[Any, ...],
-    position_of: Callable[[T], tuple[Any, ...]],
-    window_start_us: int | None = None,
-) -> tuple[list[T], str]:
-    """The page out of `size + 1` rows read, and the token of the next page ("" on the
-    last): reading one row more than the page tells whether another page exists."""
-    if len(rows) <= size:
-        return list(rows), ""
-    page = list(rows[:size])
-    return page, encode(PageToken(position_of(page[-1]), window_start_us), params)
+    def cut(
+        self,
+        rows: Sequence[T],
+        size: int,
+        params: tuple[Any, ...],
+        position_of: Callable[[T], tuple[Any, ...]],
+        window_start_us: int | None = None,
+        bytes_of: Callable[[T], int] | None = None,
+    ) -> tuple[list[T], str]:
+        """The page out of `size + 1` rows read, and the token of the next page ("" on
+        the last): reading one row more than the page tells whether another page exists.
+        With `bytes_of`, the page also stops after the item that reaches MAX_PAGE_BYTES."""
+        end = min(len(rows), size)
+        if bytes_of is not None:
+            total = 0
+            for i in range(end):
+                total += bytes_of(rows[i])
+                if total >= MAX_PAGE_BYTES:
+                    end = i + 1
+                    break
+        if end >= len(rows):
+            return list(rows), ""
+        page = list(rows[:end])
+        return page, self.encode(PageToken(position_of(page[-1]), window_start_us), params)

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from contextd.config import Settings
 from contextd.grpc_errors import ErrorMappingInterceptor
+from contextd.paging import PageTokens, load_or_create_key
 from contextd.service import ContextService, Limits
 from contextd.servicer import ContextServicer
 from contextd.storage import Store
@@ -75,6 +76,7 @@ def create_server(settings: Settings) -> RunningServer:
                 max_message_bytes=settings.max_message_bytes,
                 max_batch_messages=settings.max_batch_messages,
             ),
+            PageTokens(load_or_create_key(settings.data_dir)),
         )
         workers = futures.ThreadPoolExecutor(
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"

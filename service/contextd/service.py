@@ -7,6 +7,7 @@ authentication exists, isolation is a matter of passing the caller's tenant.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -32,7 +33,7 @@ from contextd.domain import (
     Thread,
 )
 from contextd.errors import InvalidArgument, NotFound, ResourceExhausted
-from contextd.paging import cut_page, decode, page_size
+from contextd.paging import PageTokens, page_size
 from contextd.storage import Store, ThreadFilter
 from contextd.summarizer import Summarizer
 from contextd.validation import (
@@ -70,9 +71,18 @@ class MessagePage:
 
 
 class ContextService:
-    def __init__(self, store: Store, summarizer: Summarizer, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        summarizer: Summarizer,
+        limits: Limits | None = None,
+        page_tokens: PageTokens | None = None,
+    ) -> None:
         self._store = store
         self._limits = limits or Limits()
+        # Without a key from the data directory, tokens are signed with a key of this
+        # process only (fine for a service object that lives and dies with its caller).
+        self._pages = page_tokens or PageTokens(secrets.token_bytes(32))
         self._builder = ContextBuilder(store, summarizer)
         # The model of each agent, read on every append to count its tokens. This process
         # is the file's only writer, so invalidating on update and delete keeps it true.
@@ -117,10 +127,10 @@ class ContextService:
     def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
         size = page_size(requested_size)
         params = ("agents", tenant)
-        position = decode(token, params, (str,))
+        position = self._pages.decode(token, params, (str,))
         after = str(position.position[0]) if position else None
         agents = self._store.list_agents(tenant, after, size + 1)
-        return Page(*cut_page(agents, size, params, lambda a: (a.name,)))
+        return Page(*self._pages.cut(agents, size, params, lambda a: (a.name,), None, _agent_bytes))
 
     def delete_agent(self, tenant: str, name: str) -> int:
         check_name(name, "name")
@@ -167,7 +177,7 @@ class ContextService:
         check_name(thread, "thread", allow_empty=True)
         size = page_size(requested_size)
         params = ("messages", tenant, agent, scope, thread, int(message_range))
-        position = decode(token, params, (int, int))
+        position = self._pages.decode(token, params, (int, int))
         found = self._store.get_agent(tenant, agent)
         window: int | None = None
         if message_range == MessageRange.WINDOW:
@@ -180,7 +190,9 @@ class ContextService:
         after = (int(position.position[0]), int(position.position[1])) if position else None
         where = ThreadFilter(tenant, agent, scope, thread or None)
         rows = self._store.list_messages(where, window, after, size + 1)
-        page, next_token = cut_page(rows, size, params, lambda m: (m.create_time_us, m.id), window)
+        page, next_token = self._pages.cut(
+            rows, size, params, lambda m: (m.create_time_us, m.id), window, _message_bytes
+        )
         return MessagePage(page, next_token, window)
 
     # ----------------------------------------------------------------- clears
@@ -201,11 +213,11 @@ class ContextService:
         check_name(scope, "scope", allow_empty=True)
         size = page_size(requested_size)
         params = ("threads", tenant, agent, scope)
-        position = decode(token, params, (str,))
+        position = self._pages.decode(token, params, (str,))
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
         threads = self._store.list_threads(tenant, agent, scope, after, size + 1)
-        return Page(*cut_page(threads, size, params, lambda t: (t.thread,)))
+        return Page(*self._pages.cut(threads, size, params, lambda t: (t.thread,)))
 
     # ----------------------------------------------------------------- building
 
@@ -274,12 +286,12 @@ class ContextService:
         check_name(scope, "scope", allow_empty=True)
         size = page_size(requested_size)
         params = ("status", tenant, agent, scope, include_expired)
-        position = decode(token, params, (str,))
+        position = self._pages.decode(token, params, (str,))
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
         live_at = None if include_expired else wall_clock_us()
         entries = self._store.list_status(tenant, agent, scope, after, size + 1, live_at)
-        return Page(*cut_page(entries, size, params, lambda e: (e.key,)))
+        return Page(*self._pages.cut(entries, size, params, lambda e: (e.key,)))
 
     def clear_status(self, tenant: str, agent: str, scope: str, key: str) -> int:
         check_name(agent, "agent")
@@ -301,13 +313,13 @@ class ContextService:
         check_name(agent, "agent")
         size = page_size(requested_size)
         params = ("events", tenant, agent, event_type, start_us, end_us)
-        position = decode(token, params, (int,))
+        position = self._pages.decode(token, params, (int,))
         self._store.get_agent(tenant, agent)
         after = int(position.position[0]) if position else 0
         events = self._store.list_events(
             tenant, agent, event_type, start_us, end_us, after, size + 1
         )
-        return Page(*cut_page(events, size, params, lambda e: (e.id,)))
+        return Page(*self._pages.cut(events, size, params, lambda e: (e.id,)))
 
     # ----------------------------------------------------------------- stats
 
@@ -346,6 +358,15 @@ class ContextService:
             newest_message_time_us=newest,
             thread_count=int(threads),
         )
+
+
+def _message_bytes(m: StoredMessage) -> int:
+    """About a message's size on the wire (characters; what a page's byte cap counts)."""
+    return len(m.content) + len(m.tool_calls) + len(m.metadata) + 128
+
+
+def _agent_bytes(a: Agent) -> int:
+    return len(a.system_prompt) + sum(len(d.name) + len(d.content) for d in a.docs) + 128
 
 
 def check_overrides(options: BuildOverrides) -> None:

@@ -49,6 +49,7 @@ from contextd.domain import (
 )
 from contextd.errors import AlreadyExists, NotFound, StoreLocked, Unavailable
 from contextd.thread_counters import IDLE_FLUSH_S, PendingCounters
+from contextd.validation import quote
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +496,7 @@ class Store:
         cur: duckdb.DuckDBPyConnection | None = getattr(self._local, "cursor", None)
         if cur is None:
             if self._closed:
-                raise Unavailable("the server is shutting down")
+                raise Unavailable("the server is shutting down", reason="SHUTTING_DOWN")
             cur = self._con.cursor()
             self._local.cursor = cur
             with self._cursors_lock:
@@ -507,7 +508,7 @@ class Store:
     def _submit(self, job: _AppendJob | _CallJob) -> Any:
         with self._submit_lock:
             if self._closed:
-                raise Unavailable("the server is shutting down")
+                raise Unavailable("the server is shutting down", reason="SHUTTING_DOWN")
             self._queue.put(job)
         return job.future.result()
 
@@ -1199,7 +1200,7 @@ class Store:
             count = int(row[0]) if row else 0
             if key is not None and count == 0:
                 raise NotFound(
-                    f"agent {agent!r} has no status entry {key!r} in scope {scope!r}",
+                    f"agent {agent!r} has no status entry {quote(key)} in scope {scope!r}",
                     reason="STATUS_NOT_FOUND",
                 )
             cur.execute(f"DELETE FROM status_entries WHERE {where}", params)
