@@ -288,7 +288,7 @@ def _probe_server() -> tuple[grpc.Server, Client, threading.Event]:
 def test_interceptor_turns_a_panic_into_internal_at_once() -> None:
     server, client, _ = _probe_server()
     try:
-        call = client.channel.unary_unary("/probe.Probe/Panics")
+        call = client.channel.unary_unary("/probe.Probe/Panics", None, None)
         error = _error(lambda: call(b"", timeout=10))
         assert error.code() == grpc.StatusCode.INTERNAL
         assert _details(error)["reason"] == "INTERNAL"
@@ -300,7 +300,7 @@ def test_interceptor_turns_a_panic_into_internal_at_once() -> None:
 def test_interceptor_covers_streaming_rpcs() -> None:
     server, client, _ = _probe_server()
     try:
-        streaming = client.channel.unary_stream("/probe.Probe/Streams")
+        streaming = client.channel.unary_stream("/probe.Probe/Streams", None, None)
         received: list[bytes] = []
         with pytest.raises(grpc.RpcError) as info:
             for item in streaming(b"", timeout=10):
@@ -308,7 +308,7 @@ def test_interceptor_covers_streaming_rpcs() -> None:
         assert received == [b"one"]
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert _details(info.value)["fields"] == ["item"]
-        client_streaming = client.channel.stream_unary("/probe.Probe/TakesStream")
+        client_streaming = client.channel.stream_unary("/probe.Probe/TakesStream", None, None)
         error = _error(lambda: client_streaming(iter([b"a", b"b"]), timeout=10))
         assert error.code() == grpc.StatusCode.INTERNAL
     finally:
