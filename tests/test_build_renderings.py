@@ -1,0 +1,75 @@
+"""Renderings are entries keyed by format; a client asks for as few as it needs."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from conftest import Client, rendering
+from contextd.v1 import context_service_pb2 as pb
+
+
+def _build(client: Client, **fields: object) -> pb.BuildContextResponse:
+    response: pb.BuildContextResponse = client.stub.BuildContext(
+        pb.BuildContextRequest(agent="a1", thread="t1", user_message="next?", **fields)  # type: ignore[arg-type]
+    )
+    return response
+
+
+def test_one_format_returns_one_rendering(client: Client) -> None:
+    client.append("a1", "hello", "world")
+    response = _build(client, formats=[pb.CONTEXT_FORMAT_OPENAI])
+    assert [r.format for r in response.renderings] == [pb.CONTEXT_FORMAT_OPENAI]
+    messages = json.loads(rendering(response, pb.CONTEXT_FORMAT_OPENAI))
+    assert messages[-1] == {"role": "user", "content": "next?"}
+
+
+def test_renderings_come_in_the_order_asked(client: Client) -> None:
+    client.append("a1", "hello")
+    asked = [pb.CONTEXT_FORMAT_TEXT, pb.CONTEXT_FORMAT_ANTHROPIC, pb.CONTEXT_FORMAT_OPENAI]
+    response = _build(client, formats=asked)
+    assert [r.format for r in response.renderings] == asked
+
+
+def test_no_formats_means_no_renderings(client: Client) -> None:
+    client.append("a1", "hello")
+    response = _build(client)
+    assert list(response.renderings) == []
+    assert [m.content for m in response.messages][-1] == "next?"
+
+
+def test_renderings_view_leaves_out_the_structured_context(client: Client) -> None:
+    client.append("a1", "x" * 5_000, "y" * 5_000)
+    full = _build(client, formats=[pb.CONTEXT_FORMAT_ANTHROPIC])
+    lean = _build(client, formats=[pb.CONTEXT_FORMAT_ANTHROPIC], view=pb.CONTEXT_VIEW_RENDERINGS)
+    assert list(lean.messages) == [] and lean.system_prompt == "" and list(lean.docs) == []
+    assert rendering(lean, pb.CONTEXT_FORMAT_ANTHROPIC) == rendering(
+        full, pb.CONTEXT_FORMAT_ANTHROPIC
+    )
+    assert lean.stats.total_tokens == full.stats.total_tokens
+    assert lean.ByteSize() < full.ByteSize() * 0.6
+
+
+@pytest.mark.parametrize(
+    ("formats", "field"),
+    [
+        ([pb.CONTEXT_FORMAT_TEXT, pb.CONTEXT_FORMAT_TEXT], "formats[1]"),
+        ([pb.CONTEXT_FORMAT_UNSPECIFIED], "formats[0]"),
+        ([42], "formats[0]"),
+    ],
+)
+def test_bad_formats_are_invalid_argument(client: Client, formats: list[int], field: str) -> None:
+    client.append("a1", "hello")
+    with pytest.raises(grpc.RpcError) as info:
+        _build(client, formats=formats)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (info.value.details() or "")
+
+
+def test_unknown_view_is_invalid_argument(client: Client) -> None:
+    client.append("a1", "hello")
+    with pytest.raises(grpc.RpcError) as info:
+        _build(client, view=7)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
