@@ -80,8 +80,17 @@ bench: build $(STAMPS)/bench-deps ## Run the full benchmark suite and write docs
 bench-quick: build $(STAMPS)/bench-deps ## Run a small benchmark to keep the suite working (writes to bench/results/)
 	$(PY) -m bench --size quick
 
+# `buf breaking` compares proto/ with an earlier committed version of itself. When proto/
+# has changes not yet committed (edited, staged or new files), the baseline is HEAD: what is
+# checked is exactly those pending edits. Comparing them with HEAD~1 instead would mix them
+# with the last commit's change, and after a commit that broke the contract on purpose (as a
+# new major version may) every later edit would keep failing on that old break. With proto/
+# clean, the baseline is HEAD~1: the check is on the change the last commit made. Set
+# BUF_AGAINST to another ref to check more, e.g. `make lint BUF_AGAINST=main` for a branch.
+BUF_AGAINST ?= $(shell if [ -n "$$(git status --porcelain -- proto)" ]; then echo HEAD; else echo HEAD~1; fi)
+
 .PHONY: lint
-lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), cargo fmt --check, cargo clippy -D warnings
+lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), buf lint and breaking, cargo fmt/clippy
 	$(VENV)/bin/ruff check service tests bench build_backend
 	$(VENV)/bin/ruff format --check service tests bench build_backend
 	$(VENV)/bin/mypy
@@ -89,6 +98,8 @@ lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), ca
 	$(VENV)/bin/mypy build_backend
 	$(VENV)/bin/mypy tests
 	$(PY) -m mypy.stubtest contextd._core --mypy-config-file pyproject.toml
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against '.git#ref=$(BUF_AGAINST),subdir=proto'
 	cd rust_core && cargo fmt --check
 	cd rust_core && cargo clippy --all-targets -- -D warnings
 	cd rust_core && cargo clippy --all-targets --features python -- -D warnings
