@@ -19,7 +19,7 @@ export CONTEXTD_ADDR CONTEXTD_DATA_DIR
 
 .PHONY: help
 help: ## List the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-12s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMPS):
 	@mkdir -p $(STAMPS)
@@ -38,8 +38,11 @@ $(STAMPS)/deps: $(STAMPS)/venv pyproject.toml
 	$(PIP) install --quiet -r $(STAMPS)/requirements.txt
 	@touch $@
 
+# maturin develop builds the extension directly (pip's route goes through build_backend/,
+# which hands over to maturin: hence no warning about pyproject's build-backend).
 $(STAMPS)/rust: $(STAMPS)/deps $(RUST_SOURCES)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release --quiet
+	VIRTUAL_ENV=$(abspath $(VENV)) MATURIN_NO_MISSING_BUILD_BACKEND_WARNING=1 \
+	  $(VENV)/bin/maturin develop --release --quiet
 	@touch $@
 
 $(STAMPS)/proto: $(STAMPS)/deps $(PROTO_FILES)
@@ -77,22 +80,49 @@ bench: build $(STAMPS)/bench-deps ## Run the full benchmark suite and write docs
 bench-quick: build $(STAMPS)/bench-deps ## Run a small benchmark to keep the suite working (writes to bench/results/)
 	$(PY) -m bench --size quick
 
+# `buf breaking` compares proto/ with an earlier committed version of itself. When proto/
+# has changes not yet committed (edited, staged or new files), the baseline is HEAD: what is
+# checked is exactly those pending edits. Comparing them with HEAD~1 instead would mix them
+# with the last commit's change, and after a commit that broke the contract on purpose (as a
+# new major version may) every later edit would keep failing on that old break. With proto/
+# clean, the baseline is HEAD~1: the check is on the change the last commit made. Set
+# BUF_AGAINST to another ref to check more, e.g. `make lint BUF_AGAINST=main` for a branch.
+BUF_AGAINST ?= $(shell if [ -n "$$(git status --porcelain -- proto)" ]; then echo HEAD; else echo HEAD~1; fi)
+
 .PHONY: lint
-lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), cargo fmt --check, cargo clippy -D warnings
-	$(VENV)/bin/ruff check service tests bench
-	$(VENV)/bin/ruff format --check service tests bench
+lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), buf lint and breaking, cargo fmt/clippy
+	$(VENV)/bin/ruff check service tests bench build_backend
+	$(VENV)/bin/ruff format --check service tests bench build_backend
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy bench
+	$(VENV)/bin/mypy build_backend
 	$(VENV)/bin/mypy tests
 	$(PY) -m mypy.stubtest contextd._core --mypy-config-file pyproject.toml
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against '.git#ref=$(BUF_AGAINST),subdir=proto'
 	cd rust_core && cargo fmt --check
 	cd rust_core && cargo clippy --all-targets -- -D warnings
 	cd rust_core && cargo clippy --all-targets --features python -- -D warnings
 
+# What `pip install .` gives, checked end to end: an sdist (only what it declares), a wheel
+# built from it by the build backend (which generates the gRPC code), installed into a fresh
+# venv, whose `contextd` must serve on a free port and stop cleanly (`python -I` keeps this
+# tree and PYTHONPATH off sys.path, so all of it comes from the installed wheel).
+# It compiles the Rust core from scratch (a few minutes), so nothing else runs it; run it
+# after changing pyproject.toml, build_backend/ or the package layout.
+.PHONY: check-install
+check-install: ## Build an sdist and a wheel, install in a fresh venv, start and stop `contextd serve`
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	$(PYTHON) -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/pip" install --quiet build; \
+	"$$tmp/venv/bin/python" -m build --outdir "$$tmp/dist" .; \
+	"$$tmp/venv/bin/pip" install --quiet "$$tmp"/dist/*.whl; \
+	"$$tmp/venv/bin/python" -I $(CURDIR)/build_backend/check_install.py
+
 .PHONY: fmt
 fmt: $(STAMPS)/deps ## Format Python and Rust code
-	$(VENV)/bin/ruff format service tests bench
-	$(VENV)/bin/ruff check --fix service tests bench
+	$(VENV)/bin/ruff format service tests bench build_backend
+	$(VENV)/bin/ruff check --fix service tests bench build_backend
 	cd rust_core && cargo fmt
 
 .PHONY: clean

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -69,18 +70,22 @@ def test_grpcurl_appends_and_lists_with_json(server: InProcessServer) -> None:
 
 
 def test_readme_grpcurl_lines_work_as_written(server: InProcessServer) -> None:
-    """Every `$G ...` line of README.md, run by a shell in order against a real server."""
+    """Every grpcurl line of README.md, run by bash in order against a real server.
+
+    Each line is whole (no variable holding the command: zsh would not split it), so the
+    only changes are the server's port and where grpcurl is installed.
+    """
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    block = readme.split("```sh\nG=", 1)[1].split("```", 1)[0]
-    lines = [line for line in ("G=" + block).splitlines() if line.strip()]
-    assert lines[0].startswith("G=") and len(lines) >= 6
+    prefix = ".venv/bin/grpcurl -plaintext "
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if prefix in b)
+    lines = [line for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 6 and all(line.startswith(prefix) for line in lines), lines
     address = f"127.0.0.1:{server.running.port}"
     grpcurl = _grpcurl()
-    for line in lines[1:]:
-        command = line.replace("127.0.0.1:50051", address).replace("$G ", "")
+    for line in lines:
+        command = line.replace("127.0.0.1:50051", address).replace(".venv/bin/grpcurl", grpcurl)
         result = subprocess.run(
-            f"{grpcurl} -plaintext {command}",
-            shell=True,
+            ["bash", "-c", command],
             capture_output=True,
             text=True,
             timeout=60,
