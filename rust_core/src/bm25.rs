@@ -30,6 +30,11 @@
 //!
 //! Search is term-at-a-time into a dense score array, then a k-sized heap; ties are broken
 //! by ascending document id so results are deterministic.
+//!
+//! Limits: documents (live plus dead not yet compacted) and distinct terms are numbered
+//! with `u32`, so an index holds fewer than 2^32 of each; an add past either limit is an
+//! error that leaves the index as it was. A document's length in words saturates at
+//! 2^32 - 1 (a 12 GB message; BM25's length normalisation barely moves by then).
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -71,6 +76,23 @@ struct Posting {
     tf: u16,
 }
 
+/// The most documents (live and dead) and distinct terms an index holds. Ids are `u32`
+/// and `u32::MAX` marks a dropped document while compacting, so both stay below it.
+#[derive(Clone, Copy)]
+struct Limits {
+    docs: u32,
+    terms: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            docs: u32::MAX,
+            terms: u32::MAX,
+        }
+    }
+}
+
 /// Interned vocabulary: term id -> text via one arena, text -> id via a hash table.
 #[derive(Default)]
 struct Vocab {
@@ -96,8 +118,14 @@ impl Vocab {
             .copied()
     }
 
-    /// Id of `word`, adding it if new; the flag says whether it was new.
-    fn intern(&mut self, word: &str) -> (u32, bool) {
+    /// Number of distinct terms.
+    fn len(&self) -> usize {
+        self.starts.len().saturating_sub(1)
+    }
+
+    /// Id of `word`, adding it if new; the flag says whether it was new. `None` when the
+    /// next id would not fit a `u32` (callers check [`Limits`] first, so never in practice).
+    fn intern(&mut self, word: &str) -> Option<(u32, bool)> {
         let hash = self.hasher.hash_one(word);
         let Vocab {
             table,
@@ -109,13 +137,13 @@ impl Vocab {
             starts.push(0);
         }
         if let Some(&id) = table.find(hash, |&id| Self::term(arena, starts, id) == word) {
-            return (id, false);
+            return Some((id, false));
         }
-        let id = (starts.len() - 1) as u32;
+        let id = u32::try_from(starts.len() - 1).ok()?;
         arena.push_str(word);
         starts.push(arena.len());
         table.insert_unique(hash, id, |&i| hasher.hash_one(Self::term(arena, starts, i)));
-        (id, true)
+        Some((id, true))
     }
 }
 
@@ -124,8 +152,10 @@ impl Vocab {
 #[derive(Debug, Clone, Default)]
 pub struct DocTerms {
     lowered: String,
-    /// `(start, end, tf)` byte ranges into `lowered`, one per distinct word.
-    terms: Vec<(u32, u32, u16)>,
+    /// `(start, end, tf)` byte ranges into `lowered`, one per distinct word. Offsets are
+    /// `usize`: a `u32` would wrap past 4 GiB of text and slice the wrong bytes.
+    terms: Vec<(usize, usize, u16)>,
+    /// Words in the document, saturating at `u32::MAX`.
     len: u32,
 }
 
@@ -138,14 +168,15 @@ impl DocTerms {
         let len = u32::try_from(words.len()).unwrap_or(u32::MAX);
         words.sort_unstable();
         let base = lowered.as_ptr() as usize;
-        let mut terms: Vec<(u32, u32, u16)> = Vec::new();
+        let mut terms: Vec<(usize, usize, u16)> = Vec::new();
         for w in words {
-            let start = (w.as_ptr() as usize - base) as u32;
+            // `w` is a subslice of `lowered`, so this is its byte offset there.
+            let start = w.as_ptr() as usize - base;
             match terms.last_mut() {
-                Some(last) if &lowered[last.0 as usize..last.1 as usize] == w => {
+                Some(last) if &lowered[last.0..last.1] == w => {
                     last.2 = last.2.saturating_add(1);
                 }
-                _ => terms.push((start, start + w.len() as u32, 1)),
+                _ => terms.push((start, start + w.len(), 1)),
             }
         }
         DocTerms {
@@ -153,6 +184,13 @@ impl DocTerms {
             terms,
             len,
         }
+    }
+
+    /// The distinct words, in sorted order.
+    fn words(&self) -> impl Iterator<Item = &str> {
+        self.terms
+            .iter()
+            .map(|&(start, end, _)| &self.lowered[start..end])
     }
 }
 
@@ -169,6 +207,7 @@ pub struct Bm25Index {
     /// Live documents by external id; `doc_ids` also holds the dead ones (until compacted).
     by_id: HashMap<i64, u32>,
     total_len: u64,
+    limits: Limits,
 }
 
 #[derive(PartialEq)]
@@ -218,7 +257,16 @@ impl Bm25Index {
             alive: Vec::new(),
             by_id: HashMap::new(),
             total_len: 0,
+            limits: Limits::default(),
         })
+    }
+
+    /// An empty index with small limits, to test what happens when one is reached.
+    #[cfg(test)]
+    fn with_limits(docs: u32, terms: u32) -> Self {
+        let mut ix = Bm25Index::new(DEFAULT_K1, DEFAULT_B, false).expect("valid defaults");
+        ix.limits = Limits { docs, terms };
+        ix
     }
 
     /// Term-frequency saturation parameter.
@@ -275,16 +323,33 @@ impl Bm25Index {
 
     /// [`Bm25Index::add_prepared`] without the compaction check (a batch checks once).
     fn insert_prepared(&mut self, id: i64, doc: &DocTerms) -> CoreResult<()> {
-        // Checked before replacing, so a full index keeps the old document.
+        // Both limits are checked before anything changes, so a full index keeps the
+        // document an add would have replaced, and never holds half a document.
+        let limits = self.limits;
         let idx = u32::try_from(self.doc_ids.len())
             .ok()
-            .filter(|&i| i < u32::MAX)
-            .ok_or_else(|| CoreError::InvalidArgument("index is full (2^32 documents)".into()))?;
+            .filter(|&i| i < limits.docs)
+            .ok_or_else(|| {
+                CoreError::InvalidArgument(format!("index is full ({} documents)", limits.docs))
+            })?;
+        let vocab_full = || {
+            CoreError::InvalidArgument(format!(
+                "index vocabulary is full ({} distinct words)",
+                limits.terms
+            ))
+        };
+        let room = (limits.terms as usize)
+            .checked_sub(self.vocab.len())
+            .ok_or_else(vocab_full)?;
+        // Counting the new words costs a lookup each: only done near the limit.
+        if doc.terms.len() > room
+            && doc.words().filter(|w| self.vocab.get(w).is_none()).count() > room
+        {
+            return Err(vocab_full());
+        }
         self.remove_one(id);
-        for &(start, end, tf) in &doc.terms {
-            let (term, new) = self
-                .vocab
-                .intern(&doc.lowered[start as usize..end as usize]);
+        for (word, &(_, _, tf)) in doc.words().zip(&doc.terms) {
+            let (term, new) = self.vocab.intern(word).ok_or_else(vocab_full)?;
             if new {
                 self.postings.push(Vec::with_capacity(1));
             }
@@ -442,11 +507,12 @@ impl Bm25Index {
         retain_alive(&mut self.doc_ids, &alive);
         retain_alive(&mut self.doc_len, &alive);
         self.alive = vec![true; self.doc_ids.len()];
+        // Numbered from a `u32` counter: there are fewer than `limits.docs` documents.
         self.by_id = self
             .doc_ids
             .iter()
-            .enumerate()
-            .map(|(i, &id)| (id, i as u32))
+            .zip(0u32..)
+            .map(|(&id, i)| (id, i))
             .collect();
     }
 
@@ -499,6 +565,8 @@ impl Bm25Index {
                 *s += scale * tf / (tf + norm);
             }
         }
+        // No more hits than touched documents: a huge `k` must not size the heap.
+        let k = k.min(touched.len());
         // Min-heap of the k best so far (Reverse order via the wrapper's Ord).
         let mut heap: BinaryHeap<std::cmp::Reverse<Hit>> = BinaryHeap::with_capacity(k + 1);
         for doc in touched {
@@ -683,6 +751,92 @@ mod tests {
             batch.search("topic3 word1", 50)
         );
         assert!(headed.add_batch(&ids[..2], &texts[..3]).is_err());
+    }
+
+    #[test]
+    fn huge_k_returns_every_hit() {
+        let ix = index(&[(1, "alpha beta"), (2, "alpha"), (3, "gamma")]);
+        let all = ix.search("alpha", 10);
+        assert_eq!(all.len(), 2);
+        // `k + 1` overflowed and sized the heap from `k` (a capacity overflow panic).
+        for k in [usize::MAX, usize::MAX / 2 + 1, 1 << 40] {
+            assert_eq!(ix.search("alpha", k), all, "k={k}");
+        }
+    }
+
+    /// Search results and statistics, to check an index is unchanged.
+    fn snapshot(ix: &Bm25Index) -> (usize, usize, Vec<(i64, f64)>) {
+        (
+            ix.len(),
+            ix.vocabulary_size(),
+            ix.search("alpha beta gamma delta epsilon", 100),
+        )
+    }
+
+    #[test]
+    fn a_full_index_rejects_documents_and_stays_whole() {
+        let mut ix = Bm25Index::with_limits(3, 100);
+        ix.add(1, "alpha").unwrap();
+        ix.add(2, "beta").unwrap();
+        ix.add(3, "gamma").unwrap();
+        let before = snapshot(&ix);
+        let err = ix.add(4, "delta").unwrap_err();
+        assert_eq!(err.to_string(), "index is full (3 documents)");
+        // Replacing an existing id needs a new slot too: the old document stays.
+        assert!(ix.add(2, "delta").is_err());
+        assert!(ix.add_batch(&[5, 6], &["delta", "epsilon"]).is_err());
+        assert_eq!(snapshot(&ix), before);
+        assert_eq!(ix.search("beta", 5).len(), 1);
+        // Removing frees slots once compaction drops the dead ones.
+        assert_eq!(ix.remove(&[1, 2]), 2);
+        ix.add(4, "delta").unwrap();
+        assert_eq!(ix.search("delta", 5).len(), 1);
+    }
+
+    #[test]
+    fn a_full_vocabulary_rejects_new_words_only() {
+        let mut ix = Bm25Index::with_limits(100, 3);
+        ix.add(1, "alpha beta").unwrap();
+        let before = snapshot(&ix);
+        // Two new words where one fits: nothing of the document is added.
+        let err = ix.add(2, "gamma delta alpha").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "index vocabulary is full (3 distinct words)"
+        );
+        assert_eq!(snapshot(&ix), before);
+        // Known words need no room, even when the document has more words than is left.
+        ix.add(3, "alpha beta alpha").unwrap();
+        ix.add(4, "gamma alpha").unwrap();
+        assert_eq!(ix.vocabulary_size(), 3);
+        assert!(ix.add(5, "delta").is_err());
+        ix.add(6, "gamma beta alpha").unwrap();
+        assert_eq!(ix.len(), 4);
+        assert_eq!(ix.search("gamma", 10).len(), 2);
+    }
+
+    #[test]
+    fn multibyte_words_are_sliced_on_their_boundaries() {
+        let doc = DocTerms::new("Ünïcödé 日本語 ǅemal 🙂x ünïcödé İstanbul", false);
+        let words: Vec<&str> = doc.words().collect();
+        // Sorted by bytes; `İ` lower-cases to `i` + U+0307, so the text changes length.
+        assert_eq!(words, ["i\u{307}stanbul", "ünïcödé", "ǆemal", "日本語"]);
+        let tfs: Vec<u16> = doc.terms.iter().map(|t| t.2).collect();
+        assert_eq!(tfs, [1, 2, 1, 1]);
+        assert_eq!(doc.len, 5);
+    }
+
+    /// A document past 4 GiB: word offsets were `u32` and wrapped, so the words were
+    /// read from the wrong bytes. Needs about 9 GB of memory.
+    #[test]
+    #[ignore = "needs ~9 GB of memory; run with --release -- --ignored"]
+    fn words_past_four_gib_are_read_from_their_own_bytes() {
+        let mut text = " ".repeat((1usize << 32) + 3);
+        text.push_str("ALPHA beta");
+        let doc = DocTerms::new(&text, false);
+        drop(text);
+        assert_eq!(doc.words().collect::<Vec<_>>(), ["alpha", "beta"]);
+        assert_eq!(doc.len, 2);
     }
 
     #[test]

@@ -45,9 +45,11 @@ impl ModelInfo {
     }
 
     /// A raw tokenizer count scaled by the margin, rounded up: what the count costs
-    /// against this model's window.
+    /// against this model's window. Saturates at `u64::MAX`; the product is taken in
+    /// `u128`, since saturating it before dividing would make a huge count cost less.
     pub fn apply_margin(&self, count: u64) -> u64 {
-        count.saturating_mul(self.margin_milli).div_ceil(1000)
+        let scaled = (u128::from(count) * u128::from(self.margin_milli)).div_ceil(1000);
+        u64::try_from(scaled).unwrap_or(u64::MAX)
     }
 
     /// Budget cost of each text for this model: its tokenizer's count times the margin.
@@ -240,6 +242,26 @@ mod tests {
         let gpt = model_info("gpt-4o").unwrap();
         assert_eq!(gpt.apply_margin(12345), 12345);
         assert_eq!(gpt.prompt_budget(), 128000 - 16384);
+    }
+
+    #[test]
+    fn huge_counts_cost_at_least_themselves() {
+        // The product saturated before the division: u64::MAX cost u64::MAX / 1000.
+        for name in ["gpt-4o", "claude-sonnet-4-5", "default"] {
+            let info = model_info(name).unwrap();
+            for count in [u64::MAX, u64::MAX / 2, 1 << 60, u64::MAX / 1000 + 1] {
+                let cost = info.apply_margin(count);
+                assert!(cost >= count, "{name} {count}: {cost}");
+                let exact = (u128::from(count) * u128::from(info.margin_milli)).div_ceil(1000);
+                assert_eq!(u128::from(cost), exact.min(u128::from(u64::MAX)), "{name}");
+            }
+        }
+        let claude = model_info("claude-sonnet-4-5").unwrap();
+        assert_eq!(
+            claude.apply_margin(1 << 60),
+            ((1u128 << 60) * 13).div_ceil(10) as u64
+        );
+        assert_eq!(claude.apply_margin(u64::MAX), u64::MAX);
     }
 
     #[test]

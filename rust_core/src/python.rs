@@ -4,17 +4,25 @@
 //! `str` objects, columns as views of the buffers), runs large work detached from the
 //! interpreter (so other Python threads, e.g. gRPC handlers, keep running; see
 //! [`run_sized`]) and returns flat vectors, never one Python object per message.
+//!
+//! Errors: every failure the core reports is a [`CoreError`], raised through the one
+//! `From<CoreError> for PyErr` below. Each binding's work also runs inside
+//! [`catch_panic`]: a panic is a bug, never a verdict on the input, but if one happens it
+//! must reach Python as `contextd._core.InternalError` (a `RuntimeError`). Left to pyo3,
+//! it would become `pyo3_runtime.PanicException`, a `BaseException`: gRPC handlers'
+//! `except Exception` would miss it and the call could end without a status. Getters that
+//! only copy a field out of a frozen object are not wrapped: they cannot panic.
 
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
-use pyo3::exceptions::{PyBufferError, PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyBufferError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 
-use std::sync::{PoisonError, RwLock, RwLockReadGuard, TryLockError};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use crate::bm25;
-use crate::error::CoreError;
+use crate::error::{catch_panic, CoreError, CoreResult};
 use crate::models;
 use crate::relevance;
 use crate::specifics;
@@ -29,6 +37,13 @@ create_exception!(
     "No model registry entry matches the requested model name."
 );
 
+create_exception!(
+    contextd._core,
+    InternalError,
+    PyRuntimeError,
+    "A bug in contextd's Rust core (a caught panic), never a verdict on the input."
+);
+
 impl From<CoreError> for PyErr {
     fn from(err: CoreError) -> PyErr {
         match err {
@@ -36,8 +51,14 @@ impl From<CoreError> for PyErr {
             CoreError::UnknownEncoding(_)
             | CoreError::LengthMismatch { .. }
             | CoreError::InvalidArgument(_) => PyValueError::new_err(err.to_string()),
+            CoreError::Internal(_) => InternalError::new_err(err.to_string()),
         }
     }
+}
+
+/// Run attached work (it holds the GIL), turning a panic into `InternalError`.
+fn guarded<T>(work: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    catch_panic(work)
 }
 
 /// Seed 004's estimate for each text, in order: `(code points + 3) / 4`.
@@ -46,10 +67,12 @@ impl From<CoreError> for PyErr {
 /// valid Unicode is its number of scalar values, so nothing is read or copied.
 #[pyfunction]
 fn estimate_tokens_batch(texts: Vec<Bound<'_, PyString>>) -> PyResult<Vec<u64>> {
-    texts
-        .iter()
-        .map(|t| Ok((t.len()? as u64).div_ceil(4)))
-        .collect()
+    guarded(|| {
+        texts
+            .iter()
+            .map(|t| Ok((t.len()? as u64).div_ceil(4)))
+            .collect()
+    })
 }
 
 /// Below this many bytes of input a call runs attached: handing the GIL over and taking
@@ -70,30 +93,38 @@ fn total_len(texts: &[&str]) -> usize {
     texts.iter().map(|t| t.len()).sum()
 }
 
-/// Run `work` detached from the interpreter when the input is large enough to pay for it.
-fn run_sized<T, F>(py: Python<'_>, input_bytes: usize, work: F) -> T
-where
-    T: Send,
-    F: FnOnce() -> T + Send,
-{
+/// Run `work` detached from the interpreter. A panic is caught inside, on the thread
+/// that ran the work (see [`catch_panic`]), so unwinding never crosses pyo3's
+/// detach/attach, and it reaches Python as `InternalError`.
+fn detached<T: Send>(py: Python<'_>, work: impl FnOnce() -> CoreResult<T> + Send) -> PyResult<T> {
+    Ok(py.detach(|| catch_panic(work))?)
+}
+
+/// Run `work` detached from the interpreter when the input is large enough to pay for it,
+/// else attached; guarded against panics either way.
+fn run_sized<T: Send>(
+    py: Python<'_>,
+    input_bytes: usize,
+    work: impl FnOnce() -> CoreResult<T> + Send,
+) -> PyResult<T> {
     if input_bytes >= DETACH_MIN_BYTES {
-        py.detach(work)
+        detached(py, work)
     } else {
-        work()
+        Ok(catch_panic(work)?)
     }
 }
 
 /// Seed 004's estimate for one text.
 #[pyfunction]
-fn estimate_tokens(text: &str) -> u64 {
-    crate::estimate_tokens(text)
+fn estimate_tokens(text: &str) -> PyResult<u64> {
+    guarded(|| Ok(crate::estimate_tokens(text)))
 }
 
 /// Token count of one text with the named encoding.
 #[pyfunction]
 fn count_tokens(py: Python<'_>, text: &str, encoding: &str) -> PyResult<u64> {
     let encoding: Encoding = encoding.parse()?;
-    Ok(run_sized(py, text.len(), || encoding.count(text)))
+    run_sized(py, text.len(), || Ok(encoding.count(text)))
 }
 
 /// Token counts of many texts with the named encoding, in order.
@@ -105,9 +136,7 @@ fn count_tokens_batch(
 ) -> PyResult<Vec<u64>> {
     let encoding: Encoding = encoding.parse()?;
     let texts = borrow_texts(&texts)?;
-    Ok(run_sized(py, total_len(&texts), || {
-        encoding.count_batch(&texts)
-    }))
+    run_sized(py, total_len(&texts), || Ok(encoding.count_batch(&texts)))
 }
 
 /// Budget cost of each text for a model: its tokenizer's count times its safety margin.
@@ -117,11 +146,9 @@ fn count_tokens_for_model_batch(
     texts: Vec<Bound<'_, PyString>>,
     model: &str,
 ) -> PyResult<Vec<u64>> {
-    let info = models::model_info(model)?;
+    let info = guarded(|| Ok(models::model_info(model)?))?;
     let texts = borrow_texts(&texts)?;
-    Ok(run_sized(py, total_len(&texts), || {
-        info.count_batch(&texts)
-    }))
+    run_sized(py, total_len(&texts), || Ok(info.count_batch(&texts)))
 }
 
 /// What contextd knows about one model (see `data/models.toml`).
@@ -158,8 +185,8 @@ impl PyModelInfo {
     fn prompt_budget(&self) -> u64 {
         self.0.prompt_budget()
     }
-    fn apply_margin(&self, count: u64) -> u64 {
-        self.0.apply_margin(count)
+    fn apply_margin(&self, count: u64) -> PyResult<u64> {
+        guarded(|| Ok(self.0.apply_margin(count)))
     }
     fn __repr__(&self) -> String {
         let m = self.0;
@@ -179,13 +206,14 @@ impl PyModelInfo {
 /// Registry entry for a model name (exact, or the longest '-'-separated prefix).
 #[pyfunction]
 fn model_info(model: &str) -> PyResult<PyModelInfo> {
-    Ok(PyModelInfo(models::model_info(model)?))
+    guarded(|| Ok(PyModelInfo(models::model_info(model)?)))
 }
 
 /// Every registry name, sorted.
 #[pyfunction]
-fn list_models() -> Vec<&'static str> {
-    models::list_models()
+fn list_models() -> PyResult<Vec<&'static str>> {
+    // The registry is parsed on first use (and checked by `cargo test`): guarded anyway.
+    guarded(|| Ok(models::list_models()))
 }
 
 /// Outcome of `trim_to_budget`, as flat lists.
@@ -230,11 +258,13 @@ fn trim_messages(
     budget: u64,
     max_chars_per_message: u64,
 ) -> PyResult<PyTrimResult> {
-    Ok(PyTrimResult(trim::trim_to_budget(
-        messages,
-        budget,
-        max_chars_per_message,
-    )?))
+    guarded(|| {
+        Ok(PyTrimResult(trim::trim_to_budget(
+            messages,
+            budget,
+            max_chars_per_message,
+        )?))
+    })
 }
 
 /// Choose the newest suffix of a conversation that fits `budget` tokens.
@@ -332,25 +362,27 @@ fn trim_columns_to_budget(
     budget: u64,
     max_chars_per_message: u64,
 ) -> PyResult<PyTrimResult> {
-    let roles = Column::<u8>::new(roles, "roles", "uint8")?;
-    let tokens = Column::<u64>::new(tokens, "tokens", "uint64")?;
-    let chars = Column::<u64>::new(chars, "chars", "uint64")?;
-    let groups = Column::<i64>::new(groups, "groups", "int64")?;
-    let messages = trim::Messages {
-        roles: roles.as_slice(py),
-        tokens: tokens.as_slice(py),
-        chars: chars.as_slice(py),
-        groups: groups.as_slice(py),
-        truncated_tokens: None,
-    };
-    trim_messages(&messages, budget, max_chars_per_message)
+    guarded(|| {
+        let roles = Column::<u8>::new(roles, "roles", "uint8")?;
+        let tokens = Column::<u64>::new(tokens, "tokens", "uint64")?;
+        let chars = Column::<u64>::new(chars, "chars", "uint64")?;
+        let groups = Column::<i64>::new(groups, "groups", "int64")?;
+        let messages = trim::Messages {
+            roles: roles.as_slice(py),
+            tokens: tokens.as_slice(py),
+            chars: chars.as_slice(py),
+            groups: groups.as_slice(py),
+            truncated_tokens: None,
+        };
+        trim_messages(&messages, budget, max_chars_per_message)
+    })
 }
 
 /// The words of `text` as relevance scoring sees them.
 #[pyfunction]
 #[pyo3(signature = (text, stop_words = false))]
-fn tokenize(text: &str, stop_words: bool) -> Vec<String> {
-    text::tokenize(text, stop_words)
+fn tokenize(text: &str, stop_words: bool) -> PyResult<Vec<String>> {
+    guarded(|| Ok(text::tokenize(text, stop_words)))
 }
 
 /// For each text, how many distinct query words it contains (seed 001).
@@ -363,9 +395,9 @@ fn keyword_scores(
     stop_words: bool,
 ) -> PyResult<Vec<u32>> {
     let texts = borrow_texts(&texts)?;
-    Ok(run_sized(py, total_len(&texts), || {
-        relevance::keyword_scores(query, &texts, stop_words)
-    }))
+    run_sized(py, total_len(&texts), || {
+        Ok(relevance::keyword_scores(query, &texts, stop_words))
+    })
 }
 
 /// Indices of the texts sharing a word with the query, in order; all when none does.
@@ -378,16 +410,16 @@ fn keyword_select(
     stop_words: bool,
 ) -> PyResult<Vec<usize>> {
     let texts = borrow_texts(&texts)?;
-    Ok(run_sized(py, total_len(&texts), || {
-        relevance::keyword_select(query, &texts, stop_words)
-    }))
+    run_sized(py, total_len(&texts), || {
+        Ok(relevance::keyword_select(query, &texts, stop_words))
+    })
 }
 
 /// Verbatim details a summary must keep: URLs, inline code, paths, numbers with units,
 /// identifiers and error lines, in order of first appearance, without duplicates.
 #[pyfunction]
-fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
-    run_sized(py, text.len(), || specifics::extract_specifics(text))
+fn extract_specifics(py: Python<'_>, text: &str) -> PyResult<Vec<String>> {
+    run_sized(py, text.len(), || Ok(specifics::extract_specifics(text)))
 }
 
 /// Incremental BM25 (Okapi) index; share one between threads freely.
@@ -410,6 +442,9 @@ fn extract_specifics(py: Python<'_>, text: &str) -> Vec<String> {
 /// Searches run concurrently under a read lock; add and remove take the write lock; all
 /// of it runs detached from the interpreter. k1, b and stop_words are read without the
 /// lock; len, `in` and vocabulary_size wait for it detached when an add or remove holds it.
+///
+/// An internal error (a bug) during add or remove may leave the index half-updated: from
+/// then on every method that reads it raises contextd._core.InternalError; build a new one.
 #[pyclass(frozen, name = "Bm25Index", module = "contextd._core")]
 struct PyBm25Index {
     inner: RwLock<bm25::Bm25Index>,
@@ -420,6 +455,14 @@ struct PyBm25Index {
     stop_words: bool,
 }
 
+/// The lock is poisoned when a panic (caught as `InternalError`) unwound out of an add or
+/// remove holding it: the index may hold half a document, so it is refused rather than read.
+fn poisoned() -> CoreError {
+    CoreError::Internal(
+        "this Bm25Index was left half-updated by an earlier internal error; build a new one".into(),
+    )
+}
+
 impl PyBm25Index {
     /// Run `f` under the read lock. A long `add` holds the write lock with the GIL released,
     /// so waiting for it while attached would freeze every Python thread: when the lock is
@@ -428,21 +471,21 @@ impl PyBm25Index {
         &self,
         py: Python<'_>,
         f: impl FnOnce(&bm25::Bm25Index) -> T + Send,
-    ) -> T {
+    ) -> PyResult<T> {
         let guard: RwLockReadGuard<'_, bm25::Bm25Index> = match self.inner.try_read() {
             Ok(guard) => guard,
-            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::Poisoned(_)) => return Err(poisoned().into()),
             Err(TryLockError::WouldBlock) => {
-                return py.detach(|| f(&self.read()));
+                return detached(py, || Ok(f(&*self.read()?)));
             }
         };
-        f(&guard)
+        guarded(|| Ok(f(&guard)))
     }
-    fn read(&self) -> RwLockReadGuard<'_, bm25::Bm25Index> {
-        self.inner.read().unwrap_or_else(PoisonError::into_inner)
+    fn read(&self) -> CoreResult<RwLockReadGuard<'_, bm25::Bm25Index>> {
+        self.inner.read().map_err(|_| poisoned())
     }
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, bm25::Bm25Index> {
-        self.inner.write().unwrap_or_else(PoisonError::into_inner)
+    fn write(&self) -> CoreResult<RwLockWriteGuard<'_, bm25::Bm25Index>> {
+        self.inner.write().map_err(|_| poisoned())
     }
 }
 
@@ -451,11 +494,13 @@ impl PyBm25Index {
     #[new]
     #[pyo3(signature = (k1 = bm25::DEFAULT_K1, b = bm25::DEFAULT_B, stop_words = false))]
     fn new(k1: f64, b: f64, stop_words: bool) -> PyResult<Self> {
-        Ok(PyBm25Index {
-            inner: RwLock::new(bm25::Bm25Index::new(k1, b, stop_words)?),
-            k1,
-            b,
-            stop_words,
+        guarded(|| {
+            Ok(PyBm25Index {
+                inner: RwLock::new(bm25::Bm25Index::new(k1, b, stop_words)?),
+                k1,
+                b,
+                stop_words,
+            })
         })
     }
 
@@ -482,30 +527,29 @@ impl PyBm25Index {
         }
         let borrowed = borrow_texts(&texts)?;
         let stop_words = self.stop_words;
-        py.detach(|| {
+        detached(py, || {
             let first = &borrowed[..borrowed.len().min(bm25::ADD_CHUNK)];
             let head = bm25::prepare_all(first, stop_words);
-            self.write().add_batch_with_head(&doc_ids, &borrowed, head)
-        })?;
-        Ok(())
+            self.write()?.add_batch_with_head(&doc_ids, &borrowed, head)
+        })
     }
 
     /// Remove documents by id; unknown ids are ignored. Returns how many were removed.
-    fn remove(&self, py: Python<'_>, doc_ids: Vec<i64>) -> usize {
-        py.detach(move || self.write().remove(&doc_ids))
+    fn remove(&self, py: Python<'_>, doc_ids: Vec<i64>) -> PyResult<usize> {
+        detached(py, move || Ok(self.write()?.remove(&doc_ids)))
     }
 
     /// The `k` best documents for `query`, best first, ties by ascending id.
     #[pyo3(signature = (query, k = 10))]
-    fn search(&self, py: Python<'_>, query: &str, k: usize) -> (Vec<i64>, Vec<f64>) {
-        py.detach(|| self.read().search(query, k).into_iter().unzip())
+    fn search(&self, py: Python<'_>, query: &str, k: usize) -> PyResult<(Vec<i64>, Vec<f64>)> {
+        detached(py, || Ok(self.read()?.search(query, k).into_iter().unzip()))
     }
 
-    fn __len__(&self, py: Python<'_>) -> usize {
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
         self.with_read(py, bm25::Bm25Index::len)
     }
 
-    fn __contains__(&self, py: Python<'_>, doc_id: i64) -> bool {
+    fn __contains__(&self, py: Python<'_>, doc_id: i64) -> PyResult<bool> {
         self.with_read(py, |ix| ix.contains(doc_id))
     }
 
@@ -525,18 +569,18 @@ impl PyBm25Index {
     }
 
     #[getter]
-    fn vocabulary_size(&self, py: Python<'_>) -> usize {
+    fn vocabulary_size(&self, py: Python<'_>) -> PyResult<usize> {
         self.with_read(py, bm25::Bm25Index::vocabulary_size)
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        format!(
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
             "Bm25Index(k1={}, b={}, stop_words={}, len={})",
             self.k1,
             self.b,
             if self.stop_words { "True" } else { "False" },
-            self.__len__(py)
-        )
+            self.__len__(py)?
+        ))
     }
 }
 
@@ -559,6 +603,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyModelInfo>()?;
     m.add_class::<PyTrimResult>()?;
     m.add("UnknownModelError", m.py().get_type::<UnknownModelError>())?;
+    m.add("InternalError", m.py().get_type::<InternalError>())?;
     m.add("ENCODINGS", PyTuple::new(m.py(), Encoding::NAMES)?)?;
     m.add("DEFAULT_MAX_CHARS", trim::DEFAULT_MAX_CHARS)?;
     m.add("STOP_WORDS", PyTuple::new(m.py(), text::STOP_WORDS)?)?;

@@ -26,16 +26,18 @@ fn query_words(query: &str, stop_words: bool) -> Vec<String> {
     seen.into_iter().map(str::to_owned).collect()
 }
 
+/// Saturates at `u32::MAX` (a query of more than four billion distinct words).
 fn overlap(words: &[String], doc: &str, stop_words: bool) -> u32 {
     let lowered = doc.to_lowercase();
     let mut present: HashSet<&str> = HashSet::new();
     for_each_word(&lowered, stop_words, |w| {
         present.insert(w);
     });
-    words
+    let shared = words
         .iter()
         .filter(|w| present.contains(w.as_str()))
-        .count() as u32
+        .count();
+    u32::try_from(shared).unwrap_or(u32::MAX)
 }
 
 /// For each document, how many distinct query words it contains.

@@ -122,7 +122,10 @@ pub fn extract_specifics(text: &str) -> Vec<String> {
         take(m.start(), m.start() + s.len(), s, &mut claimed);
     }
     for c in p.code.captures_iter(text) {
-        let (whole, inner) = (c.get(0).expect("match"), c.get(1).expect("group"));
+        // Group 0 always matches and group 1 is not optional: `else` is never taken.
+        let (Some(whole), Some(inner)) = (c.get(0), c.get(1)) else {
+            continue;
+        };
         let s = inner.as_str().trim();
         if !s.is_empty() {
             take(whole.start(), whole.end(), s, &mut claimed);

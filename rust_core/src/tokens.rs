@@ -143,9 +143,13 @@ fn count_exact(o200k: bool, cache: &mut PieceCache, text: &str) -> u64 {
             Some(end) => end,
             // The regex is anchored at the start of what it is given, so its first piece
             // of the rest of the text is the piece its own `split` would yield here.
+            // `start` is a char boundary: every piece ends on one.
             None => match tok.split(&text[start..]).next() {
-                Some(piece) => start + piece.len(),
-                None => break, // never happens; `count` would stop here too
+                Some(piece) if !piece.is_empty() => start + piece.len(),
+                // Never happens (every char matches some alternative, and no match is
+                // empty); if it did, the rest would count as one piece rather than the
+                // loop stopping short or never ending.
+                _ => bytes.len(),
             },
         };
         total += cache.count(&tok.bpe, &bytes[start..end]);

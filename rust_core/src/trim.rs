@@ -147,9 +147,11 @@ pub fn trim_to_budget(messages: &Messages<'_>, budget: u64, max_chars: u64) -> C
     let mut start = n; // first kept index; n = nothing kept
     let mut kept_total = 0u64;
     for i in (0..n).rev() {
-        total = total.saturating_add(messages.cost(i, max_chars));
-        if total > budget {
-            break; // costs are non-negative: no older cut can fit either
+        // A sum past u64::MAX is past any budget. (Saturating instead would let costs
+        // near u64::MAX add up to "u64::MAX" and fit a budget of u64::MAX.)
+        match total.checked_add(messages.cost(i, max_chars)) {
+            Some(t) if t <= budget => total = t,
+            _ => break, // costs are non-negative: no older cut can fit either
         }
         let role = Role::try_from(messages.roles[i])?;
         let group = messages.groups[i];
@@ -197,12 +199,16 @@ fn newest_cut_to_fit(messages: &Messages<'_>, budget: u64, max_chars: u64) -> Co
     if !stands_alone || budget == 0 || cost == 0 {
         return Ok(Trimmed::default());
     }
-    // cost > budget here (else it would have been kept), so cut < chars.
-    let cut = (u128::from(chars) * u128::from(budget) / u128::from(cost)) as u64;
+    // cost > budget here (else it would have been kept), so cut < chars; and
+    // cut * cost / chars <= budget, so tokens <= budget. Both products fit a u128, and
+    // both results fit a u64 (checked all the same: nothing here may panic or wrap).
+    let cut =
+        u64::try_from(u128::from(chars) * u128::from(budget) / u128::from(cost)).unwrap_or(chars);
     if cut == 0 {
         return Ok(Trimmed::default());
     }
-    let tokens = (u128::from(cut) * u128::from(cost)).div_ceil(u128::from(chars)) as u64;
+    let tokens = u64::try_from((u128::from(cut) * u128::from(cost)).div_ceil(u128::from(chars)))
+        .unwrap_or(budget);
     Ok(Trimmed {
         kept: vec![i],
         truncated: vec![i],
@@ -362,6 +368,78 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Exact cost of what `r` keeps, in u128 so nothing saturates: the sum of the kept
+    /// costs, or for a message cut to fit (rule 5) its cost scaled to the cut, rounded up.
+    fn kept_cost(m: &Messages<'_>, r: &Trimmed, max_chars: u64) -> u128 {
+        r.kept
+            .iter()
+            .map(|&i| {
+                let cost = u128::from(m.cost(i, max_chars));
+                let chars = m.chars[i].min(max_chars);
+                match r.truncated.iter().position(|&t| t == i) {
+                    Some(k) if r.truncated_chars[k] < chars => {
+                        (u128::from(r.truncated_chars[k]) * cost).div_ceil(u128::from(chars))
+                    }
+                    _ => cost,
+                }
+            })
+            .sum()
+    }
+
+    #[test]
+    fn costs_near_u64_max_never_add_up_past_the_budget() {
+        // Saturating sums made u64::MAX + 1 "fit" a budget of u64::MAX.
+        let m = Messages {
+            roles: &[U, U],
+            tokens: &[u64::MAX, 1],
+            chars: &[1, 1],
+            groups: &[-1, -1],
+            truncated_tokens: None,
+        };
+        let r = trim_to_budget(&m, u64::MAX, u64::MAX).unwrap();
+        assert_eq!(r.kept, vec![1]);
+        assert_eq!(r.total_tokens, 1);
+    }
+
+    #[test]
+    fn extreme_values_keep_every_rule() {
+        const VALUES: [u64; 7] = [0, 1, 2, 3, u64::MAX / 2 + 1, u64::MAX - 1, u64::MAX];
+        let mut cases = 0;
+        for &t0 in &VALUES {
+            for &t1 in &VALUES {
+                for &c1 in &VALUES {
+                    for &budget in &VALUES {
+                        for max_chars in [0, 1, 4000, u64::MAX] {
+                            let tokens = [t0, t1];
+                            let chars = [1, c1];
+                            let m = Messages {
+                                roles: &[U, A],
+                                tokens: &tokens,
+                                chars: &chars,
+                                groups: &[-1, -1],
+                                truncated_tokens: Some(&[t0 / 2, t1 / 3]),
+                            };
+                            let r = trim_to_budget(&m, budget, max_chars).unwrap();
+                            let ctx = format!("{tokens:?} {chars:?} {budget} {max_chars}: {r:?}");
+                            assert!(r.total_tokens <= budget, "{ctx}");
+                            assert_eq!(
+                                u128::from(r.total_tokens),
+                                kept_cost(&m, &r, max_chars),
+                                "{ctx}"
+                            );
+                            assert!(r.kept.is_empty() || r.kept.last() == Some(&1), "{ctx}");
+                            for (&i, &cut) in r.truncated.iter().zip(&r.truncated_chars) {
+                                assert!(cut < chars[i] && cut <= max_chars, "{ctx}");
+                            }
+                            cases += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 7 * 7 * 7 * 7 * 4);
     }
 
     #[test]

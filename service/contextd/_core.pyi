@@ -16,6 +16,7 @@ __all__ = [
     "ENCODINGS",
     "STOP_WORDS",
     "Bm25Index",
+    "InternalError",
     "ModelInfo",
     "TrimResult",
     "UnknownModelError",
@@ -41,6 +42,9 @@ DEFAULT_MAX_CHARS: Final[int]
 STOP_WORDS: Final[tuple[str, ...]]
 
 class UnknownModelError(KeyError): ...
+
+class InternalError(RuntimeError):
+    """A bug in the Rust core (a caught panic), never a verdict on the input."""
 
 def estimate_tokens(text: str) -> int: ...
 def estimate_tokens_batch(texts: list[str]) -> list[int]: ...

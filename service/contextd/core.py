@@ -26,6 +26,13 @@ Trimming
     :func:`trim_to_budget` takes the conversation as flat columns (one list per field) and
     returns flat index lists, so a 10,000-message history costs a few list conversions
     instead of 10,000 Python objects each way. See its docstring for the rules.
+
+Errors
+    Bad arguments raise ``ValueError`` (``UnknownModelError``, a ``KeyError``, for a model
+    the registry lacks; ``OverflowError`` for an int that does not fit, e.g. a negative
+    count). A bug in the core raises :class:`InternalError`, a ``RuntimeError``: a Rust
+    panic is caught before it reaches Python, so it never surfaces as pyo3's
+    ``PanicException``, a ``BaseException`` that ``except Exception`` would miss.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from contextd._core import (
     ENCODINGS,
     STOP_WORDS,
     Bm25Index,
+    InternalError,
     ModelInfo,
     TrimResult,
     UnknownModelError,
@@ -56,6 +64,7 @@ __all__ = [
     "STOP_WORDS",
     "Bm25Index",
     "EncodingName",
+    "InternalError",
     "ModelInfo",
     "TrimResult",
     "UnknownModelError",
