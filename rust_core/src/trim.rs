@@ -33,7 +33,10 @@
 //! Input that breaks the contract still yields a suffix within the budget that does not
 //! start with a tool_result, but it may split a group: a result placed before its
 //! head closes the group early, so the cut can fall between them. Results with no
-//! head at all keep their group open, so nothing older than them is kept.
+//! head at all keep their group open, so nothing older than them is kept. The walk cannot
+//! tell such an orphan from a result whose head lies beyond the budget without reading
+//! the whole history, so callers repair orphans first: contextd's builder gives an
+//! orphan result the user role and no group (it is sent as text) before trimming.
 
 use hashbrown::HashSet;
 

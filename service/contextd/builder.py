@@ -30,10 +30,13 @@ from contextd.context_types import (
     DEFAULT_SAFETY_MARGIN,
     AssembledContext,
     Budget,
+    BuildStats,
     HistoryItem,
     StrategyOptions,
+    ToolCall,
     counter_for_model,
     counter_with_known,
+    parse_tool_calls,
 )
 from contextd.domain import (
     Agent,
@@ -89,6 +92,9 @@ class BuildResult:
     renderings: dict[str, str]
     event: Event | None
     messages_loaded: int = 0
+    # Window messages whose tool call or results are outside the history being built,
+    # rewritten as text (see `repair_tool_pairs`) or, when they did not fit, dropped.
+    orphaned_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +121,20 @@ class _Plan:
 
 @dataclass(frozen=True, slots=True)
 class _Window:
-    """The part of a window a build works on."""
+    """The part of a window a build works on, and what became of the rest of it."""
 
     items: list[HistoryItem]
     previous_summary: HistoryItem | None
-    not_loaded: int  # window messages left out because they cannot fit
+    # Window messages left out because they cannot fit (oldest first): dropped.
+    not_loaded_ids: tuple[int, ...]
     create_times: dict[int, int]
     # Counts the store made at insert under the build's tokenizer, by counted text.
     known_counts: dict[str, int] = field(default_factory=dict)
+    # Window messages the previous summary stands for (oldest first).
+    summarized_ids: tuple[int, ...] = ()
+    # Window messages (loaded or not) whose tool call or results are missing from the
+    # history being built, in window order.
+    orphaned_ids: tuple[int, ...] = ()
 
 
 class ContextBuilder:
@@ -143,7 +155,7 @@ class ContextBuilder:
         )
         window = self._load_history(plan)
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
-        before_loaded = window.not_loaded
+        before_loaded = len(window.not_loaded_ids)
         status = status_preamble(
             self._store.list_status(
                 plan.key.tenant, plan.key.agent, plan.key.scope, None, STATUS_ENTRIES, plan.now_us
@@ -173,10 +185,8 @@ class ContextBuilder:
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
-        stats = replace(
-            context.stats, messages_before=context.stats.messages_before + before_loaded
-        )
-        context = replace(context, stats=stats)
+        context = replace(context, stats=_account(context, window))
+        stats = context.stats
         summary_id: int | None = None
         if context.summary is not None and stats.summarizer_path in ("llm", "fallback"):
             stored = self._store_summary(plan, context.summary)
@@ -197,7 +207,7 @@ class ContextBuilder:
                 summarized_ids=stats.summarized_range,
                 elided_ids=stats.elided_ids,
                 truncated_ids=stats.truncated_ids,
-                dropped_count=len(stats.dropped_ids) + before_loaded,
+                dropped_count=len(stats.dropped_ids),
                 summarizer_path=stats.summarizer_path or "",
                 summarizer_error=stats.summarizer_error,
             )
@@ -211,6 +221,7 @@ class ContextBuilder:
             renderings,
             event,
             len(window.items),
+            window.orphaned_ids,
         )
 
     # ----------------------------------------------------------------- CompactContext
@@ -317,24 +328,33 @@ class ContextBuilder:
 
     def _load_history(self, plan: _Plan, *, everything: bool = False) -> _Window:
         """The window's messages that can matter, with content, after the latest stored
-        summary that covers part of this window (if any)."""
+        summary that covers part of this window (if any), pair-repaired.
+
+        Orphans (a tool_result whose tool_use is before the window, a clear or inside the
+        summary's range; a tool_use none of whose results is in the window) are repaired
+        on the integer columns before the trimmer sees them: a result whose group has no
+        head would otherwise keep its group open and stop the trimmer from keeping
+        anything older. See :func:`_repair_pair_columns`.
+        """
         if plan.context is None:
-            return _Window([], None, 0, {})
+            return _Window([], None, (), {})
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
         table = self._store.window_columns(plan.context, plan.window_start_us)
         # NumPy views of the Arrow columns: no Python object per message on this path.
-        ids = table.column("id").to_numpy()
+        all_ids = table.column("id").to_numpy()
         rest: slice | npt.NDArray[np.intp] = slice(None)
         if previous is not None and previous.summary_of is not None:
-            rest, previous = _not_summarized(ids, previous)
-        ids = ids[rest]
+            rest, previous = _not_summarized(all_ids, previous)
+        ids = all_ids[rest]
+        summarized = _summarized_ids(all_ids, rest)
         if len(ids) == 0:
-            return _Window([], previous, 0, {})
-        roles = table.column("role").to_numpy()[rest]
+            return _Window([], previous, (), {}, summarized_ids=summarized)
+        roles, groups, orphans = _repair_pair_columns(
+            ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
+        )
         tokens = table.column("token_count").to_numpy()[rest]
         chars = table.column("chars").to_numpy()[rest]
-        groups = table.column("group_id").to_numpy()[rest]
         if everything or plan.options.summarize:
             too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
@@ -352,14 +372,41 @@ class ContextBuilder:
         if not isinstance(rest, slice):  # summarized messages may sit between kept ones
             wanted = set(kept_ids.tolist())
             loaded = [m for m in loaded if m.id in wanted]
+        items, repaired = repair_tool_pairs(
+            [HistoryItem.from_stored(m) for m in loaded],
+            self._outside_calls(plan, loaded, set(ids[orphans].tolist())),
+        )
+        # Orphans left unloaded, then what the repair changed among the loaded (which
+        # includes the loaded orphans, and calls of which only some were answered).
+        orphaned = ids[:start][orphans[:start]].tolist() + repaired
         label = stored_tokenizer(plan.model)
         return _Window(
-            [HistoryItem.from_stored(m) for m in loaded],
+            items,
             previous,
-            start,
+            tuple(ids[:start].tolist()),
             {m.id: m.create_time_us for m in loaded},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
+            summarized,
+            tuple(orphaned),
         )
+
+    def _outside_calls(
+        self, plan: _Plan, loaded: Sequence[StoredMessage], orphaned: set[int]
+    ) -> dict[str, ToolCall]:
+        """The calls answered by loaded orphan results whose tool_use is stored but outside
+        the history being built, by call id, so the repaired result can name its tool."""
+        heads = {
+            m.group_id
+            for m in loaded
+            if m.id in orphaned and m.role is Role.TOOL_RESULT and m.group_id >= 0
+        }
+        if not heads:
+            return {}
+        found: dict[str, ToolCall] = {}
+        for head in self._store.messages_by_ids(plan.key.tenant, sorted(heads)):
+            for call in parse_tool_calls(head.tool_calls) if head.tool_calls else []:
+                found.setdefault(call.id, call)
+        return found
 
     def _candidates(
         self,
@@ -475,6 +522,61 @@ def _not_summarized(
     return np.concatenate([late, np.arange(end, len(ids))]), summary
 
 
+def _summarized_ids(
+    ids: npt.NDArray[np.int64], rest: slice | npt.NDArray[np.intp]
+) -> tuple[int, ...]:
+    """The window ids a stored summary stands for: those `rest` (from
+    :func:`_not_summarized`) leaves out."""
+    if isinstance(rest, slice):
+        return tuple(ids[: rest.start or 0].tolist())
+    covered = np.ones(len(ids), dtype=bool)
+    covered[rest] = False
+    return tuple(ids[covered].tolist())
+
+
+def _repair_pair_columns(
+    ids: npt.NDArray[np.int64],
+    roles: npt.NDArray[np.uint8],
+    groups: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """The trimmer's role and group columns with orphans repaired, and the orphan mask.
+
+    The store gives a tool-using message the group of its own id and each tool_result
+    the id of the message that issued its call (or -1). In a window, a result is an
+    orphan when no message of its group comes before it (the call is before the window,
+    a clear, or folded into a summary); a tool-using message is an orphan when none of
+    its results is in the window. :func:`repair_tool_pairs` turns orphan results into
+    user text and orphan calls into assistant text, so here they lose their group and
+    take those roles: the trimmer may then start the kept part at them, and an orphan
+    result no longer holds a group open that nothing would close (which kept the trimmer
+    from keeping anything older). Vectorised: O(window) with no Python object per row.
+    """
+    is_result = roles == int(Role.TOOL_RESULT)
+    is_head = (groups >= 0) & (groups == ids) & ~is_result
+    head_at = np.flatnonzero(is_head)
+    result_at = np.flatnonzero(is_result)
+    answered = np.zeros(len(ids), dtype=bool)  # results whose call comes before them
+    heard = np.zeros(len(ids), dtype=bool)  # calls with at least one such result
+    if len(head_at) and len(result_at):
+        order = np.argsort(ids[head_at], kind="stable")
+        head_ids, head_at = ids[head_at][order], head_at[order]
+        wanted = groups[result_at]
+        at = np.minimum(np.searchsorted(head_ids, wanted), len(head_ids) - 1)
+        ok = (head_ids[at] == wanted) & (head_at[at] < result_at)
+        answered[result_at[ok]] = True
+        heard[head_at[at[ok]]] = True
+    orphan_results = is_result & ~answered
+    orphan_calls = is_head & ~heard
+    orphans = orphan_results | orphan_calls
+    if not orphans.any():
+        return roles, groups, orphans
+    roles = roles.copy()
+    roles[orphan_results] = int(Role.USER)
+    roles[orphan_calls] = int(Role.ASSISTANT)
+    groups = np.where(orphans, -1, groups)
+    return roles, groups, orphans
+
+
 def _group_start(groups: Sequence[int] | npt.NDArray[np.int64], index: int) -> int:
     """Move `index` back so it does not split a tool group (results follow their use)."""
     while index > 0 and groups[index] >= 0 and groups[index - 1] == groups[index]:
@@ -488,6 +590,30 @@ def _with_summary_id(context: AssembledContext, stored_id: int) -> AssembledCont
     renamed = replace(summary, id=stored_id)
     history = tuple(renamed if it is summary else it for it in context.history)
     return replace(context, history=history, summary=renamed)
+
+
+def _account(context: AssembledContext, window: _Window) -> BuildStats:
+    """The build's stats over the whole window, not just the part assembly saw: every
+    window message is kept, in `dropped_ids`, or in the summarized range, exactly once.
+
+    Assembly reports what it dropped of the loaded part; the messages not loaded (too old
+    to fit) are dropped too, and so are the messages a stored summary stood for when that
+    summary did not fit. A summary that heads the context, new or reused, reports the
+    range it stands for.
+    """
+    stats = context.stats
+    summarized = stats.summarized_range
+    lost: tuple[int, ...] = ()
+    if context.summary is None:
+        lost = window.summarized_ids
+    elif summarized is None:
+        summarized = context.summary.summary_of
+    return replace(
+        stats,
+        messages_before=stats.messages_before + len(window.not_loaded_ids),
+        dropped_ids=lost + window.not_loaded_ids + stats.dropped_ids,
+        summarized_range=summarized,
+    )
 
 
 def _strategy(options: StrategyOptions) -> str:

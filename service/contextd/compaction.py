@@ -19,18 +19,22 @@ Compaction
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
 from contextd.context_types import (
     HistoryItem,
     TokenCounter,
+    ToolCall,
     parse_tool_calls,
     tool_calls_json,
 )
 from contextd.domain import Role
 from contextd.summarizer import SPECIFICS_HEADING, SummaryResult, strip_specifics
+
+# How much of an orphan result's call arguments its note quotes.
+ORPHAN_ARGS_CHARS = 200
 
 _ROLE_CODES = {
     Role.USER: core.ROLE_USER,
@@ -40,14 +44,23 @@ _ROLE_CODES = {
 }
 
 
-def repair_tool_pairs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:
+def repair_tool_pairs(
+    items: Sequence[HistoryItem], outside_calls: Mapping[str, ToolCall] | None = None
+) -> tuple[list[HistoryItem], list[int]]:
     """A pair-complete copy of ``items`` and the ids of the items it had to change.
 
     Rules: call ids are unique over the window (a call reusing an id is unanswered); each
     call takes the first tool_result naming it that comes after it. Unanswered calls are
     removed from their message; a tool-using message left with no call becomes a plain
     assistant message with a note of what it called; a tool_result that answers nothing
-    becomes a user message marked as such. Nothing is dropped, so no text is lost.
+    becomes a user message marked as such, naming its call (and the tool and arguments
+    when ``outside_calls``, the calls known to lie outside ``items``, has it).
+
+    Why text and not a drop: the orphan's other half is gone from this context (before
+    the window, a clear, or folded into a summary; or a call whose results never came),
+    but what it says is still evidence the model can use, and as plain user or assistant
+    text it is valid in both the Anthropic and the OpenAI renderings (adjacent turns of
+    one role merge). Nothing is dropped, so no text is lost.
     """
     calls_of: dict[int, list[str]] = {}
     issued: dict[str, int] = {}
@@ -92,19 +105,28 @@ def repair_tool_pairs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], 
                 out.append(replace(item, role=Role.ASSISTANT, content=text, tool_calls=""))
         elif item.role is Role.TOOL_RESULT and i not in owner_of_result:
             repaired.append(item.id)
-            call_ref = item.tool_call_id or "?"
             out.append(
                 replace(
                     item,
                     role=Role.USER,
-                    content=f"[output of tool call {call_ref}, whose call is not in the context]\n"
-                    + item.content,
+                    content=orphan_result_note(item.tool_call_id, outside_calls) + item.content,
                     tool_call_id="",
                 )
             )
         else:
             out.append(item)
     return out, repaired
+
+
+def orphan_result_note(call_id: str, outside_calls: Mapping[str, ToolCall] | None) -> str:
+    """The line that opens an orphan tool_result turned into user text."""
+    call = outside_calls.get(call_id) if outside_calls and call_id else None
+    what = ""
+    if call is not None:
+        args = call.arguments_json
+        args = args if len(args) <= ORPHAN_ARGS_CHARS else args[: ORPHAN_ARGS_CHARS - 1] + "…"
+        what = f" to {call.name}({args})"
+    return f"[output of tool call {call_id or '?'}{what}, whose call is not in the context]\n"
 
 
 def trim_columns(items: Sequence[HistoryItem]) -> tuple[list[int], list[int]]:

@@ -253,6 +253,7 @@ def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         strategy=result.strategy,
         user_message_truncated=s.new_message_truncated,
         messages_loaded=result.messages_loaded,
+        orphaned_ids=result.orphaned_ids,
     )
     if not full:
         return pb.BuildContextResponse(stats=stats, renderings=renderings)
