@@ -73,3 +73,24 @@ def test_unknown_view_is_invalid_argument(client: Client) -> None:
     with pytest.raises(grpc.RpcError) as info:
         _build(client, view=7)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_dropped_ids_are_capped_and_counted(client: Client) -> None:
+    """A build that drops most of a long window lists the newest 10,000 ids only."""
+    for start in range(0, 12_000, 2_000):
+        batch = [
+            pb.Message(role=pb.ROLE_USER, content=f"m{i}") for i in range(start, start + 2_000)
+        ]
+        client.stub.AppendMessages(
+            pb.AppendMessagesRequest(
+                agent="a1", thread="t1", messages=batch, create_agent_if_missing=True
+            )
+        )
+    stats = _build(client, options=pb.BuildOptions(budget_tokens=300)).stats
+    assert stats.messages_before == 12_000
+    assert stats.dropped_count == 12_000 - stats.messages_after
+    assert len(stats.dropped_ids) == 10_000
+    ids = [m.id for m in client.history("a1")]
+    kept_from = ids.index(stats.dropped_ids[-1]) + 1
+    assert stats.dropped_ids[-1] == ids[kept_from - 1]  # the newest dropped is listed
+    assert list(stats.dropped_ids) == ids[kept_from - 10_000 : kept_from]

@@ -195,6 +195,11 @@ def _event_pb(event: Event) -> pb.Event:
     )
 
 
+# A build over a million-message window may drop nearly all of it; listing every id would
+# make the response larger than a default client accepts.
+MAX_LISTED_DROPPED_IDS = 10_000
+
+
 def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ctx = result.context
     s = ctx.stats
@@ -242,7 +247,8 @@ def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         user_message_tokens=s.new_message_tokens,
         messages_before=s.messages_before,
         messages_after=s.messages_after,
-        dropped_ids=s.dropped_ids,
+        dropped_ids=s.dropped_ids[-MAX_LISTED_DROPPED_IDS:],
+        dropped_count=len(s.dropped_ids),
         truncated_ids=s.truncated_ids,
         elided_ids=s.elided_ids,
         first_summarized_id=first,
