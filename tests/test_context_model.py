@@ -203,7 +203,9 @@ def test_history_outside_window_stays_queryable(client: Client) -> None:
 
 def test_clear_advances_last_clear_time(client: Client) -> None:
     created = client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1"))).agent
-    marker = client.stub.ClearContext(pb.ClearContextRequest(agent="a1")).clear_time
+    marker = client.stub.ClearContext(
+        pb.ClearContextRequest(agent="a1", all_scopes=True)
+    ).clear_time
     assert marker.ToMicroseconds() > created.last_clear_time.ToMicroseconds()
     agent = client.stub.GetAgent(pb.GetAgentRequest(name="a1")).agent
     assert agent.last_clear_time == marker

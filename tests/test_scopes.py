@@ -80,3 +80,67 @@ def test_malformed_scopes_are_invalid_argument(client: Client, scope: pb.Scope, 
         _append(client, scope, "x")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in (info.value.details() or "")
+
+
+def _clear(client: Client, **fields: object) -> None:
+    client.stub.ClearContext(pb.ClearContextRequest(agent="a1", **fields))  # type: ignore[arg-type]
+
+
+def test_a_clear_empties_only_the_scope_it_names(client: Client) -> None:
+    for scope, text in ((CHANNEL, "channel"), (DM, "dm"), (DEFAULT, "default")):
+        _append(client, scope, text)
+    _clear(client, scope=CHANNEL)
+    assert _window(client, CHANNEL) == []
+    assert _window(client, DM) == ["dm"] and _window(client, DEFAULT) == ["default"]
+    _clear(client)  # no scope: the default scope, and only it
+    assert _window(client, DEFAULT) == [] and _window(client, DM) == ["dm"]
+    _append(client, CHANNEL, "after")
+    assert _window(client, CHANNEL) == ["after"]
+
+
+def test_all_scopes_clears_every_scope(client: Client) -> None:
+    for scope, text in ((CHANNEL, "channel"), (DM, "dm"), (DEFAULT, "default")):
+        _append(client, scope, text)
+    _clear(client, all_scopes=True)
+    assert _window(client, CHANNEL) == _window(client, DM) == _window(client, DEFAULT) == []
+    agent = client.stub.GetAgent(pb.GetAgentRequest(name="a1")).agent
+    assert agent.last_clear_time.ToMicroseconds() > 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"), [({"scope": DM}, "scope"), ({"thread": "t"}, "thread")]
+)
+def test_all_scopes_with_a_narrower_target_is_invalid_argument(
+    client: Client, fields: dict[str, object], field: str
+) -> None:
+    _append(client, DM, "dm")
+    with pytest.raises(grpc.RpcError) as info:
+        _clear(client, all_scopes=True, **fields)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (info.value.details() or "")
+    assert _window(client, DM) == ["dm"]
+
+
+def _events(client: Client, scope: pb.Scope, thread: str = "") -> list[pb.Event]:
+    response = client.stub.ListEvents(pb.ListEventsRequest(agent="a1", scope=scope, thread=thread))
+    return list(response.events)
+
+
+def test_events_are_listed_per_scope(client: Client) -> None:
+    for scope in (DM, CHANNEL):
+        for i in range(14):
+            _append(client, scope, f"message {i} " + "x" * 400)
+        client.stub.CompactContext(
+            pb.CompactContextRequest(
+                agent="a1",
+                scope=scope,
+                thread="main",
+                options=pb.BuildOptions(keep_recent_tokens=1),
+            )
+        )
+    dm_events, channel_events = _events(client, DM), _events(client, CHANNEL)
+    assert len(dm_events) >= 1 and len(channel_events) >= 1
+    assert all(e.scope == DM for e in dm_events)
+    assert all(e.scope == CHANNEL for e in channel_events)
+    assert _events(client, DEFAULT) == []
+    assert _events(client, DM, thread="other") == []

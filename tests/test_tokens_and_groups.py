@@ -87,9 +87,19 @@ def test_tool_groups_tie_results_to_their_tool_use(server: InProcessServer) -> N
         ASSISTANT,
         TOOL_RESULT,
     ]
-    kept = store.messages_by_ids("default", table.column("id").to_pylist()[-2:])
+    ids = table.column("id").to_pylist()
+    kept = store.messages_by_ids(ContextKey("default", "a1", "", "t1"), ids[-2:])
     assert [m.content for m in kept] == ["done", "orphan"]
-    assert store.messages_by_ids("other-tenant", table.column("id").to_pylist()) == []
+    # Ids are matched within the full context key only: no other key reaches them.
+    client.append("a1", "elsewhere", thread="t2")
+    client.append("a1", "other scope", scope="dm:1")
+    for other in (
+        ContextKey("other-tenant", "a1", "", "t1"),
+        ContextKey("default", "a2", "", "t1"),
+        ContextKey("default", "a1", "dm:1", "t1"),
+        ContextKey("default", "a1", "", "t2"),
+    ):
+        assert store.messages_by_ids(other, ids) == []
 
 
 def test_openai_style_tool_calls_are_grouped(server: InProcessServer) -> None:

@@ -403,7 +403,7 @@ class ContextBuilder:
         if not heads:
             return {}
         found: dict[str, ToolCall] = {}
-        for head in self._store.messages_by_ids(plan.key.tenant, sorted(heads)):
+        for head in self._store.messages_by_ids(plan.key, sorted(heads)):
             for call in parse_tool_calls(head.tool_calls) if head.tool_calls else []:
                 found.setdefault(call.id, call)
         return found
@@ -479,7 +479,7 @@ class ContextBuilder:
         message = NewMessage(role=Role.USER, content=item.content, metadata=item.metadata)
         batch = prepare_batch([message], plan.model, [()], summarized_ids=item.summary_of)
         receipt = self._store.append(plan.key, batch, AgentSettings())
-        stored = self._store.messages_by_ids(plan.key.tenant, [receipt[0].id])
+        stored = self._store.messages_by_ids(plan.key, [receipt[0].id])
         return stored[0]
 
 

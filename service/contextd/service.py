@@ -197,11 +197,25 @@ class ContextService:
 
     # ----------------------------------------------------------------- clears
 
-    def clear_context(self, tenant: str, agent: str, scope: str, thread: str) -> int:
-        """Advance the agent's (thread empty) or one thread's clear marker; return it."""
+    def clear_context(
+        self, tenant: str, agent: str, scope: str, thread: str, all_scopes: bool = False
+    ) -> int:
+        """Move a clear marker to now and return it: of one thread, of every thread of one
+        scope (thread empty), or of the whole agent (all_scopes, and nothing narrower).
+        A clear never reaches past the scope it names."""
         check_name(agent, "agent")
-        if not thread:
+        check_name(thread, "thread", allow_empty=True)
+        if all_scopes:
+            if scope or thread:
+                field = "scope" if scope else "thread"
+                raise InvalidArgument(
+                    f"all_scopes clears every scope and thread of the agent; leave {field} "
+                    "unset, or drop all_scopes to clear only what it names",
+                    field=field,
+                )
             return self._store.clear_agent(tenant, agent)
+        if not thread:
+            return self._store.clear_scope(tenant, agent, scope)
         return self._store.clear_thread(_context_key(tenant, agent, scope, thread))
 
     # ----------------------------------------------------------------- threads and stats
@@ -304,21 +318,24 @@ class ContextService:
         self,
         tenant: str,
         agent: str,
+        scope: str,
+        thread: str,
         event_type: str,
         start_us: int | None,
         end_us: int | None,
         requested_size: int,
         token: str,
     ) -> Page[Event]:
+        """Events of one scope, optionally of one thread: never another scope's."""
         check_name(agent, "agent")
+        check_name(thread, "thread", allow_empty=True)
         size = page_size(requested_size)
-        params = ("events", tenant, agent, event_type, start_us, end_us)
+        params = ("events", tenant, agent, scope, thread, event_type, start_us, end_us)
         position = self._pages.decode(token, params, (int,))
         self._store.get_agent(tenant, agent)
         after = int(position.position[0]) if position else 0
-        events = self._store.list_events(
-            tenant, agent, event_type, start_us, end_us, after, size + 1
-        )
+        where = ThreadFilter(tenant, agent, scope, thread or None)
+        events = self._store.list_events(where, event_type, start_us, end_us, after, size + 1)
         return Page(*self._pages.cut(events, size, params, lambda e: (e.id,)))
 
     # ----------------------------------------------------------------- stats

@@ -485,7 +485,11 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ClearContextRequest, context: grpc.ServicerContext
     ) -> pb.ClearContextResponse:
         marker = self._service.clear_context(
-            self._tenant(context), request.agent, _scope(request.scope), request.thread
+            self._tenant(context),
+            request.agent,
+            _scope(request.scope),
+            request.thread,
+            request.all_scopes,
         )
         return pb.ClearContextResponse(clear_time=_timestamp(marker))
 
@@ -587,6 +591,8 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         page = self._service.list_events(
             self._tenant(context),
             request.agent,
+            _scope(request.scope),
+            request.thread,
             request.type,
             _micros(request.start_time, "start_time") if request.HasField("start_time") else None,
             _micros(request.end_time, "end_time") if request.HasField("end_time") else None,

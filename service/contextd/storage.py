@@ -1078,18 +1078,21 @@ class Store:
         )
         return _message_from_row(row) if row else None
 
-    def messages_by_ids(self, tenant: str, ids: Sequence[int]) -> list[StoredMessage]:
-        """Whole messages by id, ordered by (create_time, id); ids of other tenants are
-        never returned."""
+    def messages_by_ids(self, key: ContextKey, ids: Sequence[int]) -> list[StoredMessage]:
+        """Whole messages of one context by id, ordered by (create_time, id). Ids are
+        matched within the full context key only: an id of another thread, scope, agent
+        or tenant is never returned, whoever asks."""
         if not ids:
             return []
         rows = (
             self._cursor()
             .execute(
                 f"SELECT {MESSAGE_COLUMNS} FROM messages "
-                "WHERE tenant = ? AND id IN (SELECT unnest(?::BIGINT[])) "
+                "WHERE context_id = (SELECT context_id FROM threads WHERE tenant = ? "
+                "AND agent = ? AND scope = ? AND thread = ?) "
+                "AND id IN (SELECT unnest(?::BIGINT[])) "
                 "ORDER BY create_time_us, id",
-                [tenant, list(ids)],
+                [key.tenant, key.agent, key.scope, key.thread, list(ids)],
             )
             .fetchall()
         )
@@ -1226,24 +1229,28 @@ class Store:
 
     def list_events(
         self,
-        tenant: str,
-        agent: str,
+        where: ThreadFilter,
         event_type: str,
         start_us: int | None,
         end_us: int | None,
         after_id: int,
         limit: int,
     ) -> list[Event]:
+        """Events of one scope (and, when `where.thread` is set, one thread), by id."""
         rows = (
             self._cursor()
             .execute(
                 "SELECT id, type, agent, scope, thread, create_time_us, data FROM events "
-                "WHERE tenant = ? AND agent = ? AND (? = '' OR type = ?) "
+                "WHERE tenant = ? AND agent = ? AND scope = ? AND (? IS NULL OR thread = ?) "
+                "AND (? = '' OR type = ?) "
                 "AND (? IS NULL OR create_time_us >= ?) AND (? IS NULL OR create_time_us < ?) "
                 "AND id > ? ORDER BY id LIMIT ?",
                 [
-                    tenant,
-                    agent,
+                    where.tenant,
+                    where.agent,
+                    where.scope,
+                    where.thread,
+                    where.thread,
                     event_type,
                     event_type,
                     start_us,
@@ -1267,6 +1274,24 @@ class Store:
             cur.execute(
                 "UPDATE agents SET last_clear_us = ? WHERE tenant = ? AND name = ?",
                 [now_us, tenant, agent],
+            )
+            return now_us
+
+        return self._write(clear)
+
+    def clear_scope(self, tenant: str, agent: str, scope: str) -> int:
+        """Move the clear marker of every thread of one scope to now.
+
+        Threads of the scope that do not exist yet need no marker: every message they will
+        ever hold commits after this call returns, so it belongs in their window anyway.
+        """
+
+        def clear(cur: duckdb.DuckDBPyConnection) -> int:
+            _require_agent(cur, tenant, agent)
+            now_us = self.clock.tick()
+            cur.execute(
+                "UPDATE threads SET last_clear_us = ? WHERE tenant = ? AND agent = ? AND scope = ?",
+                [now_us, tenant, agent, scope],
             )
             return now_us
 
