@@ -51,7 +51,7 @@ def child_probe(shared: bool, seconds: float) -> dict[str, Any]:
             thread = "shared" if shared else f"caller-{k}"
             batch = [NewMessage(role=Role(history[k].role), content=history[k].content)]
             while not stop.is_set():
-                service.append_messages("default", "probe", "", thread, batch)
+                service.append_messages("default", "probe", "", thread, batch, create_agent=True)
                 calls[k] += 1
 
         workers = [threading.Thread(target=caller, args=(k,)) for k in range(CALLERS)]

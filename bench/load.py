@@ -67,7 +67,10 @@ def populated_stub(
 def _request(pb: Any, caller: int, batch: int, offset: int) -> Any:
     history = corpus.conversation(offset + batch, tools=False)[offset:]
     return pb.AppendMessagesRequest(
-        agent=AGENT, thread=f"caller-{caller}", messages=messages_pb(pb, history)
+        agent=AGENT,
+        thread=f"caller-{caller}",
+        messages=messages_pb(pb, history),
+        create_agent_if_missing=True,
     )
 
 

@@ -62,7 +62,7 @@ def populate_thread(
             NewMessage(role=Role(m.role), content=m.content)
             for m in messages[start : start + BATCH]
         ]
-        service.append_messages(TENANT, agent, "", thread, batch)
+        service.append_messages(TENANT, agent, "", thread, batch, create_agent=True)
 
 
 def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[str, Any]:

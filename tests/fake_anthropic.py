@@ -63,6 +63,9 @@ class FakeAnthropic:
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
     _released: threading.Event = field(default_factory=threading.Event)
+    # hold(): requests wait at this gate until release(); `arrived` tells a test one came.
+    _gate: threading.Event | None = None
+    arrived: threading.Event = field(default_factory=threading.Event)
 
     @property
     def base_url(self) -> str:
@@ -82,6 +85,16 @@ class FakeAnthropic:
 
     def reply_raw(self, body: bytes, status: int = 200, content_type: str = "text/plain") -> None:
         self.reply = Reply(status=status, body=body, content_type=content_type)
+
+    def hold(self) -> None:
+        """Make the next requests wait until release(), so a test can act while a summary
+        is in flight (deterministically, without sleeps)."""
+        self.arrived.clear()
+        self._gate = threading.Event()
+
+    def release(self) -> None:
+        if self._gate is not None:
+            self._gate.set()
 
     def reply_slow(self, delay_s: float) -> None:
         self.reply = Reply(body=json.dumps(message_json("too late")).encode(), delay_s=delay_s)
@@ -108,6 +121,10 @@ class FakeAnthropic:
                     )
                 )
                 reply = fake.reply
+                gate = fake._gate
+                if gate is not None:
+                    fake.arrived.set()
+                    gate.wait(30)
                 if reply.delay_s and fake._released.wait(reply.delay_s):
                     return  # stopped while sleeping: the client has given up already
                 if self.path.split("?")[0] != "/v1/messages":
@@ -135,6 +152,7 @@ class FakeAnthropic:
 
     def stop(self) -> None:
         self._released.set()
+        self.release()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

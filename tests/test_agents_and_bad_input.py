@@ -87,16 +87,89 @@ def test_create_get_update_delete_agent(client: Client) -> None:
     assert client.contents(client.history("writer")) == ["new life"]
 
 
-def test_update_with_empty_mask_replaces_all_settings(client: Client) -> None:
-    client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1", system_prompt="x")))
-    agent = client.stub.UpdateAgent(
-        pb.UpdateAgentRequest(
+def _rich_agent(client: Client) -> pb.Agent:
+    agent: pb.Agent = client.stub.CreateAgent(
+        pb.CreateAgentRequest(
             agent=pb.Agent(
-                name="a1", system_prompt="y", rolling_window=duration_pb2.Duration(seconds=30)
+                name="a1",
+                system_prompt="x",
+                docs=[pb.AgentDoc(name="d.md", content="doc")],
+                rolling_window=duration_pb2.Duration(seconds=600),
+                model="gpt-4o",
+                build_options=pb.BuildOptions(summarize=True, max_chars_per_message=99),
             )
         )
     ).agent
-    assert (agent.system_prompt, agent.rolling_window.seconds) == ("y", 30)
+    return agent
+
+
+def test_update_without_mask_changes_only_the_fields_set(client: Client) -> None:
+    """Updating `model` alone used to wipe the system prompt, docs and window."""
+    before = _rich_agent(client)
+    after = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(agent=pb.Agent(name="a1", model="gpt-4o-mini"))
+    ).agent
+    assert after.model == "gpt-4o-mini"
+    assert after.system_prompt == "x" and list(after.docs) == list(before.docs)
+    assert after.rolling_window.seconds == 600
+    assert after.build_options == before.build_options
+    # One build option set: only that option changes.
+    after = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", build_options=pb.BuildOptions(truncate=False))
+        )
+    ).agent
+    assert after.build_options == pb.BuildOptions(
+        summarize=True, max_chars_per_message=99, truncate=False
+    )
+
+
+def test_update_mask_paths_name_nested_options_and_star(client: Client) -> None:
+    _rich_agent(client)
+    after = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", build_options=pb.BuildOptions(summarize=False)),
+            update_mask=field_mask_pb2.FieldMask(
+                paths=["build_options.summarize", "build_options.max_chars_per_message"]
+            ),
+        )
+    ).agent
+    # Named and set: updated; named and unset: back to the default (unset).
+    assert after.build_options == pb.BuildOptions(summarize=False)
+    assert after.system_prompt == "x"
+    after = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", system_prompt="y"),
+            update_mask=field_mask_pb2.FieldMask(paths=["*"]),
+        )
+    ).agent
+    assert (after.system_prompt, list(after.docs), after.model) == ("y", [], "")
+    assert after.rolling_window.seconds == 86_400 and after.build_options == pb.BuildOptions()
+
+
+def test_etags_guard_updates_and_deletes(client: Client) -> None:
+    first = _rich_agent(client)
+    assert first.etag
+    assert client.stub.GetAgent(pb.GetAgentRequest(name="a1")).agent.etag == first.etag
+    second = client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(agent=pb.Agent(name="a1", system_prompt="y", etag=first.etag))
+    ).agent
+    assert second.etag != first.etag
+    stale = _error(
+        lambda: client.stub.UpdateAgent(
+            pb.UpdateAgentRequest(agent=pb.Agent(name="a1", system_prompt="z", etag=first.etag))
+        )
+    )
+    assert stale.code() == grpc.StatusCode.ABORTED
+    assert client.stub.GetAgent(pb.GetAgentRequest(name="a1")).agent.system_prompt == "y"
+    stale = _error(
+        lambda: client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1", etag=first.etag))
+    )
+    assert stale.code() == grpc.StatusCode.ABORTED
+    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1", etag=second.etag))
+    assert _code(lambda: client.stub.GetAgent(pb.GetAgentRequest(name="a1"))) == (
+        grpc.StatusCode.NOT_FOUND
+    )
 
 
 def test_list_agents_pages(client: Client) -> None:
@@ -276,7 +349,7 @@ def test_bad_update_mask_is_invalid_argument(client: Client) -> None:
         )
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "cannot be updated: name" in (error.details() or "")
+    assert "cannot be updated: 'name'" in (error.details() or "")
 
 
 def test_duplicate_doc_names_are_invalid_argument(client: Client) -> None:

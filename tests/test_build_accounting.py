@@ -76,7 +76,9 @@ class BuildAccounting(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _append(self, thread: str, messages: list[NewMessage]) -> list[int]:
-        receipts = self.service.append_messages(TENANT, AGENT, "", thread, messages)
+        receipts = self.service.append_messages(
+            TENANT, AGENT, "", thread, messages, create_agent=True
+        )
         ids = [r.id for r in receipts]
         self.window[thread].extend(ids)
         self.started[thread] = True

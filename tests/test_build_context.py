@@ -5,6 +5,7 @@ talking to a local fake of the Messages API (never the network)."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -443,7 +444,9 @@ def test_build_reads_content_only_for_what_can_fit(
     ]
     for _ in range(10):
         client.stub.AppendMessages(
-            pb.AppendMessagesRequest(agent="a1", thread="t1", messages=batch)
+            pb.AppendMessagesRequest(
+                agent="a1", thread="t1", messages=batch, create_agent_if_missing=True
+            )
         )
     ctx = _build(client, options=pb.BuildOptions(budget_tokens=4_000))
     assert ctx.stats.messages_before == 10_000
@@ -584,3 +587,54 @@ def test_client_metadata_cannot_pose_as_a_stored_summary(
     assert [m.content for m in ctx.messages] == ["first", "second", "fake"]
     assert not any(m.is_summary for m in ctx.messages)
     assert not any(m.is_summary for m in client.history("a1"))
+
+
+def test_delete_is_final_while_a_summary_is_in_flight(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """A summarizing build used to re-create a deleted agent and store its summary."""
+    server, client = running
+    _agent(client)
+    for i in range(30):
+        client.append("a1", f"turn {i} " + "w " * 200, role=USER if i % 2 == 0 else ASSISTANT)
+    fake.reply_text("## Goal\nsummary of deleted messages")
+    fake.hold()
+    outcome: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            outcome["response"] = _build(
+                client, options=pb.BuildOptions(summarize=True, budget_tokens=2_000)
+            )
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    assert fake.arrived.wait(30), "the build never asked for a summary"
+    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
+    fake.release()
+    builder.join(30)
+    assert not builder.is_alive()
+    assert outcome["error"].code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.GetAgent(pb.GetAgentRequest(name="a1"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    rows = server.store._cursor().execute("SELECT count(*) FROM messages").fetchone()
+    assert rows == (0,)
+    events = server.store._cursor().execute("SELECT count(*) FROM events").fetchone()
+    assert events == (0,)
+
+
+def test_append_to_an_unknown_agent_is_not_found_unless_asked(client: Client) -> None:
+    request = pb.AppendMessagesRequest(
+        agent="typo", thread="t1", messages=[pb.Message(role=USER, content="hi")]
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.AppendMessages(request)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError):
+        client.stub.GetAgent(pb.GetAgentRequest(name="typo"))
+    request.create_agent_if_missing = True
+    client.stub.AppendMessages(request)
+    assert client.stub.GetAgent(pb.GetAgentRequest(name="typo")).agent.name == "typo"

@@ -73,6 +73,7 @@ def test_all_fields_round_trip(client: Client) -> None:
         pb.AppendMessagesRequest(
             agent="a1",
             thread="t1",
+            create_agent_if_missing=True,
             messages=[
                 pb.Message(
                     role=TOOL_USE,

@@ -49,6 +49,7 @@ def test_grpcurl_appends_and_lists_with_json(server: InProcessServer) -> None:
     body = {
         "agent": "demo",
         "thread": "t1",
+        "create_agent_if_missing": True,
         "messages": [
             {"role": "ROLE_USER", "content": "What is 2 + 2?"},
             {"role": "ROLE_ASSISTANT", "content": "4"},

@@ -44,7 +44,9 @@ def test_clear_time_survives_restart(spawn_server: SpawnServer) -> None:
     first = spawn_server()
     client = first.start()
     client.append("a1", "before", thread="x")
-    marker = client.stub.ClearContext(pb.ClearContextRequest(agent="a1")).clear_time
+    marker = client.stub.ClearContext(
+        pb.ClearContextRequest(agent="a1", all_scopes=True)
+    ).clear_time
     client.append("a1", "x-after", thread="x")
     thread_marker = client.stub.ClearContext(
         pb.ClearContextRequest(agent="a1", thread="x")

@@ -40,7 +40,6 @@ from contextd.context_types import (
 )
 from contextd.domain import (
     Agent,
-    AgentSettings,
     BuildOverrides,
     ContextKey,
     Event,
@@ -478,7 +477,7 @@ class ContextBuilder:
         assert item.summary_of is not None
         message = NewMessage(role=Role.USER, content=item.content, metadata=item.metadata)
         batch = prepare_batch([message], plan.model, [()], summarized_ids=item.summary_of)
-        receipt = self._store.append(plan.key, batch, AgentSettings())
+        receipt = self._store.append(plan.key, batch, None)  # never re-creates an agent
         stored = self._store.messages_by_ids(plan.key, [receipt[0].id])
         return stored[0]
 

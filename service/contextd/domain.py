@@ -6,6 +6,7 @@ they compare and subtract exactly, and they are what DuckDB stores without conve
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -50,6 +51,15 @@ class Agent:
     last_clear_time_us: int
     model: str = ""
     build_options: BuildOverrides | None = None
+
+    @property
+    def etag(self) -> str:
+        """Changes whenever the settings change (update_time is strictly increasing) and
+        differs between an agent and a later one of the same name (create_time)."""
+        digest = hashlib.sha256(
+            f"{self.tenant}\0{self.name}\0{self.create_time_us}\0{self.update_time_us}".encode()
+        ).hexdigest()
+        return f'"{digest[:20]}"'
 
 
 @dataclass(frozen=True, slots=True)

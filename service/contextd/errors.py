@@ -19,6 +19,7 @@ class Code(Enum):
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     UNAUTHENTICATED = "UNAUTHENTICATED"
     UNAVAILABLE = "UNAVAILABLE"
+    ABORTED = "ABORTED"
 
 
 class ContextdError(Exception):
@@ -57,6 +58,13 @@ class FailedPrecondition(ContextdError):
 class ResourceExhausted(ContextdError):
     code = Code.RESOURCE_EXHAUSTED
     default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Aborted(ContextdError):
+    """A concurrency conflict the caller resolves by reading again (e.g. a stale etag)."""
+
+    code = Code.ABORTED
+    default_reason = "ETAG_MISMATCH"
 
 
 class Unavailable(ContextdError):

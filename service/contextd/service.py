@@ -32,7 +32,7 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import InvalidArgument, NotFound, ResourceExhausted
+from contextd.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
 from contextd.paging import PageTokens, page_size
 from contextd.storage import Store, ThreadFilter
 from contextd.summarizer import Summarizer
@@ -109,18 +109,28 @@ class ContextService:
         return self._store.get_agent(tenant, name)
 
     def update_agent(
-        self, tenant: str, name: str, settings: AgentSettings, fields: Sequence[str]
+        self,
+        tenant: str,
+        name: str,
+        settings: AgentSettings,
+        fields: Sequence[str],
+        etag: str = "",
     ) -> Agent:
+        """Update exactly `fields` (mask paths: the updatable fields, "build_options.<option>"
+        for one option, "*" for all); an empty list updates nothing. The api layer turns
+        an absent mask into the fields the request sets (AIP-134)."""
         check_name(name, "agent.name")
-        unknown = sorted(set(fields) - UPDATABLE_AGENT_FIELDS)
-        if unknown:
-            raise InvalidArgument(
-                f"update_mask names fields that cannot be updated: {', '.join(unknown)} "
-                f"(updatable: {', '.join(sorted(UPDATABLE_AGENT_FIELDS))})",
-                field="update_mask",
-            )
-        chosen = frozenset(fields) if fields else UPDATABLE_AGENT_FIELDS
-        updated = self._store.update_agent(tenant, name, _checked_settings(settings), chosen)
+        chosen = _mask_fields(fields)
+        if not chosen:
+            current = self._store.get_agent(tenant, name)
+            if etag and etag != current.etag:
+                raise Aborted(
+                    f"agent {name!r} changed since etag {quote(etag)} was read; read it again",
+                    reason="ETAG_MISMATCH",
+                    field="agent.etag",
+                )
+            return current
+        updated = self._store.update_agent(tenant, name, _checked_settings(settings), chosen, etag)
         self._models.pop((tenant, name), None)  # after the commit, so no stale re-read
         return updated
 
@@ -132,16 +142,22 @@ class ContextService:
         agents = self._store.list_agents(tenant, after, size + 1)
         return Page(*self._pages.cut(agents, size, params, lambda a: (a.name,), None, _agent_bytes))
 
-    def delete_agent(self, tenant: str, name: str) -> int:
+    def delete_agent(self, tenant: str, name: str, etag: str = "") -> int:
         check_name(name, "name")
-        deleted = self._store.delete_agent(tenant, name)
+        deleted = self._store.delete_agent(tenant, name, etag)
         self._models.pop((tenant, name), None)
         return deleted
 
     # ----------------------------------------------------------------- messages
 
     def append_messages(
-        self, tenant: str, agent: str, scope: str, thread: str, messages: Sequence[NewMessage]
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        messages: Sequence[NewMessage],
+        create_agent: bool = False,
     ) -> list[MessageReceipt]:
         """Validate the whole batch, estimate its tokens in one Rust call, append durably."""
         key = _context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
@@ -160,7 +176,7 @@ class ContextService:
             for i, m in enumerate(messages)
         ]
         batch = prepare_batch(messages, self._model_of(tenant, key.agent), call_ids)
-        return self._store.append(key, batch, AgentSettings())
+        return self._store.append(key, batch, AgentSettings() if create_agent else None)
 
     def list_messages(
         self,
@@ -375,6 +391,28 @@ class ContextService:
             newest_message_time_us=newest,
             thread_count=int(threads),
         )
+
+
+_OPTION_PATHS = frozenset(f"build_options.{name}" for name in BuildOverrides.__slots__)
+
+
+def _mask_fields(paths: Sequence[str]) -> frozenset[str]:
+    """The fields an update_mask names; INVALID_ARGUMENT naming any it cannot update."""
+    if "*" in paths:
+        if len(paths) > 1:
+            raise InvalidArgument(
+                "update_mask '*' names every field; give it alone", field="update_mask"
+            )
+        return UPDATABLE_AGENT_FIELDS
+    unknown = sorted(set(paths) - UPDATABLE_AGENT_FIELDS - _OPTION_PATHS)
+    if unknown:
+        raise InvalidArgument(
+            f"update_mask names fields that cannot be updated: "
+            f"{', '.join(quote(u) for u in unknown[:5])} (updatable: "
+            f"{', '.join(sorted(UPDATABLE_AGENT_FIELDS))}, build_options.<option>, or *)",
+            field="update_mask",
+        )
+    return frozenset(paths)
 
 
 def _message_bytes(m: StoredMessage) -> int:

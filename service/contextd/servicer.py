@@ -285,7 +285,21 @@ def _agent_pb(agent: Agent) -> pb.Agent:
         last_clear_time=_timestamp(agent.last_clear_time_us),
         model=agent.model,
         build_options=_options_pb(agent.build_options),
+        etag=agent.etag,
     )
+
+
+def _present_fields(agent: pb.Agent) -> list[str]:
+    """The update paths of an UpdateAgent without a mask: the fields the request sets
+    (AIP-134), each build option on its own, so an update of `model` alone leaves the
+    system prompt, docs, window and every other option as they were."""
+    paths = [f for f in ("system_prompt", "model") if getattr(agent, f)]
+    if agent.docs:
+        paths.append("docs")
+    if agent.HasField("rolling_window"):
+        paths.append("rolling_window")
+    paths += [f"build_options.{f}" for f in _OPTION_FIELDS if agent.build_options.HasField(f)]
+    return paths
 
 
 def _settings(agent: pb.Agent) -> AgentSettings:
@@ -420,11 +434,13 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def UpdateAgent(
         self, request: pb.UpdateAgentRequest, context: grpc.ServicerContext
     ) -> pb.UpdateAgentResponse:
+        paths = list(request.update_mask.paths) or _present_fields(request.agent)
         agent = self._service.update_agent(
             self._tenant(context),
             request.agent.name,
             _settings(request.agent),
-            list(request.update_mask.paths),
+            paths,
+            request.agent.etag,
         )
         return pb.UpdateAgentResponse(agent=_agent_pb(agent))
 
@@ -441,7 +457,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def DeleteAgent(
         self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
     ) -> pb.DeleteAgentResponse:
-        deleted = self._service.delete_agent(self._tenant(context), request.name)
+        deleted = self._service.delete_agent(self._tenant(context), request.name, request.etag)
         return pb.DeleteAgentResponse(deleted_message_count=deleted)
 
     def AppendMessages(
@@ -449,7 +465,12 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     ) -> pb.AppendMessagesResponse:
         messages = [_new_message(m, i) for i, m in enumerate(request.messages)]
         receipts = self._service.append_messages(
-            self._tenant(context), request.agent, _scope(request.scope), request.thread, messages
+            self._tenant(context),
+            request.agent,
+            _scope(request.scope),
+            request.thread,
+            messages,
+            request.create_agent_if_missing,
         )
         return pb.AppendMessagesResponse(
             receipts=[

@@ -47,7 +47,7 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import AlreadyExists, NotFound, StoreLocked, Unavailable
+from contextd.errors import Aborted, AlreadyExists, NotFound, StoreLocked, Unavailable
 from contextd.thread_counters import IDLE_FLUSH_S, PendingCounters
 from contextd.validation import quote
 
@@ -347,6 +347,35 @@ def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> 
     ]
 
 
+def _check_etag(agent: Agent, etag: str) -> None:
+    if etag and etag != agent.etag:
+        raise Aborted(
+            f"agent {agent.name!r} changed since etag {quote(etag)} was read (now "
+            f"{agent.etag}); read it again",
+            reason="ETAG_MISMATCH",
+            field="etag",
+        )
+
+
+def _updated_options(
+    current: BuildOverrides | None, given: BuildOverrides, fields: frozenset[str]
+) -> BuildOverrides | None:
+    """The build options after an update, or None when the update leaves them alone."""
+    if "build_options" in fields:
+        return given
+    chosen = [f.split(".", 1)[1] for f in fields if f.startswith("build_options.")]
+    if not chosen:
+        return None
+    values = (current or BuildOverrides()).as_dict()
+    for option in chosen:
+        value = getattr(given, option)
+        if value is None:
+            values.pop(option, None)
+        else:
+            values[option] = value
+    return BuildOverrides(**values)  # type: ignore[arg-type]
+
+
 def _settings_json(settings: AgentSettings) -> str:
     """Settings without columns of their own (build options today), as one JSON object."""
     return json.dumps({"build_options": settings.build_options.as_dict()})
@@ -360,7 +389,8 @@ def _docs_json(docs: Sequence[AgentDoc]) -> str:
 class _AppendJob:
     key: ContextKey
     batch: MessageBatch
-    default_settings: AgentSettings
+    # The settings to create a missing agent with; None: a missing agent is NOT_FOUND.
+    default_settings: AgentSettings | None
     future: Future[list[MessageReceipt]]
 
 
@@ -682,11 +712,13 @@ class Store:
         # per context: [count, tokens, min time, max time]
         thread_deltas: dict[ContextKey, list[int]] = {}
         new_contexts: dict[ContextKey, int] = {}
-        agents_seen: dict[tuple[str, str], AgentSettings] = {}
+        agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
         summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
 
         for job in jobs:
-            agents_seen.setdefault((job.key.tenant, job.key.agent), job.default_settings)
+            agent_key = (job.key.tenant, job.key.agent)
+            if agents_seen.get(agent_key) is None:
+                agents_seen[agent_key] = job.default_settings
         # Ticked before any message time: an auto-created agent's clear marker (its create
         # time) must precede the messages that created it, or they would start outside.
         now_us = self.clock.tick()
@@ -699,6 +731,10 @@ class Store:
                 writer.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             )
             if not exists:
+                if settings is None:
+                    # Raised before anything is written; the group is then retried call by
+                    # call, so only the calls for this agent fail.
+                    raise NotFound(f"agent {name!r} does not exist", reason="AGENT_NOT_FOUND")
                 if not in_transaction:
                     writer.execute("BEGIN TRANSACTION")
                     in_transaction = True
@@ -709,6 +745,14 @@ class Store:
             key = job.key
             context_id = new_contexts.get(key) or self._context_id(writer, key)
             if context_id is None:
+                if job.batch.summarized_ids is not None:
+                    # A summary stands for messages of an existing thread; if the thread
+                    # is gone (its agent deleted meanwhile) the summary has nothing to
+                    # stand for and must not bring the context back.
+                    raise NotFound(
+                        f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
+                        reason="THREAD_NOT_FOUND",
+                    )
                 context_id = self._next_context_id
                 self._next_context_id += 1
                 new_contexts[key] = context_id
@@ -872,10 +916,19 @@ class Store:
         return _find_agent(self._cursor(), tenant, name)
 
     def update_agent(
-        self, tenant: str, name: str, settings: AgentSettings, fields: frozenset[str]
+        self,
+        tenant: str,
+        name: str,
+        settings: AgentSettings,
+        fields: frozenset[str],
+        etag: str = "",
     ) -> Agent:
+        """Update the named fields ("build_options.<option>" names one build option) in
+        one transaction; with `etag`, only if it is still the agent's current etag."""
+
         def update(cur: duckdb.DuckDBPyConnection) -> Agent:
-            _require_agent(cur, tenant, name)
+            current = _require_agent(cur, tenant, name)
+            _check_etag(current, etag)
             assignments: list[str] = []
             params: list[Any] = []
             if "system_prompt" in fields:
@@ -890,9 +943,10 @@ class Store:
             if "model" in fields:
                 assignments.append("model = ?")
                 params.append(settings.model)
-            if "build_options" in fields:
+            options = _updated_options(current.build_options, settings.build_options, fields)
+            if options is not None:
                 assignments.append("settings_json = ?")
-                params.append(_settings_json(settings))
+                params.append(_settings_json(replace(settings, build_options=options)))
             assignments.append("update_time_us = ?")
             params.append(self.clock.tick())
             cur.execute(
@@ -915,9 +969,9 @@ class Store:
         )
         return [_agent_from_row(r) for r in rows]
 
-    def delete_agent(self, tenant: str, name: str) -> int:
+    def delete_agent(self, tenant: str, name: str, etag: str = "") -> int:
         def delete(cur: duckdb.DuckDBPyConnection) -> int:
-            _require_agent(cur, tenant, name)
+            _check_etag(_require_agent(cur, tenant, name), etag)
             # Through the agent's context ids: messages are indexed by context_id only,
             # which keeps appends cheap; deletes are rare.
             contexts = "SELECT context_id FROM threads WHERE tenant = ? AND agent = ?"
@@ -947,9 +1001,10 @@ class Store:
     # ----------------------------------------------------------------- messages
 
     def append(
-        self, key: ContextKey, batch: MessageBatch, default_settings: AgentSettings
+        self, key: ContextKey, batch: MessageBatch, default_settings: AgentSettings | None
     ) -> list[MessageReceipt]:
-        """Append durably; creates the agent with `default_settings` if it is missing."""
+        """Append durably; a missing agent is created with `default_settings`, or is
+        NOT_FOUND when they are None."""
         receipts: list[MessageReceipt] = self._submit(
             _AppendJob(key=key, batch=batch, default_settings=default_settings, future=Future())
         )
@@ -1215,6 +1270,11 @@ class Store:
 
     def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
         def record(cur: duckdb.DuckDBPyConnection) -> Event:
+            if _context_row(cur, key) is None:
+                raise NotFound(
+                    f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
+                    reason="THREAD_NOT_FOUND",
+                )
             event_id = self._next_event_id
             now_us = self.clock.tick()
             text = json.dumps(data, separators=(",", ":"))
