@@ -48,6 +48,7 @@ from contextd.domain import (
     StoredMessage,
 )
 from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
+from contextd.idempotency import RequestRecord
 from contextd.render import to_anthropic, to_openai, to_text
 from contextd.storage import ContextRef, Store
 from contextd.summarizer import Summarizer
@@ -233,7 +234,10 @@ class ContextBuilder:
         thread: str,
         model: str,
         overrides: BuildOverrides,
+        record: RequestRecord | None = None,
     ) -> CompactResult:
+        """Summarize on demand. With a record, the summary is stored with the request id
+        in one transaction; a concurrent retry that loses the race gets AlreadyDone."""
         plan = self._plan(tenant, agent, scope, thread, model, overrides)
         if plan.context is None:
             raise NotFound(
@@ -268,7 +272,12 @@ class ContextBuilder:
             previous_text = summary_body(previous)
         result = self._summarizer.summarize(compaction.to_summarize, previous_text)
         item = make_summary_item(result, compaction.covers, count)
-        stored = self._store_summary(plan, item)
+        if record is not None:
+            path, error = result.path, result.error
+            record = record.with_encoder(
+                lambda receipts: compaction_payload(receipts[0].id, path, error)
+            )
+        stored = self._store_summary(plan, item, record)
         self._record_compression(
             plan,
             original_count=len(items),
@@ -473,13 +482,32 @@ class ContextBuilder:
             },
         )
 
-    def _store_summary(self, plan: _Plan, item: HistoryItem) -> StoredMessage:
+    def _store_summary(
+        self, plan: _Plan, item: HistoryItem, record: RequestRecord | None = None
+    ) -> StoredMessage:
         assert item.summary_of is not None
         message = NewMessage(role=Role.USER, content=item.content, metadata=item.metadata)
         batch = prepare_batch([message], plan.model, [()], summarized_ids=item.summary_of)
-        receipt = self._store.append(plan.key, batch, None)  # never re-creates an agent
+        receipt = self._store.append(plan.key, batch, None, record)  # never re-creates an agent
         stored = self._store.messages_by_ids(plan.key, [receipt[0].id])
         return stored[0]
+
+
+def compaction_payload(summary_id: int, path: str, error: str | None) -> bytes:
+    """What a CompactContext with a request id remembers: its summary and how it came."""
+    return json.dumps({"summary_id": summary_id, "path": path, "error": error}).encode()
+
+
+def replayed_compaction(store: Store, key: ContextKey, payload: bytes) -> CompactResult:
+    """The result of a compaction done before, from what it remembered."""
+    data = json.loads(payload)
+    found = store.messages_by_ids(key, [int(data["summary_id"])])
+    if not found:
+        raise NotFound(
+            f"the summary of this request is gone (thread {key.thread!r} was deleted)",
+            reason="THREAD_NOT_FOUND",
+        )
+    return CompactResult(found[0], str(data["path"]), data["error"])
 
 
 # The build options that are strategy options under the same name.

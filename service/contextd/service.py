@@ -13,7 +13,14 @@ from dataclasses import dataclass, replace
 
 from contextd import core
 from contextd.batches import prepare_batch
-from contextd.builder import FORMATS, BuildRequest, BuildResult, CompactResult, ContextBuilder
+from contextd.builder import (
+    FORMATS,
+    BuildRequest,
+    BuildResult,
+    CompactResult,
+    ContextBuilder,
+    replayed_compaction,
+)
 from contextd.clock import wall_clock_us
 from contextd.context_types import StatusEntry
 from contextd.domain import (
@@ -33,6 +40,7 @@ from contextd.domain import (
     Thread,
 )
 from contextd.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
+from contextd.idempotency import AlreadyDone, Remembered, RequestRecord, replay
 from contextd.paging import PageTokens, page_size
 from contextd.storage import Store, ThreadFilter
 from contextd.summarizer import Summarizer
@@ -98,11 +106,17 @@ class ContextService:
                 self._models[key] = model
         return model
 
+    def remembered(self, tenant: str, request_id: str) -> Remembered | None:
+        """A write recorded under this request id, if any (see idempotency.py)."""
+        return self._store.remembered(tenant, request_id)
+
     # ----------------------------------------------------------------- agents
 
-    def create_agent(self, tenant: str, name: str, settings: AgentSettings) -> Agent:
+    def create_agent(
+        self, tenant: str, name: str, settings: AgentSettings, record: RequestRecord | None = None
+    ) -> Agent:
         check_name(name, "agent.name")
-        return self._store.create_agent(tenant, name, _checked_settings(settings))
+        return self._store.create_agent(tenant, name, _checked_settings(settings), record)
 
     def get_agent(self, tenant: str, name: str) -> Agent:
         check_name(name, "name")
@@ -115,6 +129,7 @@ class ContextService:
         settings: AgentSettings,
         fields: Sequence[str],
         etag: str = "",
+        record: RequestRecord | None = None,
     ) -> Agent:
         """Update exactly `fields` (mask paths: the updatable fields, "build_options.<option>"
         for one option, "*" for all); an empty list updates nothing. The api layer turns
@@ -130,7 +145,9 @@ class ContextService:
                     field="agent.etag",
                 )
             return current
-        updated = self._store.update_agent(tenant, name, _checked_settings(settings), chosen, etag)
+        updated = self._store.update_agent(
+            tenant, name, _checked_settings(settings), chosen, etag, record
+        )
         self._models.pop((tenant, name), None)  # after the commit, so no stale re-read
         return updated
 
@@ -142,9 +159,11 @@ class ContextService:
         agents = self._store.list_agents(tenant, after, size + 1)
         return Page(*self._pages.cut(agents, size, params, lambda a: (a.name,), None, _agent_bytes))
 
-    def delete_agent(self, tenant: str, name: str, etag: str = "") -> int:
+    def delete_agent(
+        self, tenant: str, name: str, etag: str = "", record: RequestRecord | None = None
+    ) -> int:
         check_name(name, "name")
-        deleted = self._store.delete_agent(tenant, name, etag)
+        deleted = self._store.delete_agent(tenant, name, etag, record)
         self._models.pop((tenant, name), None)
         return deleted
 
@@ -158,6 +177,7 @@ class ContextService:
         thread: str,
         messages: Sequence[NewMessage],
         create_agent: bool = False,
+        record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
         """Validate the whole batch, estimate its tokens in one Rust call, append durably."""
         key = _context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
@@ -176,7 +196,7 @@ class ContextService:
             for i, m in enumerate(messages)
         ]
         batch = prepare_batch(messages, self._model_of(tenant, key.agent), call_ids)
-        return self._store.append(key, batch, AgentSettings() if create_agent else None)
+        return self._store.append(key, batch, AgentSettings() if create_agent else None, record)
 
     def list_messages(
         self,
@@ -214,7 +234,13 @@ class ContextService:
     # ----------------------------------------------------------------- clears
 
     def clear_context(
-        self, tenant: str, agent: str, scope: str, thread: str, all_scopes: bool = False
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        all_scopes: bool = False,
+        record: RequestRecord | None = None,
     ) -> int:
         """Move a clear marker to now and return it: of one thread, of every thread of one
         scope (thread empty), or of the whole agent (all_scopes, and nothing narrower).
@@ -229,10 +255,10 @@ class ContextService:
                     "unset, or drop all_scopes to clear only what it names",
                     field=field,
                 )
-            return self._store.clear_agent(tenant, agent)
+            return self._store.clear_agent(tenant, agent, record)
         if not thread:
-            return self._store.clear_scope(tenant, agent, scope)
-        return self._store.clear_thread(_context_key(tenant, agent, scope, thread))
+            return self._store.clear_scope(tenant, agent, scope, record)
+        return self._store.clear_thread(_context_key(tenant, agent, scope, thread), record)
 
     # ----------------------------------------------------------------- threads and stats
 
@@ -267,15 +293,31 @@ class ContextService:
         thread: str,
         model: str,
         overrides: BuildOverrides,
+        record: RequestRecord | None = None,
     ) -> CompactResult:
+        """Summarize on demand. A retry (same request id) returns the first summary: it
+        is looked up before the summarizer runs, and again in the summary's transaction."""
         key = _context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
         check_overrides(overrides)
-        return self._builder.compact(tenant, agent, scope, key.thread, model, overrides)
+        if record is not None:
+            found = self._store.remembered(record.tenant, record.request_id)
+            if found is not None:
+                return replayed_compaction(self._store, key, replay(record, found))
+        try:
+            return self._builder.compact(tenant, agent, scope, key.thread, model, overrides, record)
+        except AlreadyDone as done:
+            return replayed_compaction(self._store, key, done.payload)
 
     # ----------------------------------------------------------------- status entries
 
     def set_status(
-        self, tenant: str, agent: str, scope: str, entry: StatusEntry, ttl_us: int | None
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        entry: StatusEntry,
+        ttl_us: int | None,
+        record: RequestRecord | None = None,
     ) -> StatusEntry:
         check_name(agent, "agent")
         check_name(scope, "scope", allow_empty=True)
@@ -301,7 +343,9 @@ class ContextService:
             expire = now + ttl_us
         if expire is not None and expire <= now:
             raise InvalidArgument("entry.expire_time is in the past", field="entry.expire_time")
-        return self._store.set_status(tenant, agent, scope, replace(entry, expire_time_us=expire))
+        return self._store.set_status(
+            tenant, agent, scope, replace(entry, expire_time_us=expire), record
+        )
 
     def list_status(
         self,
@@ -323,10 +367,12 @@ class ContextService:
         entries = self._store.list_status(tenant, agent, scope, after, size + 1, live_at)
         return Page(*self._pages.cut(entries, size, params, lambda e: (e.key,)))
 
-    def clear_status(self, tenant: str, agent: str, scope: str, key: str) -> int:
+    def clear_status(
+        self, tenant: str, agent: str, scope: str, key: str, record: RequestRecord | None = None
+    ) -> int:
         check_name(agent, "agent")
         check_name(scope, "scope", allow_empty=True)
-        return self._store.clear_status(tenant, agent, scope, key or None)
+        return self._store.clear_status(tenant, agent, scope, key or None, record)
 
     # ----------------------------------------------------------------- events
 

@@ -6,10 +6,13 @@ Errors are not handled here either: domain exceptions pass through to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf.message import Message
 
 from contextd import scopes
 from contextd.builder import BuildRequest, BuildResult
@@ -24,12 +27,19 @@ from contextd.domain import (
     ContextStats,
     Event,
     MessageRange,
+    MessageReceipt,
     NewMessage,
     Role,
     StoredMessage,
     Thread,
 )
 from contextd.errors import InvalidArgument
+from contextd.idempotency import (
+    AlreadyDone,
+    RequestRecord,
+    check_request_id,
+    replay,
+)
 from contextd.service import ContextService
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
@@ -406,6 +416,35 @@ def _range(value: int) -> MessageRange:
     raise InvalidArgument(f"range {value} is not a known message range", field="range")
 
 
+def _receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesResponse:
+    return pb.AppendMessagesResponse(
+        receipts=[
+            pb.MessageReceipt(
+                id=r.id,
+                create_time=_timestamp(r.create_time_us),
+                token_estimate=r.token_estimate,
+                token_count=r.token_count,
+            )
+            for r in receipts
+        ]
+    )
+
+
+R = TypeVar("R", bound=Message)
+
+
+def _unset_encoder(result: object) -> bytes:
+    raise AssertionError("a request record was stored before its encoder was set")
+
+
+def _fingerprint(request: Message) -> str:
+    """A request's identity apart from its request_id, for spotting a reused id."""
+    copy = type(request)()
+    copy.CopyFrom(request)
+    copy.request_id = ""  # type: ignore[attr-defined]
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+
+
 class ContextServicer(pb_grpc.ContextServiceServicer):
     def __init__(self, service: ContextService) -> None:
         self._service = service
@@ -416,13 +455,55 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         # place that will read the tenant from the caller's credentials.
         return DEFAULT_TENANT
 
+    def _record(self, request: Message, context: grpc.ServicerContext) -> RequestRecord | None:
+        request_id: str = request.request_id  # type: ignore[attr-defined]
+        if not request_id:
+            return None
+        return RequestRecord(
+            tenant=self._tenant(context),
+            request_id=check_request_id(request_id),
+            method=request.DESCRIPTOR.full_name,
+            fingerprint=_fingerprint(request),
+            encode=_unset_encoder,
+        )
+
+    def _idempotent(
+        self,
+        request: Message,
+        context: grpc.ServicerContext,
+        response_type: type[R],
+        to_response: Callable[[Any], R],
+        write: Callable[[RequestRecord | None], Any],
+    ) -> R:
+        """Run a write; with a request_id, a retry returns the first call's response.
+
+        The stored payload is the serialized response, written in the write's own
+        transaction; a retry is answered from it (here when it is already recorded, or
+        by the store when two attempts race) without writing anything.
+        """
+        record = self._record(request, context)
+        if record is None:
+            return to_response(write(None))
+        found = self._service.remembered(record.tenant, record.request_id)
+        if found is not None:
+            return response_type.FromString(replay(record, found))
+        record = record.with_encoder(lambda result: to_response(result).SerializeToString())
+        try:
+            return to_response(write(record))
+        except AlreadyDone as done:
+            return response_type.FromString(done.payload)
+
     def CreateAgent(
         self, request: pb.CreateAgentRequest, context: grpc.ServicerContext
     ) -> pb.CreateAgentResponse:
-        agent = self._service.create_agent(
-            self._tenant(context), request.agent.name, _settings(request.agent)
+        tenant, settings = self._tenant(context), _settings(request.agent)
+        return self._idempotent(
+            request,
+            context,
+            pb.CreateAgentResponse,
+            lambda agent: pb.CreateAgentResponse(agent=_agent_pb(agent)),
+            lambda record: self._service.create_agent(tenant, request.agent.name, settings, record),
         )
-        return pb.CreateAgentResponse(agent=_agent_pb(agent))
 
     def GetAgent(
         self, request: pb.GetAgentRequest, context: grpc.ServicerContext
@@ -435,14 +516,16 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.UpdateAgentRequest, context: grpc.ServicerContext
     ) -> pb.UpdateAgentResponse:
         paths = list(request.update_mask.paths) or _present_fields(request.agent)
-        agent = self._service.update_agent(
-            self._tenant(context),
-            request.agent.name,
-            _settings(request.agent),
-            paths,
-            request.agent.etag,
+        tenant, settings = self._tenant(context), _settings(request.agent)
+        return self._idempotent(
+            request,
+            context,
+            pb.UpdateAgentResponse,
+            lambda agent: pb.UpdateAgentResponse(agent=_agent_pb(agent)),
+            lambda record: self._service.update_agent(
+                tenant, request.agent.name, settings, paths, request.agent.etag, record
+            ),
         )
-        return pb.UpdateAgentResponse(agent=_agent_pb(agent))
 
     def ListAgents(
         self, request: pb.ListAgentsRequest, context: grpc.ServicerContext
@@ -457,31 +540,34 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def DeleteAgent(
         self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
     ) -> pb.DeleteAgentResponse:
-        deleted = self._service.delete_agent(self._tenant(context), request.name, request.etag)
-        return pb.DeleteAgentResponse(deleted_message_count=deleted)
+        tenant = self._tenant(context)
+        return self._idempotent(
+            request,
+            context,
+            pb.DeleteAgentResponse,
+            lambda deleted: pb.DeleteAgentResponse(deleted_message_count=deleted),
+            lambda record: self._service.delete_agent(tenant, request.name, request.etag, record),
+        )
 
     def AppendMessages(
         self, request: pb.AppendMessagesRequest, context: grpc.ServicerContext
     ) -> pb.AppendMessagesResponse:
         messages = [_new_message(m, i) for i, m in enumerate(request.messages)]
-        receipts = self._service.append_messages(
-            self._tenant(context),
-            request.agent,
-            _scope(request.scope),
-            request.thread,
-            messages,
-            request.create_agent_if_missing,
-        )
-        return pb.AppendMessagesResponse(
-            receipts=[
-                pb.MessageReceipt(
-                    id=r.id,
-                    create_time=_timestamp(r.create_time_us),
-                    token_estimate=r.token_estimate,
-                    token_count=r.token_count,
-                )
-                for r in receipts
-            ]
+        tenant, scope = self._tenant(context), _scope(request.scope)
+        return self._idempotent(
+            request,
+            context,
+            pb.AppendMessagesResponse,
+            _receipts_pb,
+            lambda record: self._service.append_messages(
+                tenant,
+                request.agent,
+                scope,
+                request.thread,
+                messages,
+                request.create_agent_if_missing,
+                record,
+            ),
         )
 
     def ListMessages(
@@ -505,14 +591,16 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def ClearContext(
         self, request: pb.ClearContextRequest, context: grpc.ServicerContext
     ) -> pb.ClearContextResponse:
-        marker = self._service.clear_context(
-            self._tenant(context),
-            request.agent,
-            _scope(request.scope),
-            request.thread,
-            request.all_scopes,
+        tenant, scope = self._tenant(context), _scope(request.scope)
+        return self._idempotent(
+            request,
+            context,
+            pb.ClearContextResponse,
+            lambda marker: pb.ClearContextResponse(clear_time=_timestamp(marker)),
+            lambda record: self._service.clear_context(
+                tenant, request.agent, scope, request.thread, request.all_scopes, record
+            ),
         )
-        return pb.ClearContextResponse(clear_time=_timestamp(marker))
 
     def ListThreads(
         self, request: pb.ListThreadsRequest, context: grpc.ServicerContext
@@ -557,6 +645,8 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def CompactContext(
         self, request: pb.CompactContextRequest, context: grpc.ServicerContext
     ) -> pb.CompactContextResponse:
+        # Compaction remembers its summary rather than a response (see service.py), so
+        # its retries are answered there, before the summarizer runs again.
         result = self._service.compact_context(
             self._tenant(context),
             request.agent,
@@ -564,6 +654,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             request.thread,
             request.model,
             _overrides(request.options),
+            self._record(request, context),
         )
         return pb.CompactContextResponse(
             summary=_message_pb(result.summary),
@@ -574,14 +665,17 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def SetStatus(
         self, request: pb.SetStatusRequest, context: grpc.ServicerContext
     ) -> pb.SetStatusResponse:
-        entry = self._service.set_status(
-            self._tenant(context),
-            request.agent,
-            _scope(request.scope),
-            _status_entry(request.entry),
-            _micros(request.ttl, "ttl") if request.HasField("ttl") else None,
+        tenant, scope, entry = self._tenant(context), _scope(request.scope), request.entry
+        ttl = _micros(request.ttl, "ttl") if request.HasField("ttl") else None
+        return self._idempotent(
+            request,
+            context,
+            pb.SetStatusResponse,
+            lambda stored: pb.SetStatusResponse(entry=_status_pb(stored)),
+            lambda record: self._service.set_status(
+                tenant, request.agent, scope, _status_entry(entry), ttl, record
+            ),
         )
-        return pb.SetStatusResponse(entry=_status_pb(entry))
 
     def ListStatus(
         self, request: pb.ListStatusRequest, context: grpc.ServicerContext
@@ -601,10 +695,16 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def ClearStatus(
         self, request: pb.ClearStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClearStatusResponse:
-        removed = self._service.clear_status(
-            self._tenant(context), request.agent, _scope(request.scope), request.key
+        tenant, scope = self._tenant(context), _scope(request.scope)
+        return self._idempotent(
+            request,
+            context,
+            pb.ClearStatusResponse,
+            lambda removed: pb.ClearStatusResponse(removed_count=removed),
+            lambda record: self._service.clear_status(
+                tenant, request.agent, scope, request.key, record
+            ),
         )
-        return pb.ClearStatusResponse(removed_count=removed)
 
     def ListEvents(
         self, request: pb.ListEventsRequest, context: grpc.ServicerContext

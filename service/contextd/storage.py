@@ -47,7 +47,15 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import Aborted, AlreadyExists, NotFound, StoreLocked, Unavailable
+from contextd.errors import (
+    Aborted,
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    StoreLocked,
+    Unavailable,
+)
+from contextd.idempotency import RETENTION_US, AlreadyDone, Remembered, RequestRecord, replay
 from contextd.thread_counters import IDLE_FLUSH_S, PendingCounters
 from contextd.validation import quote
 
@@ -178,6 +186,28 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
 ]
+
+# Migration 4 belongs to message time and order; request ids are version 5.
+MIGRATIONS.append(
+    (
+        5,
+        [
+            # Writes made with a request id: a retry finds its first response here. Rows
+            # are written in the transaction of the write they record.
+            """
+            CREATE TABLE request_log (
+                tenant VARCHAR NOT NULL,
+                request_id VARCHAR NOT NULL,
+                method VARCHAR NOT NULL,
+                fingerprint VARCHAR NOT NULL,
+                payload BLOB NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                PRIMARY KEY (tenant, request_id)
+            )
+            """,
+        ],
+    )
+)
 
 # Adds per-context counts (`{counts}`: a table or subquery of context_id, n, tokens,
 # first_us, last_us) to the threads' counters: the flush of pending counts and the recount
@@ -347,6 +377,37 @@ def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> 
     ]
 
 
+def _remembered(cur: duckdb.DuckDBPyConnection, tenant: str, request_id: str) -> Remembered | None:
+    row = _first(
+        cur.execute(
+            "SELECT method, fingerprint, payload FROM request_log "
+            "WHERE tenant = ? AND request_id = ?",
+            [tenant, request_id],
+        )
+    )
+    return Remembered(row[0], row[1], bytes(row[2])) if row else None
+
+
+def _request_rows(requests: list[tuple[RequestRecord, bytes]], now_us: int) -> pa.Table:
+    return pa.table(
+        {
+            "tenant": [r.tenant for r, _ in requests],
+            "request_id": [r.request_id for r, _ in requests],
+            "method": [r.method for r, _ in requests],
+            "fingerprint": [r.fingerprint for r, _ in requests],
+            "payload": pa.array([p for _, p in requests], pa.binary()),
+            "create_time_us": [now_us] * len(requests),
+        }
+    )
+
+
+def _save_records(
+    cur: duckdb.DuckDBPyConnection, requests: list[tuple[RequestRecord, bytes]], now_us: int
+) -> None:
+    contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned below
+    cur.execute("INSERT INTO request_log SELECT * FROM contextd_requests")
+
+
 def _check_etag(agent: Agent, etag: str) -> None:
     if etag and etag != agent.etag:
         raise Aborted(
@@ -392,6 +453,7 @@ class _AppendJob:
     # The settings to create a missing agent with; None: a missing agent is NOT_FOUND.
     default_settings: AgentSettings | None
     future: Future[list[MessageReceipt]]
+    record: RequestRecord | None = None
 
 
 @dataclass(slots=True)
@@ -420,6 +482,7 @@ class Store:
         self._next_message_id, self._next_context_id = self._next_ids()
         row = _first(self._con.execute("SELECT coalesce(max(id), 0) FROM events"))
         self._next_event_id = int(row[0]) + 1
+        self._next_request_cleanup_us = 0  # the writer removes old request records then
         self._context_ids: dict[ContextKey, int] = {}
         self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
         self._known_agents: set[tuple[str, str]] = set()
@@ -542,10 +605,48 @@ class Store:
             self._queue.put(job)
         return job.future.result()
 
-    def _write(self, fn: Callable[[duckdb.DuckDBPyConnection], T]) -> T:
-        """Run `fn` in its own transaction on the writer thread and return its result."""
-        result: T = self._submit(_CallJob(fn=fn, future=Future()))
-        return result
+    def _write(
+        self, fn: Callable[[duckdb.DuckDBPyConnection], T], record: RequestRecord | None = None
+    ) -> T:
+        """Run `fn` in its own transaction on the writer thread and return its result.
+
+        With a record, the transaction first looks the request id up (AlreadyDone with
+        the first payload, or REQUEST_ID_REUSED) and, after `fn`, records its result.
+        """
+        if record is None:
+            result: T = self._submit(_CallJob(fn=fn, future=Future()))
+            return result
+
+        def recorded(cur: duckdb.DuckDBPyConnection) -> T:
+            found = _remembered(cur, record.tenant, record.request_id)
+            if found is not None:
+                raise AlreadyDone(replay(record, found))
+            value = fn(cur)
+            _save_records(cur, [(record, record.encode(value))], self.clock.tick())
+            return value
+
+        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Future()))
+        return recorded_result
+
+    def remembered(self, tenant: str, request_id: str) -> Remembered | None:
+        """The recorded request of this id, if any (a read: the fast path of retries)."""
+        return _remembered(self._cursor(), tenant, request_id)
+
+    def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Remove request records past their retention, a bounded chunk at a time, so
+        the cleanup never holds the writer for long."""
+        now = self.clock.tick()
+        if now < self._next_request_cleanup_us:
+            return
+        self._next_request_cleanup_us = now + 60 * 1_000_000
+        try:
+            writer.execute(
+                "DELETE FROM request_log WHERE rowid IN (SELECT rowid FROM request_log "
+                "WHERE create_time_us < ? LIMIT 10000)",
+                [now - RETENTION_US],
+            )
+        except duckdb.Error:
+            log.exception("removing old request records failed; the next pass retries")
 
     def _write_loop(self) -> None:
         writer = self._con.cursor()
@@ -560,6 +661,7 @@ class Store:
                         job = self._queue.get(timeout=timeout)
                     except Empty:
                         self._flush_counters(writer)
+                        self._forget_old_requests(writer)
                         continue
                 if job is _STOP:
                     self._flush_counters(writer)
@@ -668,8 +770,67 @@ class Store:
         with contextlib.suppress(duckdb.Error):  # no transaction was open
             writer.execute("ROLLBACK")
 
+    def _without_replays(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> tuple[list[_AppendJob], list[tuple[_AppendJob, _AppendJob]]]:
+        """The jobs to write: those whose request id was recorded before are answered
+        here (their first payload, or REQUEST_ID_REUSED); a job repeating the id of an
+        earlier job of this group waits for that one (returned as (job, first) pairs)."""
+        recorded = [j for j in jobs if j.record is not None]
+        if not recorded:
+            return jobs, []
+        keep: list[_AppendJob] = []
+        repeats: list[tuple[_AppendJob, _AppendJob]] = []
+        first_of: dict[tuple[str, str], _AppendJob] = {}
+        for job in jobs:
+            record = job.record
+            if record is None:
+                keep.append(job)
+                continue
+            id_key = (record.tenant, record.request_id)
+            if id_key in first_of:
+                repeats.append((job, first_of[id_key]))
+                continue
+            found = _remembered(writer, record.tenant, record.request_id)
+            if found is None:
+                first_of[id_key] = job
+                keep.append(job)
+                continue
+            try:
+                job.future.set_exception(AlreadyDone(replay(record, found)))
+            except InvalidArgument as exc:
+                job.future.set_exception(exc)
+        return keep, repeats
+
+    def _answer_repeats(self, repeats: list[tuple[_AppendJob, _AppendJob]]) -> None:
+        for job, first in repeats:
+            assert job.record is not None and first.record is not None
+            exc = first.future.exception()
+            if exc is not None:
+                job.future.set_exception(exc)
+                continue
+            remembered = Remembered(
+                first.record.method,
+                first.record.fingerprint,
+                first.record.encode(first.future.result()),
+            )
+            try:
+                job.future.set_exception(AlreadyDone(replay(job.record, remembered)))
+            except InvalidArgument as error:
+                job.future.set_exception(error)
+
     def _commit_appends(self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]) -> None:
         """Commit a group of appends in one transaction; isolate a failing job on error."""
+        jobs, repeats = self._without_replays(writer, jobs)
+        try:
+            if jobs:
+                self._commit_new_appends(writer, jobs)
+        finally:
+            self._answer_repeats(repeats)
+
+    def _commit_new_appends(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> None:
         # New context ids enter the cache only after their commit, so it needs no restore.
         saved = (self._next_message_id, self._next_context_id)
         try:
@@ -684,7 +845,7 @@ class Store:
                 return
             log.warning("group commit failed; retrying its %d calls one by one", len(jobs))
             for job in jobs:
-                self._commit_appends(writer, [job])
+                self._commit_new_appends(writer, [job])
             return
         for context_id, (n, tokens, first_us, last_us) in counted.items():
             self._pending.add(context_id, n, tokens, first_us, last_us)
@@ -855,6 +1016,14 @@ class Store:
                 "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
                 "WHERE threads.context_id = d.context_id"
             )
+        requests = [
+            (job.record, job.record.encode(receipts))
+            for job, receipts in zip(jobs, all_receipts, strict=True)
+            if job.record is not None
+        ]
+        if requests:
+            contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned
+            script.append("INSERT INTO request_log SELECT * FROM contextd_requests")
         script.append("COMMIT")
         writer.execute(";\n".join(script))
         self._context_ids.update(new_contexts)
@@ -896,7 +1065,13 @@ class Store:
 
     # ----------------------------------------------------------------- agents
 
-    def create_agent(self, tenant: str, name: str, settings: AgentSettings) -> Agent:
+    def create_agent(
+        self,
+        tenant: str,
+        name: str,
+        settings: AgentSettings,
+        record: RequestRecord | None = None,
+    ) -> Agent:
         def create(cur: duckdb.DuckDBPyConnection) -> Agent:
             exists = _first(
                 cur.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
@@ -907,7 +1082,7 @@ class Store:
             cur.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
             return _require_agent(cur, tenant, name)
 
-        return self._write(create)
+        return self._write(create, record)
 
     def get_agent(self, tenant: str, name: str) -> Agent:
         return _require_agent(self._cursor(), tenant, name)
@@ -922,6 +1097,7 @@ class Store:
         settings: AgentSettings,
         fields: frozenset[str],
         etag: str = "",
+        record: RequestRecord | None = None,
     ) -> Agent:
         """Update the named fields ("build_options.<option>" names one build option) in
         one transaction; with `etag`, only if it is still the agent's current etag."""
@@ -955,7 +1131,7 @@ class Store:
             )
             return _require_agent(cur, tenant, name)
 
-        return self._write(update)
+        return self._write(update, record)
 
     def list_agents(self, tenant: str, after_name: str | None, limit: int) -> list[Agent]:
         rows = (
@@ -969,7 +1145,9 @@ class Store:
         )
         return [_agent_from_row(r) for r in rows]
 
-    def delete_agent(self, tenant: str, name: str, etag: str = "") -> int:
+    def delete_agent(
+        self, tenant: str, name: str, etag: str = "", record: RequestRecord | None = None
+    ) -> int:
         def delete(cur: duckdb.DuckDBPyConnection) -> int:
             _check_etag(_require_agent(cur, tenant, name), etag)
             # Through the agent's context ids: messages are indexed by context_id only,
@@ -990,7 +1168,7 @@ class Store:
             self._forget_contexts(tenant, name)
             return int(row[0]) if row else 0
 
-        return self._write(delete)
+        return self._write(delete, record)
 
     def _forget_contexts(self, tenant: str, agent: str) -> None:
         """Drop cached context ids of a deleted agent (runs on the writer thread)."""
@@ -1001,12 +1179,23 @@ class Store:
     # ----------------------------------------------------------------- messages
 
     def append(
-        self, key: ContextKey, batch: MessageBatch, default_settings: AgentSettings | None
+        self,
+        key: ContextKey,
+        batch: MessageBatch,
+        default_settings: AgentSettings | None,
+        record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
         """Append durably; a missing agent is created with `default_settings`, or is
-        NOT_FOUND when they are None."""
+        NOT_FOUND when they are None. With a record, a repeated request id raises
+        AlreadyDone with the first append's payload and writes nothing."""
         receipts: list[MessageReceipt] = self._submit(
-            _AppendJob(key=key, batch=batch, default_settings=default_settings, future=Future())
+            _AppendJob(
+                key=key,
+                batch=batch,
+                default_settings=default_settings,
+                future=Future(),
+                record=record,
+            )
         )
         return receipts
 
@@ -1201,7 +1390,14 @@ class Store:
 
     # ----------------------------------------------------------------- status entries
 
-    def set_status(self, tenant: str, agent: str, scope: str, entry: StatusEntry) -> StatusEntry:
+    def set_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        entry: StatusEntry,
+        record: RequestRecord | None = None,
+    ) -> StatusEntry:
         def upsert(cur: duckdb.DuckDBPyConnection) -> StatusEntry:
             _require_agent(cur, tenant, agent)
             now_us = self.clock.tick()
@@ -1221,7 +1417,7 @@ class Store:
             )
             return replace(entry, update_time_us=now_us)
 
-        return self._write(upsert)
+        return self._write(upsert, record)
 
     def list_status(
         self,
@@ -1246,7 +1442,14 @@ class Store:
         )
         return [_status_from_row(r) for r in rows]
 
-    def clear_status(self, tenant: str, agent: str, scope: str, key: str | None) -> int:
+    def clear_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        key: str | None,
+        record: RequestRecord | None = None,
+    ) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, tenant, agent)
             where = "tenant = ? AND agent = ? AND scope = ?"
@@ -1264,12 +1467,12 @@ class Store:
             cur.execute(f"DELETE FROM status_entries WHERE {where}", params)
             return count
 
-        return self._write(clear)
+        return self._write(clear, record)
 
     # ----------------------------------------------------------------- events
 
     def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
-        def record(cur: duckdb.DuckDBPyConnection) -> Event:
+        def insert(cur: duckdb.DuckDBPyConnection) -> Event:
             if _context_row(cur, key) is None:
                 raise NotFound(
                     f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
@@ -1285,7 +1488,7 @@ class Store:
             self._next_event_id += 1
             return Event(event_id, event_type, key.agent, key.scope, key.thread, now_us, text)
 
-        return self._write(record)
+        return self._write(insert)
 
     def list_events(
         self,
@@ -1327,7 +1530,7 @@ class Store:
 
     # ----------------------------------------------------------------- clears
 
-    def clear_agent(self, tenant: str, agent: str) -> int:
+    def clear_agent(self, tenant: str, agent: str, record: RequestRecord | None = None) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, tenant, agent)
             now_us = self.clock.tick()
@@ -1337,9 +1540,11 @@ class Store:
             )
             return now_us
 
-        return self._write(clear)
+        return self._write(clear, record)
 
-    def clear_scope(self, tenant: str, agent: str, scope: str) -> int:
+    def clear_scope(
+        self, tenant: str, agent: str, scope: str, record: RequestRecord | None = None
+    ) -> int:
         """Move the clear marker of every thread of one scope to now.
 
         Threads of the scope that do not exist yet need no marker: every message they will
@@ -1355,9 +1560,9 @@ class Store:
             )
             return now_us
 
-        return self._write(clear)
+        return self._write(clear, record)
 
-    def clear_thread(self, key: ContextKey) -> int:
+    def clear_thread(self, key: ContextKey, record: RequestRecord | None = None) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
             _require_agent(cur, key.tenant, key.agent)
             row = _context_row(cur, key)
@@ -1372,7 +1577,7 @@ class Store:
             )
             return now_us
 
-        return self._write(clear)
+        return self._write(clear, record)
 
     # ----------------------------------------------------------------- threads and stats
 

@@ -1,0 +1,85 @@
+"""Retry-safe writes: a request id remembered with the response of the write it made.
+
+A client that retries a write (its connection broke, the call timed out, the server was
+restarting) cannot know whether the first attempt committed. With a `request_id`, the
+store records (tenant, request_id) with a fingerprint of the request and a payload from
+which the first response is rebuilt, in the same transaction as the write itself: either
+both are durable or neither is. A retry then writes nothing and gets the first response;
+the same id with a different request is refused, since answering it with the first
+response would be wrong and writing it would break the first call's guarantee.
+
+The payload is opaque bytes here: the layer that wrote it reads it back (the API layer
+stores the serialized response message; compaction stores the id of its summary).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from contextd.errors import InvalidArgument
+
+MAX_REQUEST_ID_CHARS = 128
+# Records live at least this long: a client's retries all happen well inside it.
+RETENTION_US = 24 * 3600 * 1_000_000
+_PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What a write with a request id records, and how its response is kept.
+
+    `encode` turns the write's result (what the store's write returns: an Agent, a clear
+    time, an append's receipts...) into the payload stored with the id.
+    """
+
+    tenant: str
+    request_id: str
+    method: str
+    fingerprint: str
+    encode: Callable[[Any], bytes]
+
+    def with_encoder(self, encode: Callable[[Any], bytes]) -> RequestRecord:
+        return RequestRecord(self.tenant, self.request_id, self.method, self.fingerprint, encode)
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A recorded request: what it was and the payload of its response."""
+
+    method: str
+    fingerprint: str
+    payload: bytes
+
+
+class AlreadyDone(Exception):
+    """The write was done before under the same request id: here is its payload."""
+
+    def __init__(self, payload: bytes) -> None:
+        super().__init__("request already done")
+        self.payload = payload
+
+
+def check_request_id(request_id: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not _PRINTABLE_ASCII.fullmatch(request_id):
+        raise InvalidArgument(
+            f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+            "without spaces (e.g. a UUID)",
+            field="request_id",
+        )
+    return request_id
+
+
+def replay(record: RequestRecord, found: Remembered) -> bytes:
+    """The payload of the first call, or REQUEST_ID_REUSED when `record` is another
+    request under the same id."""
+    if found.method != record.method or found.fingerprint != record.fingerprint:
+        raise InvalidArgument(
+            f"request_id was already used for a different {found.method.rsplit('/', 1)[-1]} "
+            "request; use a new request_id for a new request",
+            reason="REQUEST_ID_REUSED",
+            field="request_id",
+        )
+    return found.payload
