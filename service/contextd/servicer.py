@@ -13,7 +13,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from contextd import scopes
 from contextd.builder import BuildRequest, BuildResult
-from contextd.context_types import StatusEntry, StatusKind
+from contextd.context_types import HistoryItem, StatusEntry, StatusKind
 from contextd.domain import (
     DEFAULT_ROLLING_WINDOW_US,
     DEFAULT_TENANT,
@@ -24,6 +24,7 @@ from contextd.domain import (
     ContextStats,
     Event,
     MessageRange,
+    MessageStamp,
     NewMessage,
     Role,
     StoredMessage,
@@ -195,6 +196,25 @@ def _event_pb(event: Event) -> pb.Event:
     )
 
 
+def _context_message(
+    item: HistoryItem, stamp: MessageStamp | None, truncated: set[int], elided: set[int]
+) -> pb.ContextMessage:
+    return pb.ContextMessage(
+        id=item.id,
+        role=int(item.role),  # type: ignore[arg-type]
+        content=item.content,
+        tool_calls=item.tool_calls,
+        tool_call_id=item.tool_call_id,
+        token_count=item.token_count,
+        truncated=item.id in truncated,
+        elided=item.id in elided,
+        is_summary=item.is_summary,
+        create_time=_timestamp(stamp.create_time_us if stamp else None),
+        source_time=_timestamp(stamp.source_time_us if stamp else None),
+        sequence=stamp.sequence if stamp else 0,
+    )
+
+
 def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ctx = result.context
     s = ctx.stats
@@ -204,23 +224,12 @@ def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ]
     truncated, elided = set(s.truncated_ids), set(s.elided_ids)
     messages = (
-        []
-        if not full
-        else [
-            pb.ContextMessage(
-                id=item.id,
-                role=int(item.role),  # type: ignore[arg-type]
-                content=item.content,
-                tool_calls=item.tool_calls,
-                tool_call_id=item.tool_call_id,
-                token_count=item.token_count,
-                truncated=item.id in truncated,
-                elided=item.id in elided,
-                is_summary=item.is_summary,
-                create_time=_timestamp(result.create_times.get(item.id)),
-            )
+        [
+            _context_message(item, result.stamps.get(item.id), truncated, elided)
             for item in ctx.history
         ]
+        if full
+        else []
     )
     if full and ctx.new_message is not None:
         messages.append(
@@ -319,7 +328,7 @@ def _new_message(message: pb.Message, index: int) -> NewMessage:
         tool_call_id=message.tool_call_id,
         external_id=message.external_id,
         metadata=message.metadata,
-        create_time_us=(
+        source_time_us=(
             _micros(message.source_time, f"messages[{index}].source_time")
             if message.HasField("source_time")
             else None
@@ -346,6 +355,8 @@ def _message_pb(m: StoredMessage) -> pb.Message:
         is_summary=m.is_summary,
         first_summarized_id=m.summarized_ids[0] if m.summarized_ids else 0,
         last_summarized_id=m.summarized_ids[1] if m.summarized_ids else 0,
+        source_time=_timestamp(m.source_time_us),
+        sequence=m.sequence,
     )
 
 
@@ -359,6 +370,7 @@ def _thread_pb(t: Thread) -> pb.Thread:
         message_count=t.message_count,
         token_estimate=t.token_estimate,
         last_clear_time=_timestamp(t.last_clear_time_us),
+        last_sequence=t.last_sequence,
     )
 
 
@@ -451,6 +463,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
                     create_time=_timestamp(r.create_time_us),
                     token_estimate=r.token_estimate,
                     token_count=r.token_count,
+                    sequence=r.sequence,
                 )
                 for r in receipts
             ]
@@ -471,7 +484,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         return pb.ListMessagesResponse(
             messages=[_message_pb(m) for m in page.messages],
             next_page_token=page.next_page_token,
-            window_start_time=_timestamp(page.window_start_us),
+            window_start_time=_timestamp(page.window.age_after_us if page.window else None),
         )
 
     def ClearContext(
