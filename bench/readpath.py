@@ -4,7 +4,7 @@ The naive path is what an agent framework does with a message store: load the wh
 window (content included) into Python, then trim -- with langchain (build message objects,
 ``trim_messages``) or with a plain loop. contextd's row is the server's own BuildContext,
 called in process (``ContextService.build_context``): it reads only the narrow columns
-(id, role, token_count, chars, group_id, create_time_us) as Arrow, trims them in Rust as
+(id, role, token_count, chars, group_id, sequence) as Arrow, trims them in Rust as
 NumPy buffers, loads content only for the newest messages that can fit
 (``Store.window_messages_from``),
 then assembles the context, counts it exactly (reusing the counts stored at insert where
@@ -98,6 +98,7 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
 
 def run(sz: Sizes) -> Section:
     from contextd.storage import Store, ThreadFilter
+    from contextd.window import WindowSpec
 
     n = sz.read_thread
     budget = sz.budget
@@ -125,7 +126,7 @@ def run(sz: Sizes) -> Section:
                 return list(service.build_context(request).context.history)
 
             def load() -> list[Any]:
-                return store.list_messages(where, 0, None, n + 1)
+                return store.list_messages(where, WindowSpec(0, 0), None, n + 1)
 
             def naive_loop() -> list[Any]:
                 rows = load()

@@ -44,6 +44,7 @@ def run(sz: Sizes) -> Section:
     from bench.readpath import populate_thread, service_over
     from contextd.storage import Store, ThreadFilter
     from contextd.v1 import context_service_pb2 as pb
+    from contextd.window import WindowSpec
 
     history = corpus.conversation(WINDOW * (NOISE_THREADS + 1), tools=False)
     threads = [(f"t{k}", history[k * WINDOW : (k + 1) * WINDOW]) for k in range(NOISE_THREADS + 1)]
@@ -81,7 +82,7 @@ def run(sz: Sizes) -> Section:
             where = ThreadFilter("default", AGENT, "", "t0")
 
             def store_read() -> list[Any]:
-                rows = store.list_messages(where, 0, None, WINDOW + 1)
+                rows = store.list_messages(where, WindowSpec(0, 0), None, WINDOW + 1)
                 if len(rows) != WINDOW:
                     raise AssertionError(f"Store.list_messages returned {len(rows)}")
                 return rows

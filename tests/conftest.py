@@ -1,8 +1,10 @@
 """Shared fixtures: a real server on a loopback port over a real DuckDB file.
 
 `server` runs the server in this process (fast, still a real gRPC server and real
-DuckDB file); `spawn_server` runs `contextd serve` as its own process, for restarts,
-signals and kill -9.
+DuckDB file) on a `ManualClock` (the `clock` fixture): time moves only when a test
+advances it, so windows and expiry are tested without sleeps or margins.
+`spawn_server` runs `contextd serve` as its own process (on the real clock), for
+restarts, signals and kill -9.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
 
+from contextd.clock import ManualClock, wall_clock_us
 from contextd.config import Settings
 from contextd.server import RunningServer, create_server
 from contextd.v1 import context_service_pb2 as pb
@@ -119,10 +123,31 @@ class InProcessServer:
     data_dir: Path
 
 
+def ts(us: int) -> timestamp_pb2.Timestamp:
+    """A Timestamp of `us` microseconds since the epoch."""
+    t = timestamp_pb2.Timestamp()
+    t.FromMicroseconds(us)
+    return t
+
+
+def span(us: int) -> duration_pb2.Duration:
+    """A Duration of `us` microseconds."""
+    d = duration_pb2.Duration()
+    d.FromMicroseconds(us)
+    return d
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[InProcessServer]:
+def clock() -> ManualClock:
+    """The in-process server's clock; it starts at the real time and moves only when
+    the test advances it."""
+    return ManualClock(wall_clock_us())
+
+
+@pytest.fixture
+def server(tmp_path: Path, clock: ManualClock) -> Iterator[InProcessServer]:
     settings = Settings(addr="127.0.0.1:0", data_dir=tmp_path / "data")
-    running = create_server(settings)
+    running = create_server(settings, clock=clock)
     client = connect(f"127.0.0.1:{running.port}")
     yield InProcessServer(running, client, settings.data_dir)
     client.channel.close()

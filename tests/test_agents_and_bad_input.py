@@ -8,7 +8,8 @@ from google.protobuf import duration_pb2, field_mask_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from conftest import USER, Client, InProcessServer, scope_pb
+from conftest import USER, Client, InProcessServer, scope_pb, ts
+from contextd.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -299,10 +300,24 @@ def test_empty_batch_is_invalid_argument(client: Client) -> None:
     assert _code(lambda: _append(client)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_future_create_time_is_invalid_argument(client: Client) -> None:
-    message = pb.Message(role=USER, content="from the future")
-    message.create_time.FromSeconds(4_000_000_000)
-    assert _code(lambda: _append(client, message)) == grpc.StatusCode.INVALID_ARGUMENT
+def test_source_time_more_than_5_minutes_ahead_is_invalid_argument(
+    client: Client, clock: ManualClock
+) -> None:
+    """A source_time may lead the server's clock by 5 minutes (clock skew), not more;
+    the error names the message's field and the batch writes nothing."""
+    limit = clock.now_us() + 5 * 60 * 1_000_000
+    ok = pb.Message(role=USER, content="at the limit", source_time=ts(limit))
+    ahead = pb.Message(role=USER, content="beyond", source_time=ts(limit + 1))
+    error = _error(lambda: _append(client, ok, ahead))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status.details if d.Is(bad.DESCRIPTOR))
+    assert [v.field for v in bad.field_violations] == ["messages[1].source_time"]
+    [receipt] = _append(client, ok).receipts
+    assert receipt.create_time.ToMicroseconds() < limit  # kept, and the clock not moved
+    assert _count(client) == 1  # the rejected batch wrote nothing
 
 
 @pytest.mark.parametrize(
@@ -443,7 +458,7 @@ def test_times_and_durations_out_of_range_are_invalid_argument(client: Client) -
     year_10000 = timestamp_pb2.Timestamp(seconds=253_402_300_800)
     huge = duration_pb2.Duration(seconds=10**15)
     calls = [
-        lambda: _append(client, pb.Message(role=USER, content="x", create_time=year_10000)),
+        lambda: _append(client, pb.Message(role=USER, content="x", source_time=year_10000)),
         lambda: client.stub.CreateAgent(
             pb.CreateAgentRequest(agent=pb.Agent(name="a2", rolling_window=huge))
         ),

@@ -27,7 +27,7 @@ from contextd.context_types import (
     parse_tool_calls,
 )
 from contextd.domain import AgentDoc, Role, StoredMessage
-from contextd.window import window_start_us
+from contextd.window import window_spec
 
 S = 1_000_000
 NOW = 1_750_000_000 * S
@@ -273,8 +273,12 @@ def test_window_is_bounded_by_clear_time_or_rolling_window() -> None:
 
     messages = [stored(i, NOW - (10 - i) * 3600 * S) for i in range(10)]
     for clear, expected in [(NOW - 100 * 3600 * S, 5), (NOW - 2 * 3600 * S, 1)]:
-        start = window_start_us(NOW, 5 * 3600 * S + 1, clear)
-        window = [HistoryItem.from_stored(m) for m in messages if m.create_time_us > start]
+        spec = window_spec(NOW, 5 * 3600 * S + 1, clear)
+        window = [
+            HistoryItem.from_stored(m)
+            for m in messages
+            if spec.holds(m.create_time_us, m.source_time_us)
+        ]
         ctx = assemble(
             system_prompt="p", history=window, budget=10_000, count_tokens=estimate_counter
         )

@@ -36,6 +36,7 @@ from contextd.render import to_anthropic, to_openai
 from contextd.service import ContextService
 from contextd.storage import Store
 from contextd.summarizer import ExtractiveSummarizer
+from contextd.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 THREADS = ("t1", "t2")
@@ -215,8 +216,9 @@ class BuildAccounting(RuleBasedStateMachine):
     def store_window_is_the_model(self) -> None:
         for thread in THREADS:
             ref = self.store.context_ref(ContextKey(TENANT, AGENT, "", thread))
-            stored = self.store.window_columns(ref, 0) if ref else None
-            # window_columns(…, 0) is the whole history: keep the part after the clears.
+            whole = WindowSpec(-(2**62), -(2**62))
+            stored = self.store.window_columns(ref, whole) if ref else None
+            # An unbounded spec reads the whole history: keep the part after the clears.
             if stored is not None:
                 ids = stored.column("id").to_pylist()
                 assert ids[len(ids) - len(self.window[thread]) :] == self.window[thread]

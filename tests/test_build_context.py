@@ -16,8 +16,9 @@ import pytest
 from fake_anthropic import FakeAnthropic
 from google.protobuf import duration_pb2, field_mask_pb2
 
-from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect, rendering
+from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect, rendering, ts
 from contextd import core
+from contextd.clock import ManualClock
 from contextd.config import Settings
 from contextd.server import RunningServer, create_server
 from contextd.v1 import context_service_pb2 as pb
@@ -31,7 +32,7 @@ def fake() -> Iterator[FakeAnthropic]:
 
 @pytest.fixture
 def running(
-    tmp_path: Path, fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, clock: ManualClock
 ) -> Iterator[tuple[RunningServer, Client]]:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
     settings = Settings(
@@ -40,7 +41,7 @@ def running(
         anthropic_base_url=fake.base_url,
         summary_timeout_seconds=2.0,
     )
-    server = create_server(settings)
+    server = create_server(settings, clock=clock)
     client = connect(f"127.0.0.1:{server.port}")
     yield server, client
     client.channel.close()
@@ -77,7 +78,9 @@ def test_context_includes_agent_docs(running: tuple[RunningServer, Client]) -> N
     assert "Use metric units." in json.loads(rendering(ctx, pb.CONTEXT_FORMAT_ANTHROPIC))["system"]
 
 
-def test_context_includes_thread_status(running: tuple[RunningServer, Client]) -> None:
+def test_context_includes_thread_status(
+    running: tuple[RunningServer, Client], clock: ManualClock
+) -> None:
     _, client = running
     client.append("a1", "working on the parser", thread="t1")
     client.append("a1", "deploying", thread="t2")
@@ -98,9 +101,10 @@ def test_context_includes_thread_status(running: tuple[RunningServer, Client]) -
             entry=pb.StatusEntry(
                 key="old", kind=pb.STATUS_KIND_THREAD, state="done", summary="expired entry"
             ),
-            ttl=duration_pb2.Duration(nanos=1_000),
+            ttl=duration_pb2.Duration(seconds=60),
         )
     )
+    clock.advance(60 * 1_000_000)  # the entry's expiry
     ctx = _build(client)
     assert "build-42" in ctx.status and "cargo build --release" in ctx.status
     assert "t2" in ctx.status  # the other thread active in the window
@@ -123,7 +127,7 @@ def test_context_includes_rolling_window_messages(
 
 
 def test_context_window_bounded_by_clear_time_or_rolling_window(
-    running: tuple[RunningServer, Client],
+    running: tuple[RunningServer, Client], clock: ManualClock
 ) -> None:
     _, client = running
     client.append("a1", "before clear")
@@ -132,10 +136,12 @@ def test_context_window_bounded_by_clear_time_or_rolling_window(
     assert [m.content for m in _build(client).messages] == ["after clear"]
     client.stub.UpdateAgent(
         pb.UpdateAgentRequest(
-            agent=pb.Agent(name="a1", rolling_window=duration_pb2.Duration(nanos=1_000)),
+            agent=pb.Agent(name="a1", rolling_window=duration_pb2.Duration(seconds=60)),
             update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"]),
         )
     )
+    assert [m.content for m in _build(client).messages] == ["after clear"]
+    clock.advance(60 * 1_000_000)  # "after clear" is now exactly a window old
     assert list(_build(client).messages) == []
 
 
@@ -281,10 +287,9 @@ def test_compact_context_on_demand(
 def test_a_backdated_message_after_a_summary_is_still_built(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:
-    """A message appended after a compaction with a create time inside the summarized
-    span was not summarized: the build keeps it (it used to vanish from the context)."""
-    from google.protobuf import timestamp_pb2
-
+    """A message appended after a compaction with a source time inside the summarized
+    span was not summarized: the build keeps it, in append order (it used to vanish
+    from the context)."""
     _, client = running
     fake.reply_text("## Goal\nCompacted.")
     receipts = [client.append("a1", f"m{i} " + "words " * 50).receipts[0] for i in range(30)]
@@ -293,12 +298,12 @@ def test_a_backdated_message_after_a_summary_is_still_built(
             agent="a1", thread="t1", options=pb.BuildOptions(keep_recent_tokens=100)
         )
     )
-    early = timestamp_pb2.Timestamp()
-    early.FromMicroseconds(receipts[1].create_time.ToMicroseconds() - 1)
-    client.append("a1", "backdated note", create_time=early)
+    early = ts(receipts[1].create_time.ToMicroseconds() - 1)
+    client.append("a1", "backdated note", source_time=early)
     ctx = _build(client)
     assert ctx.messages[0].is_summary
-    assert "backdated note" in [m.content for m in ctx.messages]
+    assert ctx.messages[-1].content == "backdated note"
+    assert ctx.messages[-1].source_time == early
     assert ctx.stats.summarizer_path == "reused"
 
 

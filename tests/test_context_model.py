@@ -5,24 +5,15 @@ several clears, thread versus agent clears, history outside the window)."""
 from __future__ import annotations
 
 import json
-import time
 
-from google.protobuf import duration_pb2, field_mask_pb2, timestamp_pb2
+from google.protobuf import field_mask_pb2
 
-from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, InProcessServer
+from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, InProcessServer, span, ts
+from contextd.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
-
-def _window(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromMicroseconds(int(seconds * 1_000_000))
-    return d
-
-
-def _ts(us: int) -> timestamp_pb2.Timestamp:
-    t = timestamp_pb2.Timestamp()
-    t.FromMicroseconds(us)
-    return t
+MINUTE = 60 * 1_000_000
+DAY = 86_400 * 1_000_000
 
 
 def _db_rows(server: InProcessServer, sql: str) -> list[tuple[object, ...]]:
@@ -50,13 +41,13 @@ def test_message_includes_agent_name_and_thread_id(client: Client) -> None:
     assert (message.agent, message.thread, message.tenant) == ("a1", "t7", "default")
 
 
-def test_message_includes_timestamp(client: Client) -> None:
-    before = time.time_ns() // 1000
+def test_message_includes_timestamp(client: Client, clock: ManualClock) -> None:
+    before = clock.now_us()
     receipt = client.append("a1", "when?").receipts[0]
-    after = time.time_ns() // 1000
-    assert before <= receipt.create_time.ToMicroseconds() <= after
+    assert before < receipt.create_time.ToMicroseconds() <= clock.now_us()
     [message] = client.window("a1")
     assert message.create_time == receipt.create_time
+    assert not message.HasField("source_time")  # the client gave none
 
 
 def test_messages_queryable_by_agent(client: Client) -> None:
@@ -129,53 +120,67 @@ def test_rolling_window_returns_messages_within_window(client: Client) -> None:
     assert client.contents(client.window("a1")) == ["one", "two", "three"]
 
 
-def test_rolling_window_excludes_old_messages(client: Client) -> None:
+def test_rolling_window_excludes_old_messages(client: Client, clock: ManualClock) -> None:
     client.stub.CreateAgent(
-        pb.CreateAgentRequest(agent=pb.Agent(name="a1", rolling_window=_window(0.5)))
+        pb.CreateAgentRequest(agent=pb.Agent(name="a1", rolling_window=span(10 * MINUTE)))
     )
     client.append("a1", "old")
-    time.sleep(0.7)
+    clock.advance(10 * MINUTE)
     client.append("a1", "new")
     assert client.contents(client.window("a1")) == ["new"]
     assert client.contents(client.history("a1")) == ["old", "new"]
 
 
-def test_rolling_window_default_is_one_day(client: Client) -> None:
+def test_rolling_window_default_is_one_day(client: Client, clock: ManualClock) -> None:
     agent = client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1"))).agent
     assert agent.rolling_window.ToSeconds() == 86_400
     resp = client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", thread="t1"))
-    start = resp.window_start_time.ToMicroseconds()
-    # The agent is new, so its creation (the default clear marker) bounds the window.
-    assert start == agent.create_time.ToMicroseconds()
+    # window_start_time is the window's age limit; the clear marker is the agent's own.
+    assert resp.window_start_time.ToMicroseconds() == clock.now_us() - DAY
 
 
-def test_rolling_window_configurable(client: Client) -> None:
+def test_rolling_window_configurable(client: Client, clock: ManualClock) -> None:
     client.append("a1", "old")
-    time.sleep(0.6)
+    clock.advance(10 * MINUTE)
     client.append("a1", "new")
     assert client.contents(client.window("a1")) == ["old", "new"]
     client.stub.UpdateAgent(
         pb.UpdateAgentRequest(
-            agent=pb.Agent(name="a1", rolling_window=_window(0.4)),
+            agent=pb.Agent(name="a1", rolling_window=span(5 * MINUTE)),
             update_mask=field_mask_pb2.FieldMask(paths=["rolling_window"]),
         )
     )
     assert client.contents(client.window("a1")) == ["new"]
     stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1", thread="t1")).stats
-    assert stats.rolling_window.ToMicroseconds() == 400_000
+    assert stats.rolling_window.ToMicroseconds() == 5 * MINUTE
     assert (stats.window_message_count, stats.total_message_count) == (1, 2)
 
 
-def test_window_boundary_is_exclusive(client: Client) -> None:
+def test_window_boundaries_are_exclusive(client: Client, clock: ManualClock) -> None:
+    """The clear marker bounds commit times: a message appended after a clear is in,
+    whatever source_time it carries (even exactly the marker). The age limit bounds a
+    message's own time: exactly now - rolling window is out, one microsecond later in."""
+    client.stub.CreateAgent(
+        pb.CreateAgentRequest(agent=pb.Agent(name="a1", rolling_window=span(10 * MINUTE)))
+    )
     client.append("a1", "before")
     marker = client.stub.ClearContext(
         pb.ClearContextRequest(agent="a1")
     ).clear_time.ToMicroseconds()
-    # Imported messages exactly at the marker are out; one microsecond later is in.
-    client.append("a1", "at marker", create_time=_ts(marker))
-    client.append("a1", "just after", create_time=_ts(marker + 1))
-    assert client.contents(client.window("a1")) == ["just after"]
-    assert client.contents(client.history("a1")) == ["before", "at marker", "just after"]
+    client.append("a1", "stamped at the marker", source_time=ts(marker))
+    limit = marker + MINUTE
+    client.append("a1", "at the age limit", source_time=ts(limit))
+    client.append("a1", "just inside", source_time=ts(limit + 1))
+    assert client.contents(client.window("a1")) == [
+        "stamped at the marker",
+        "at the age limit",
+        "just inside",
+    ]
+    clock.set(limit + 10 * MINUTE)  # now - rolling window == limit
+    resp = client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", thread="t1"))
+    assert resp.window_start_time.ToMicroseconds() == limit
+    assert client.contents(list(resp.messages)) == ["just inside"]
+    assert len(client.history("a1")) == 4
 
 
 def test_equal_timestamps_keep_insertion_order(client: Client) -> None:
@@ -183,7 +188,7 @@ def test_equal_timestamps_keep_insertion_order(client: Client) -> None:
     same = client.append("a1", *[f"m{i}" for i in range(20)]).receipts
     assert len({r.create_time.ToMicroseconds() for r in same}) == 1
     t = same[0].create_time.ToMicroseconds()
-    client.append("a1", "imported", create_time=_ts(t))  # equal time, larger id
+    client.append("a1", "imported", source_time=ts(t))  # equal time, appended later
     expected = ["warm-up", *[f"m{i}" for i in range(20)], "imported"]
     assert client.contents(client.window("a1")) == expected
     # Paging through equal timestamps neither skips nor repeats.
@@ -317,9 +322,9 @@ def test_list_threads_pages_by_name(client: Client) -> None:
     assert names == ["a", "b", "c", "d", "e"]
 
 
-def test_context_stats_for_agent_and_thread(client: Client) -> None:
+def test_context_stats_for_agent_and_thread(client: Client, clock: ManualClock) -> None:
     client.append("a1", "abcd", "abcdefgh", thread="x")  # 1 + 2 tokens
-    client.stub.ClearContext(pb.ClearContextRequest(agent="a1"))
+    marker = client.stub.ClearContext(pb.ClearContextRequest(agent="a1")).clear_time
     newest = client.append("a1", "abcdefghijkl", thread="y").receipts[0]  # 3 tokens
     stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1")).stats
     assert (stats.window_message_count, stats.window_token_estimate) == (1, 3)
@@ -329,7 +334,8 @@ def test_context_stats_for_agent_and_thread(client: Client) -> None:
     assert stats.oldest_message_time.ToMicroseconds() < newest.create_time.ToMicroseconds()
     x = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1", thread="x")).stats
     assert (x.window_message_count, x.total_message_count, x.thread_count) == (0, 2, 1)
-    assert x.window_start_time == x.last_clear_time
+    assert x.window_start_time.ToMicroseconds() == clock.now_us() - DAY
+    assert x.last_clear_time == marker
 
 
 def test_assistant_messages_are_listed_with_their_role(client: Client) -> None:
@@ -338,14 +344,12 @@ def test_assistant_messages_are_listed_with_their_role(client: Client) -> None:
     assert [m.role for m in client.window("a1")] == [USER, ASSISTANT]
 
 
-def test_a_clear_after_a_future_dated_message_hides_it(client: Client) -> None:
+def test_a_clear_after_a_future_dated_message_hides_it(client: Client, clock: ManualClock) -> None:
     """A client may date a message slightly ahead of the server's clock (within the
-    allowed skew); a clear that follows must still come after it, as after a restart."""
-    from google.protobuf import timestamp_pb2
-
-    ahead = timestamp_pb2.Timestamp()
-    ahead.FromMicroseconds(time.time_ns() // 1_000 + 60_000_000)
-    client.append("a1", "from the future", create_time=ahead)
+    allowed skew); a clear that follows still hides it: clears compare commit times."""
+    ahead = clock.now_us() + MINUTE
+    receipt = client.append("a1", "from the future", source_time=ts(ahead)).receipts[0]
+    assert receipt.create_time.ToMicroseconds() < ahead  # stamped by the server's clock
     client.stub.ClearContext(pb.ClearContextRequest(agent="a1", thread="t1"))
     assert client.window("a1") == []
     client.append("a1", "after the clear")

@@ -14,6 +14,7 @@ from contextd.batches import prepare_batch
 from contextd.domain import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
 from contextd.errors import Unavailable
 from contextd.storage import Store, ThreadFilter
+from contextd.window import WindowSpec
 
 
 def _batch(*texts: str) -> MessageBatch:
@@ -98,6 +99,82 @@ def test_v3_points_each_thread_at_its_newest_summary(tmp_path: Path) -> None:
         summary = store.latest_summary(refs[0])
         assert summary is not None and summary.content == "m3"
         assert store.latest_summary(refs[1]) is None
+    finally:
+        store.close()
+
+
+def test_v4_numbers_existing_messages_in_their_old_order(tmp_path: Path) -> None:
+    """A file written at schema v3, one thread holding imported (out of time order)
+    messages and messages the thread counters had not counted yet: migrating numbers each
+    thread 1..n in the order it was read in before, (create time, id); the counters and
+    the next append continue from there, and the id high-water mark starts at max(id)."""
+    path = tmp_path / "db.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute(
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
+        "applied_time_us BIGINT NOT NULL)"
+    )
+    for version, statements in storage.MIGRATIONS[:3]:
+        for statement in statements:
+            con.execute(statement)
+        con.execute("INSERT INTO schema_migrations VALUES (?, 0)", [version])
+    con.execute(
+        "INSERT INTO agents VALUES ('default', 'a1', '', '[]', 86400000000, 1, 1, 1, '', '{}')"
+    )
+    # t1 counted through id 3 (its counters hold 2 messages); id 5 is not counted yet.
+    con.execute("INSERT INTO threads VALUES (1, 'default', 'a1', '', 't1', 10, 30, 2, 2, NULL, 0)")
+    con.execute("INSERT INTO threads VALUES (2, 'default', 'a1', '', 't2', 20, 20, 1, 1, NULL, 0)")
+    con.execute("UPDATE store_state SET value = 3 WHERE key = 'thread_counters_through_id'")
+    for message_id, context_id, time_us in [(1, 1, 30), (2, 2, 20), (3, 1, 10), (5, 1, 30)]:
+        con.execute(
+            "INSERT INTO messages VALUES (?, ?, 'default', 'a1', '', ?, 1, ?, '', '', '', '', "
+            "1, ?, 1, 'estimate', 1, -1, '', false, 0, 0)",
+            [message_id, context_id, f"t{context_id}", f"m{message_id}", time_us],
+        )
+    con.close()
+    store = Store.open(path)
+    try:
+        t1 = ThreadFilter("default", "a1", "", "t1")
+        rows = store.list_messages(t1, None, None, 10)
+        assert [(r.content, r.sequence) for r in rows] == [("m3", 1), ("m1", 2), ("m5", 3)]
+        assert all(r.source_time_us is None for r in rows)
+        threads = store.list_threads("default", "a1", "", None, 10)
+        assert [(t.thread, t.message_count, t.last_sequence) for t in threads] == [
+            ("t1", 3, 3),
+            ("t2", 1, 1),
+        ]
+        [receipt] = store.append(
+            ContextKey("default", "a1", "", "t1"), _batch("m6"), AgentSettings()
+        )
+        assert (receipt.id, receipt.sequence) == (6, 4)
+    finally:
+        store.close()
+
+
+def test_a_sequence_taken_by_another_writer_fails_the_append(tmp_path: Path) -> None:
+    """The unique (thread, sequence) index checks the writer's numbers in the transaction:
+    a number already taken (here written behind the writer's back, as a second writer
+    would) fails the append instead of being stored twice; reopened, the store numbers
+    on from the stored rows."""
+    path = tmp_path / "db.duckdb"
+    store = Store.open(path)
+    key = ContextKey("default", "a1", "", "t1")
+    try:
+        store.append(key, _batch("one"), AgentSettings())
+        store._con.cursor().execute(
+            "INSERT INTO messages SELECT id + 1000 AS id, * EXCLUDE (id, sequence), "
+            "2 AS sequence FROM messages"
+        )
+        with pytest.raises(duckdb.ConstraintException):
+            store.append(key, _batch("two"), AgentSettings())
+    finally:
+        store.close()
+    store = Store.open(path)
+    try:
+        [receipt] = store.append(key, _batch("three"), AgentSettings())
+        assert receipt.sequence == 3 and receipt.id > 1001
+        rows = store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)
+        assert [(r.content, r.sequence) for r in rows] == [("one", 1), ("one", 2), ("three", 3)]
     finally:
         store.close()
 
@@ -210,8 +287,11 @@ def test_concurrent_appends_are_all_committed_in_order(tmp_path: Path) -> None:
             for n in range(thread_no, 16, 4):
                 mine = [r.content for r in rows if r.content.startswith(f"{n}-")]
                 assert mine == [f"{n}-{i}-{s}" for i in range(50) for s in "ab"]
-            counts = store.context_counts(where, 0)
+            counts = store.context_counts(where, WindowSpec(0, 0))
             assert counts[2] == len(rows)  # thread metadata agrees with the rows
+            # Numbered 1, 2, 3, ... in append order, with no gap or repeat.
+            assert [r.sequence for r in rows] == list(range(1, len(rows) + 1))
+            assert [r.id for r in rows] == sorted(r.id for r in rows)
         assert total == 16 * 50 * 2
         ids = store._cursor().execute("SELECT count(DISTINCT id) FROM messages").fetchall()
         assert ids == [(total,)]

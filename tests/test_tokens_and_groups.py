@@ -12,6 +12,7 @@ from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, InProcessServer
 from contextd import core
 from contextd.domain import ContextKey
 from contextd.v1 import context_service_pb2 as pb
+from contextd.window import WindowSpec
 
 
 def test_agent_model_gives_exact_counts(server: InProcessServer) -> None:
@@ -77,7 +78,7 @@ def test_tool_groups_tie_results_to_their_tool_use(server: InProcessServer) -> N
     store = server.running.store
     ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
     assert ref is not None
-    table = store.window_columns(ref, 0)
+    table = store.window_columns(ref, WindowSpec(0, 0))
     assert table.column("group_id").to_pylist() == [-1, use.id, use.id, use.id, -1, -1]
     assert table.column("role").to_pylist() == [
         USER,
@@ -112,7 +113,7 @@ def test_openai_style_tool_calls_are_grouped(server: InProcessServer) -> None:
     store = server.running.store
     ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
     assert ref is not None
-    table = store.window_columns(ref, 0)
+    table = store.window_columns(ref, WindowSpec(0, 0))
     assert table.column("group_id").to_pylist() == [use.id, use.id]
 
 
@@ -134,7 +135,7 @@ def test_groups_follow_what_builds_call_a_tool_call(server: InProcessServer) -> 
     store = server.running.store
     ref = store.context_ref(ContextKey("default", "a1", "", "t1"))
     assert ref is not None
-    table = store.window_columns(ref, 0)
+    table = store.window_columns(ref, WindowSpec(0, 0))
     assert table.column("group_id").to_pylist() == [use.id, use.id, -1, -1]
     built = client.stub.BuildContext(pb.BuildContextRequest(agent="a1", thread="t1"))
     assert [m.tool_call_id for m in built.messages if m.role == TOOL_RESULT] == ["w1"]

@@ -19,7 +19,6 @@ import numpy.typing as npt
 from contextd import core
 from contextd.assembly import NO_CHAR_LIMIT, BudgetTooSmallError, assemble, status_preamble
 from contextd.batches import prepare_batch, stored_tokenizer
-from contextd.clock import wall_clock_us
 from contextd.compaction import (
     make_summary_item,
     plan_compaction,
@@ -43,6 +42,7 @@ from contextd.domain import (
     BuildOverrides,
     ContextKey,
     Event,
+    MessageStamp,
     NewMessage,
     Role,
     StoredMessage,
@@ -53,7 +53,7 @@ from contextd.render import to_anthropic, to_openai, to_text
 from contextd.storage import ContextRef, Store
 from contextd.summarizer import Summarizer
 from contextd.validation import quote
-from contextd.window import window_start_us
+from contextd.window import WindowSpec, window_spec
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
@@ -88,7 +88,8 @@ class BuildResult:
     tokenizer: str
     strategy: str
     summary_id: int | None
-    create_times: dict[int, int]
+    # What the store assigned to each stored message of the context, by id.
+    stamps: dict[int, MessageStamp]
     renderings: dict[str, str]
     event: Event | None
     messages_loaded: int = 0
@@ -114,8 +115,8 @@ class _Plan:
     budget: Budget
     options: StrategyOptions
     now_us: int
-    agent_window_start_us: int
-    window_start_us: int
+    agent_window: WindowSpec  # the agent's (other threads apply their own markers)
+    window: WindowSpec  # this thread's, its own clear marker included
     context: ContextRef | None  # None: the thread has no messages yet
 
 
@@ -127,7 +128,7 @@ class _Window:
     previous_summary: HistoryItem | None
     # Window messages left out because they cannot fit (oldest first): dropped.
     not_loaded_ids: tuple[int, ...]
-    create_times: dict[int, int]
+    stamps: dict[int, MessageStamp]
     # Counts the store made at insert under the build's tokenizer, by counted text.
     known_counts: dict[str, int] = field(default_factory=dict)
     # Window messages the previous summary stands for (oldest first).
@@ -164,7 +165,7 @@ class ContextBuilder:
                 plan.key.tenant,
                 plan.key.agent,
                 plan.key.scope,
-                plan.agent_window_start_us,
+                plan.agent_window,
                 STATUS_THREADS,
             ),
             plan.now_us,
@@ -192,6 +193,7 @@ class ContextBuilder:
             stored = self._store_summary(plan, context.summary)
             summary_id = stored.id
             context = _with_summary_id(context, stored.id)
+            window.stamps[stored.id] = MessageStamp.of(stored)
         elif context.summary is not None:
             summary_id = context.summary.id
         strategy = _strategy(plan.options)
@@ -217,7 +219,7 @@ class ContextBuilder:
             core.model_info(plan.model).tokenizer,
             strategy,
             summary_id,
-            window.create_times,
+            window.stamps,
             renderings,
             event,
             len(window.items),
@@ -324,15 +326,10 @@ class ContextBuilder:
             )
         key = ContextKey(tenant, agent_name, scope, thread)
         context = self._store.context_ref(key)
-        now = wall_clock_us()
-        agent_start = window_start_us(now, agent.rolling_window_us, agent.last_clear_time_us)
-        start = window_start_us(
-            now,
-            agent.rolling_window_us,
-            agent.last_clear_time_us,
-            context.last_clear_time_us if context else None,
-        )
-        return _Plan(agent, key, chosen, budget, options, now, agent_start, start, context)
+        now = self._store.clock.now_us()
+        agent_window = window_spec(now, agent.rolling_window_us, agent.last_clear_time_us)
+        window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
+        return _Plan(agent, key, chosen, budget, options, now, agent_window, window, context)
 
     def _load_history(self, plan: _Plan, *, everything: bool = False) -> _Window:
         """The window's messages that can matter, with content, after the latest stored
@@ -348,7 +345,8 @@ class ContextBuilder:
             return _Window([], None, (), {})
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
-        table = self._store.window_columns(plan.context, plan.window_start_us)
+        stamps = {stored_summary.id: MessageStamp.of(stored_summary)} if stored_summary else {}
+        table = self._store.window_columns(plan.context, plan.window)
         # NumPy views of the Arrow columns: no Python object per message on this path.
         all_ids = table.column("id").to_numpy()
         rest: slice | npt.NDArray[np.intp] = slice(None)
@@ -357,7 +355,7 @@ class ContextBuilder:
         ids = all_ids[rest]
         summarized = _summarized_ids(all_ids, rest)
         if len(ids) == 0:
-            return _Window([], previous, (), {}, summarized_ids=summarized)
+            return _Window([], previous, (), stamps, summarized_ids=summarized)
         roles, groups, orphans = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
@@ -369,12 +367,12 @@ class ContextBuilder:
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
-        times = table.column("create_time_us").to_numpy()[rest]
+        sequences = table.column("sequence").to_numpy()[rest]
         kept_ids = ids[start:]
         loaded = self._store.window_messages_from(
             plan.context,
-            plan.window_start_us,
-            (int(times[start]), int(ids[start])),
+            plan.window,
+            int(sequences[start]),
             (int(kept_ids.min()), int(kept_ids.max())),
         )
         if not isinstance(rest, slice):  # summarized messages may sit between kept ones
@@ -392,7 +390,7 @@ class ContextBuilder:
             items,
             previous,
             tuple(ids[:start].tolist()),
-            {m.id: m.create_time_us for m in loaded},
+            stamps | {m.id: MessageStamp.of(m) for m in loaded},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
             summarized,
             tuple(orphaned),
@@ -533,10 +531,12 @@ def _not_summarized(
     """Which window positions (ids in window order) a stored summary leaves, and the
     summary if it still applies.
 
-    It replaces the window up to its last summarized message, but only messages that
-    existed when it was made (ids below its own): a message appended later with an
-    earlier create time falls inside that span and is still the caller's to see. A
-    summary whose last message has left the window summarizes nothing in it.
+    It replaces the window up to its last summarized message. The window is in sequence
+    (append) order, so every message up to there was appended before that message and
+    so before the summary; a message appended later, whatever its source_time, comes
+    after it. The check for ids above the summary's own only guards that: the store's
+    one writer hands out ids in append order too. A summary whose last message has left
+    the window summarizes nothing in it.
     """
     assert summary.summary_of is not None
     at = np.flatnonzero(ids == summary.summary_of[1])

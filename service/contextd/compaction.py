@@ -317,6 +317,8 @@ def split_summary(
         summary = None
     elif summary is not None and summary.summary_of is None:
         summary = replace(summary, summary_of=covers)
+    # A range of ids is a range of the thread's sequence: the store's one writer hands
+    # out a thread's ids and sequence numbers in the same (append) order.
     rest = [
         it
         for it in history

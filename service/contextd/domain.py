@@ -120,7 +120,9 @@ class NewMessage:
     tool_call_id: str = ""
     external_id: str = ""
     metadata: str = ""
-    create_time_us: int | None = None
+    # The client's own time of the message (display, import, the window's age test);
+    # never a commit time: the store stamps its own.
+    source_time_us: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +157,7 @@ class StoredMessage:
     external_id: str
     metadata: str
     token_estimate: int
+    # The commit time, from the server's clock (clear markers are compared with it).
     create_time_us: int
     token_count: int = 0
     group_id: int = -1
@@ -163,6 +166,23 @@ class StoredMessage:
     # What `token_count` was counted with ("o200k_base", "o200k_base*1.3", "estimate"):
     # a build reuses the stored count when it equals its model's.
     tokenizer: str = ""
+    # The client's time of the message, if it gave one.
+    source_time_us: int | None = None
+    # The position in its thread: 1, 2, 3, ... in append order.
+    sequence: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MessageStamp:
+    """What the server assigned to a stored message, as a build reports it."""
+
+    create_time_us: int
+    source_time_us: int | None
+    sequence: int
+
+    @classmethod
+    def of(cls, message: StoredMessage) -> MessageStamp:
+        return cls(message.create_time_us, message.source_time_us, message.sequence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +191,7 @@ class MessageReceipt:
     create_time_us: int
     token_estimate: int
     token_count: int = 0
+    sequence: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +205,7 @@ class Thread:
     message_count: int
     token_estimate: int
     last_clear_time_us: int | None
+    last_sequence: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,11 @@
 """Opaque, signed page tokens and page cutting.
 
-A token carries the position after which the next page starts, the window start fixed by
-the first page, and a fingerprint of the request it was issued for, so that a token reused
-with other parameters is rejected instead of silently returning a wrong page. Tokens are
-signed with HMAC-SHA256 under a key kept in the data directory: a client can read a token
-(it is only base64 JSON) but cannot forge or edit one, and what a token decodes to is
-range-checked anyway before any query sees it.
+A token carries the position after which the next page starts, the window fixed by the
+first page (its clear marker and age limit), and a fingerprint of the request it was
+issued for, so that a token reused with other parameters is rejected instead of silently
+returning a wrong page. Tokens are signed with HMAC-SHA256 under a key kept in the data
+directory: a client can read a token (it is only base64 JSON) but cannot forge or edit
+one, and what a token decodes to is range-checked anyway before any query sees it.
 
 Pages stop at a count and at a byte size (AIP-158 allows short pages), so a page of
 messages near the size limit never becomes a response of hundreds of megabytes.
@@ -42,7 +42,8 @@ _NOT_OURS = "page_token is not a token this server issued"
 @dataclass(frozen=True, slots=True)
 class PageToken:
     position: tuple[Any, ...]
-    window_start_us: int | None = None
+    # The window of the first page, (clear marker, age limit) in microseconds.
+    window: tuple[int, int] | None = None
 
 
 def page_size(requested: int) -> int:
@@ -105,7 +106,11 @@ class PageTokens:
 
     def encode(self, token: PageToken, params: tuple[Any, ...]) -> str:
         body = json.dumps(
-            {"p": list(token.position), "w": token.window_start_us, "f": _fingerprint(params)},
+            {
+                "p": list(token.position),
+                "w": None if token.window is None else list(token.window),
+                "f": _fingerprint(params),
+            },
             separators=(",", ":"),
         ).encode()
         signed = body + b"." + self._sign(body).encode()
@@ -139,7 +144,14 @@ class PageTokens:
         well_formed = (
             len(position) == len(shape)
             and all(_in_range(v, t) for v, t in zip(position, shape, strict=True))
-            and (window is None or _in_range(window, int))
+            and (
+                window is None
+                or (
+                    type(window) is list
+                    and len(window) == 2
+                    and all(_in_range(v, int) for v in window)
+                )
+            )
         )
         if not well_formed:
             raise InvalidArgument(_NOT_OURS, field="page_token", reason="INVALID_PAGE_TOKEN")
@@ -149,7 +161,7 @@ class PageTokens:
                 field="page_token",
                 reason="INVALID_PAGE_TOKEN",
             )
-        return PageToken(position=position, window_start_us=window)
+        return PageToken(position=position, window=None if window is None else tuple(window))
 
     def cut(
         self,
@@ -157,7 +169,7 @@ class PageTokens:
         size: int,
         params: tuple[Any, ...],
         position_of: Callable[[T], tuple[Any, ...]],
-        window_start_us: int | None = None,
+        window: tuple[int, int] | None = None,
         bytes_of: Callable[[T], int] | None = None,
     ) -> tuple[list[T], str]:
         """The page out of `size + 1` rows read, and the token of the next page ("" on
@@ -174,4 +186,4 @@ class PageTokens:
         if end >= len(rows):
             return list(rows), ""
         page = list(rows[:end])
-        return page, self.encode(PageToken(position_of(page[-1]), window_start_us), params)
+        return page, self.encode(PageToken(position_of(page[-1]), window), params)

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from contextd.clock import MonotonicClock
 from contextd.config import Settings
 from contextd.grpc_errors import ErrorMappingInterceptor
 from contextd.paging import PageTokens, load_or_create_key
@@ -57,9 +58,13 @@ class RunningServer:
         self.store.close()
 
 
-def create_server(settings: Settings) -> RunningServer:
-    """Build and start a server; port 0 in settings.addr binds a free port (for tests)."""
-    store = Store.open(settings.database_path, max_group_rows=settings.max_group_rows)
+def create_server(settings: Settings, clock: MonotonicClock | None = None) -> RunningServer:
+    """Build and start a server; port 0 in settings.addr binds a free port (for tests).
+
+    `clock` is the server's one clock (commit times, clear markers, window ages, expiry);
+    the default follows the wall clock and never goes back. Tests pass a ManualClock.
+    """
+    store = Store.open(settings.database_path, max_group_rows=settings.max_group_rows, clock=clock)
     try:
         summarizer = AnthropicSummarizer(
             AnthropicConfig(

@@ -21,7 +21,6 @@ from contextd.builder import (
     ContextBuilder,
     replayed_compaction,
 )
-from contextd.clock import wall_clock_us
 from contextd.context_types import StatusEntry
 from contextd.domain import (
     DEFAULT_THREAD,
@@ -53,7 +52,7 @@ from contextd.validation import (
     quote,
     tool_call_ids,
 )
-from contextd.window import window_start_us
+from contextd.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
 
 UPDATABLE_AGENT_FIELDS = frozenset(
     {"system_prompt", "docs", "rolling_window", "model", "build_options"}
@@ -61,8 +60,6 @@ UPDATABLE_AGENT_FIELDS = frozenset(
 MAX_STATUS_KEY_CHARS = 256
 MAX_STATUS_STATE_CHARS = 64
 MAX_STATUS_SUMMARY_CHARS = 500
-# A client-set create_time may lead the server's clock by this much (clock skew).
-MAX_CLOCK_SKEW_US = 5 * 60 * 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +72,7 @@ class Limits:
 class MessagePage:
     messages: list[StoredMessage]
     next_page_token: str
-    window_start_us: int | None
+    window: WindowSpec | None
 
 
 class ContextService:
@@ -87,6 +84,8 @@ class ContextService:
         page_tokens: PageTokens | None = None,
     ) -> None:
         self._store = store
+        # The server's one clock, owned by the store (see clock.py).
+        self._clock = store.clock
         self._limits = limits or Limits()
         # Without a key from the data directory, tokens are signed with a key of this
         # process only (fine for a service object that lives and dies with its caller).
@@ -190,7 +189,7 @@ class ContextService:
                 reason="BATCH_TOO_LARGE",
                 field="messages",
             )
-        latest_allowed = wall_clock_us() + MAX_CLOCK_SKEW_US
+        latest_allowed = self._clock.now_us() + MAX_SOURCE_LEAD_US
         call_ids = [
             _check_message(m, i, self._limits.max_message_bytes, latest_allowed)
             for i, m in enumerate(messages)
@@ -212,22 +211,30 @@ class ContextService:
         check_name(scope, "scope", allow_empty=True)
         check_name(thread, "thread", allow_empty=True)
         size = page_size(requested_size)
-        params = ("messages", tenant, agent, scope, thread, int(message_range))
+        # "messages/2": positions became (sequence, id) for one thread; older tokens are
+        # rejected as issued for other parameters rather than misread.
+        params = ("messages/2", tenant, agent, scope, thread, int(message_range))
         position = self._pages.decode(token, params, (int, int))
         found = self._store.get_agent(tenant, agent)
-        window: int | None = None
+        window: WindowSpec | None = None
         if message_range == MessageRange.WINDOW:
-            if position is not None and position.window_start_us is not None:
-                window = position.window_start_us
+            if position is not None and position.window is not None:
+                window = WindowSpec(*position.window)  # the first page's window
             else:
-                window = window_start_us(
-                    wall_clock_us(), found.rolling_window_us, found.last_clear_time_us
+                window = window_spec(
+                    self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
                 )
         after = (int(position.position[0]), int(position.position[1])) if position else None
         where = ThreadFilter(tenant, agent, scope, thread or None)
         rows = self._store.list_messages(where, window, after, size + 1)
+        # One thread pages by sequence, all threads by (create_time, id): the store's order.
         page, next_token = self._pages.cut(
-            rows, size, params, lambda m: (m.create_time_us, m.id), window, _message_bytes
+            rows,
+            size,
+            params,
+            (lambda m: (m.sequence, m.id)) if thread else (lambda m: (m.create_time_us, m.id)),
+            None if window is None else (window.clear_after_us, window.age_after_us),
+            _message_bytes,
         )
         return MessagePage(page, next_token, window)
 
@@ -335,7 +342,7 @@ class ContextService:
                 f"entry.summary must be 1 to {MAX_STATUS_SUMMARY_CHARS} characters",
                 field="entry.summary",
             )
-        now = wall_clock_us()
+        now = self._clock.now_us()
         expire = entry.expire_time_us
         if ttl_us is not None:
             if ttl_us <= 0:
@@ -363,7 +370,7 @@ class ContextService:
         position = self._pages.decode(token, params, (str,))
         self._store.get_agent(tenant, agent)
         after = str(position.position[0]) if position else None
-        live_at = None if include_expired else wall_clock_us()
+        live_at = None if include_expired else self._clock.now_us()
         entries = self._store.list_status(tenant, agent, scope, after, size + 1, live_at)
         return Page(*self._pages.cut(entries, size, params, lambda e: (e.key,)))
 
@@ -416,17 +423,15 @@ class ContextService:
                     reason="THREAD_NOT_FOUND",
                 )
             thread_clear = one.last_clear_time_us
-        now = wall_clock_us()
-        agent_start = window_start_us(now, found.rolling_window_us, found.last_clear_time_us)
-        start = window_start_us(
-            now, found.rolling_window_us, found.last_clear_time_us, thread_clear
+        window = window_spec(
+            self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
         )
         counts = self._store.context_counts(
-            ThreadFilter(tenant, agent, scope, thread or None), agent_start
+            ThreadFilter(tenant, agent, scope, thread or None), window
         )
         window_count, window_tokens, total_count, total_tokens, oldest, newest, threads = counts
         return ContextStats(
-            window_start_time_us=start,
+            window_start_time_us=window.age_after_us,
             last_clear_time_us=max(found.last_clear_time_us, thread_clear or 0),
             rolling_window_us=found.rolling_window_us,
             window_message_count=int(window_count),
@@ -566,10 +571,10 @@ def _check_message(
     if 4 * (len(content) + len(tool_calls) + len(metadata)) > max_bytes:
         size = _utf8_len(content) + _utf8_len(tool_calls) + _utf8_len(metadata)
         check_size(size, max_bytes, f"messages[{index}] (content + tool_calls + metadata)")
-    if message.create_time_us is not None and message.create_time_us > latest_us:
+    if message.source_time_us is not None and message.source_time_us > latest_us:
         raise InvalidArgument(
-            f"messages[{index}].create_time is in the future; leave it unset to use the "
-            "server's time",
-            field=f"messages[{index}].create_time",
+            f"messages[{index}].source_time is more than 5 minutes ahead of the server's "
+            "clock; leave it unset when the message has no time of its own",
+            field=f"messages[{index}].source_time",
         )
     return ids

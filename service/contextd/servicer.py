@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from contextd import scopes
 from contextd.builder import BuildRequest, BuildResult
-from contextd.context_types import StatusEntry, StatusKind
+from contextd.context_types import HistoryItem, StatusEntry, StatusKind
 from contextd.domain import (
     DEFAULT_ROLLING_WINDOW_US,
     DEFAULT_TENANT,
@@ -28,6 +28,7 @@ from contextd.domain import (
     Event,
     MessageRange,
     MessageReceipt,
+    MessageStamp,
     NewMessage,
     Role,
     StoredMessage,
@@ -210,6 +211,25 @@ def _event_pb(event: Event) -> pb.Event:
 MAX_LISTED_DROPPED_IDS = 10_000
 
 
+def _context_message(
+    item: HistoryItem, stamp: MessageStamp | None, truncated: set[int], elided: set[int]
+) -> pb.ContextMessage:
+    return pb.ContextMessage(
+        id=item.id,
+        role=int(item.role),  # type: ignore[arg-type]
+        content=item.content,
+        tool_calls=item.tool_calls,
+        tool_call_id=item.tool_call_id,
+        token_count=item.token_count,
+        truncated=item.id in truncated,
+        elided=item.id in elided,
+        is_summary=item.is_summary,
+        create_time=_timestamp(stamp.create_time_us if stamp else None),
+        source_time=_timestamp(stamp.source_time_us if stamp else None),
+        sequence=stamp.sequence if stamp else 0,
+    )
+
+
 def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ctx = result.context
     s = ctx.stats
@@ -219,23 +239,12 @@ def _build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
     ]
     truncated, elided = set(s.truncated_ids), set(s.elided_ids)
     messages = (
-        []
-        if not full
-        else [
-            pb.ContextMessage(
-                id=item.id,
-                role=int(item.role),  # type: ignore[arg-type]
-                content=item.content,
-                tool_calls=item.tool_calls,
-                tool_call_id=item.tool_call_id,
-                token_count=item.token_count,
-                truncated=item.id in truncated,
-                elided=item.id in elided,
-                is_summary=item.is_summary,
-                create_time=_timestamp(result.create_times.get(item.id)),
-            )
+        [
+            _context_message(item, result.stamps.get(item.id), truncated, elided)
             for item in ctx.history
         ]
+        if full
+        else []
     )
     if full and ctx.new_message is not None:
         messages.append(
@@ -350,7 +359,7 @@ def _new_message(message: pb.Message, index: int) -> NewMessage:
         tool_call_id=message.tool_call_id,
         external_id=message.external_id,
         metadata=message.metadata,
-        create_time_us=(
+        source_time_us=(
             _micros(message.source_time, f"messages[{index}].source_time")
             if message.HasField("source_time")
             else None
@@ -377,6 +386,8 @@ def _message_pb(m: StoredMessage) -> pb.Message:
         is_summary=m.is_summary,
         first_summarized_id=m.summarized_ids[0] if m.summarized_ids else 0,
         last_summarized_id=m.summarized_ids[1] if m.summarized_ids else 0,
+        source_time=_timestamp(m.source_time_us),
+        sequence=m.sequence,
     )
 
 
@@ -390,6 +401,7 @@ def _thread_pb(t: Thread) -> pb.Thread:
         message_count=t.message_count,
         token_estimate=t.token_estimate,
         last_clear_time=_timestamp(t.last_clear_time_us),
+        last_sequence=t.last_sequence,
     )
 
 
@@ -424,6 +436,7 @@ def _receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesRespons
                 create_time=_timestamp(r.create_time_us),
                 token_estimate=r.token_estimate,
                 token_count=r.token_count,
+                sequence=r.sequence,
             )
             for r in receipts
         ]
@@ -585,7 +598,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         return pb.ListMessagesResponse(
             messages=[_message_pb(m) for m in page.messages],
             next_page_token=page.next_page_token,
-            window_start_time=_timestamp(page.window_start_us),
+            window_start_time=_timestamp(page.window.age_after_us if page.window else None),
         )
 
     def ClearContext(

@@ -56,8 +56,9 @@ from contextd.errors import (
     Unavailable,
 )
 from contextd.idempotency import RETENTION_US, AlreadyDone, Remembered, RequestRecord, replay
-from contextd.thread_counters import IDLE_FLUSH_S, PendingCounters
+from contextd.thread_counters import IDLE_FLUSH_S, NO_SOURCE_TIME, PendingCounters
 from contextd.validation import quote
+from contextd.window import MAX_SOURCE_LEAD_US, WindowSpec
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,52 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "FROM messages",
         ],
     ),
-]
-
-# Migration 4 belongs to message time and order; request ids are version 5.
-MIGRATIONS.append(
+    (
+        4,
+        [
+            # The client's own time of a message, apart from the server's commit time
+            # (create_time_us); NULL when the client gave none.
+            "ALTER TABLE messages ADD COLUMN source_time_us BIGINT",
+            # Append order within a thread: 1, 2, 3, ... Existing messages are numbered in
+            # the order they were read in before, (create time, id).
+            "ALTER TABLE messages ADD COLUMN sequence BIGINT DEFAULT 0",
+            """
+            UPDATE messages SET sequence = s.sequence
+            FROM (SELECT id, row_number() OVER (PARTITION BY context_id
+                                                ORDER BY create_time_us, id) AS sequence
+                  FROM messages) s
+            WHERE messages.id = s.id
+            """,
+            # The thread's newest sequence and its oldest source time are thread counters
+            # (see thread_counters.py): like message_count they include only the messages
+            # up to thread_counters_through_id; opening the store counts the rest.
+            "ALTER TABLE threads ADD COLUMN last_sequence BIGINT DEFAULT 0",
+            "ALTER TABLE threads ADD COLUMN min_source_time_us BIGINT",
+            """
+            UPDATE threads SET last_sequence = s.n
+            FROM (SELECT context_id, count(*) AS n FROM messages
+                  WHERE id <= (SELECT value FROM store_state
+                               WHERE key = 'thread_counters_through_id')
+                  GROUP BY context_id) s
+            WHERE threads.context_id = s.context_id
+            """,
+            # Every message id ever issued is at or below this mark, so ids are never
+            # reused, also after their messages were deleted (see _reserve_ids).
+            "INSERT INTO store_state SELECT 'message_id_high_water', coalesce(max(id), 0) "
+            "FROM messages",
+        ],
+    ),
     (
         5,
+        [
+            # Two appends can never take the same number in a thread, whoever numbered
+            # them. (Its own version: DuckDB cannot index a table in the transaction
+            # that updated it.)
+            "CREATE UNIQUE INDEX messages_by_sequence ON messages (context_id, sequence)",
+        ],
+    ),
+    (
+        6,
         [
             # Writes made with a request id: a retry finds its first response here. Rows
             # are written in the transaction of the write they record.
@@ -206,8 +247,13 @@ MIGRATIONS.append(
             )
             """,
         ],
-    )
-)
+    ),
+]
+
+# Message ids are reserved this many at a time: the high-water mark in store_state is
+# written in the transaction of the append that passes it, about once per this many
+# messages, instead of in every commit. A restart skips the unused rest of a block.
+ID_BLOCK = 10_000
 
 # Adds per-context counts (`{counts}`: a table or subquery of context_id, n, tokens,
 # first_us, last_us) to the threads' counters: the flush of pending counts and the recount
@@ -216,13 +262,16 @@ _ADD_TO_THREAD_COUNTERS = (
     "UPDATE threads SET message_count = threads.message_count + d.n, "
     "token_estimate = threads.token_estimate + d.tokens, "
     "create_time_us = least(threads.create_time_us, d.first_us), "
-    "last_message_time_us = greatest(threads.last_message_time_us, d.last_us) "
+    "last_message_time_us = greatest(threads.last_message_time_us, d.last_us), "
+    "last_sequence = threads.last_sequence + d.n, "
+    "min_source_time_us = least(threads.min_source_time_us, "
+    f"nullif(d.min_source_us, {NO_SOURCE_TIME})) "
     "FROM {counts} d WHERE threads.context_id = d.context_id"
 )
 
 # Threads with the counters the writer has not flushed yet (`contextd_pending`, an Arrow
 # table in the reader's frame) added: what every read of thread counters selects from.
-_LIVE_THREADS = """
+_LIVE_THREADS = f"""
     WITH live_threads AS (
         SELECT t.context_id, t.tenant, t.agent, t.scope, t.thread,
                least(t.create_time_us, coalesce(p.first_us, t.create_time_us))
@@ -231,7 +280,10 @@ _LIVE_THREADS = """
                    AS last_message_time_us,
                t.message_count + coalesce(p.n, 0) AS message_count,
                t.token_estimate + coalesce(p.tokens, 0) AS token_estimate,
-               t.last_clear_us
+               t.last_clear_us,
+               t.last_sequence + coalesce(p.n, 0) AS last_sequence,
+               least(t.min_source_time_us, nullif(p.min_source_us, {NO_SOURCE_TIME}))
+                   AS min_source_time_us
         FROM threads t LEFT JOIN contextd_pending p ON p.context_id = t.context_id
     )
 """
@@ -239,7 +291,7 @@ _LIVE_THREADS = """
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
     "external_id, metadata, token_estimate, create_time_us, token_count, group_id, "
-    "is_summary, first_summarized_id, last_summarized_id, tokenizer"
+    "is_summary, first_summarized_id, last_summarized_id, tokenizer, source_time_us, sequence"
 )
 # How many tool-call ids the writer remembers to tie results to their tool_use without a
 # query; older ones are looked up in the table.
@@ -269,21 +321,37 @@ _ARROW_SCHEMA = pa.schema(
         ("is_summary", pa.bool_()),
         ("first_summarized_id", pa.int64()),
         ("last_summarized_id", pa.int64()),
+        ("source_time_us", pa.int64()),
+        ("sequence", pa.int64()),
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
 
 
-def _in_window_order(table: pa.Table) -> pa.Table:
-    """The table sorted by (create_time_us, id), without sorting when it already is."""
+def _in_sequence_order(table: pa.Table) -> pa.Table:
+    """The rows of one thread sorted by sequence, without sorting when they already are
+    (rows come back in insertion order, which is sequence order unless DuckDB reorders)."""
     if table.num_rows < 2:
         return table
-    times = table.column("create_time_us").to_numpy()
-    ids = table.column("id").to_numpy()
-    steps = np.diff(times)
-    if bool(np.all((steps > 0) | ((steps == 0) & (np.diff(ids) > 0)))):
+    sequences = table.column("sequence").to_numpy()
+    if bool(np.all(np.diff(sequences) > 0)):
         return table
-    return table.take(pa.array(np.lexsort((ids, times)))).combine_chunks()
+    return table.take(pa.array(np.argsort(sequences, kind="stable"))).combine_chunks()
+
+
+def window_predicate(
+    window: WindowSpec, m: str = "m", t: str | None = "t"
+) -> tuple[str, list[int]]:
+    """The SQL of "message `m` is in the window" and its parameters: the one definition
+    of the window (see window.py) that every read of a window uses.
+
+    With a threads alias `t`, each thread's own clear marker applies where it is later
+    than the window's; without one, `window` must already hold the thread's marker.
+    """
+    clear = f"greatest(?, coalesce({t}.last_clear_us, ?))" if t else "?"
+    params = [window.clear_after_us] * (2 if t else 1)
+    sql = f"({m}.create_time_us > {clear} AND coalesce({m}.source_time_us, {m}.create_time_us) > ?)"
+    return sql, [*params, window.age_after_us]
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +395,7 @@ _AGENT_COLUMNS = (
 )
 _THREAD_COLUMNS = (
     "tenant, agent, scope, thread, create_time_us, last_message_time_us, message_count, "
-    "token_estimate, last_clear_us"
+    "token_estimate, last_clear_us, last_sequence"
 )
 
 
@@ -355,6 +423,8 @@ def _message_from_row(row: Sequence[Any]) -> StoredMessage:
         is_summary=bool(row[15]),
         summarized_ids=(row[16], row[17]) if row[15] else None,
         tokenizer=row[18],
+        source_time_us=row[19],
+        sequence=row[20],
     )
 
 
@@ -468,7 +538,12 @@ _STOP = object()
 class Store:
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, max_group_rows: int) -> None:
+    def __init__(
+        self,
+        con: duckdb.DuckDBPyConnection,
+        max_group_rows: int,
+        clock: MonotonicClock | None = None,
+    ) -> None:
         self._con = con
         self._max_group_rows = max_group_rows
         self._local = threading.local()
@@ -477,9 +552,14 @@ class Store:
         self._migrate()
         self._recount_threads()
         self._pending = PendingCounters()
-        self.clock = MonotonicClock()
+        # The server's one clock (see clock.py): the service and the builder read it too.
+        self.clock = clock or MonotonicClock()
         self.clock.advance_to(self._newest_time_us())
         self._next_message_id, self._next_context_id = self._next_ids()
+        self._id_high_water = self._next_message_id - 1
+        # The last sequence of each thread the writer has numbered (context id -> it):
+        # read from the thread's row (plus its pending count) on first use.
+        self._last_sequence: dict[int, int] = {}
         row = _first(self._con.execute("SELECT coalesce(max(id), 0) FROM events"))
         self._next_event_id = int(row[0]) + 1
         self._next_request_cleanup_us = 0  # the writer removes old request records then
@@ -498,7 +578,9 @@ class Store:
     # ----------------------------------------------------------------- life cycle
 
     @classmethod
-    def open(cls, path: Path, *, max_group_rows: int = 50_000) -> Store:
+    def open(
+        cls, path: Path, *, max_group_rows: int = 50_000, clock: MonotonicClock | None = None
+    ) -> Store:
         """Open (creating if needed) the DuckDB file and migrate it to the current schema.
 
         Raises StoreLocked when another process holds the file, so the caller can say so
@@ -516,7 +598,7 @@ class Store:
                     f"{text.splitlines()[0]}"
                 ) from exc
             raise
-        return cls(con, max_group_rows)
+        return cls(con, max_group_rows, clock)
 
     def close(self) -> None:
         """Stop the writer after the queued writes, checkpoint and close the file."""
@@ -563,21 +645,27 @@ class Store:
         return int(row[0]) if row and row[0] is not None else 0
 
     def _newest_time_us(self) -> int:
+        """The newest time the server ever stamped: the clock starts above it."""
         row = _first(
             self._con.execute(
                 "SELECT greatest("
                 "  (SELECT coalesce(max(create_time_us), 0) FROM messages),"
                 "  (SELECT coalesce(max(last_clear_us), 0) FROM agents),"
                 "  (SELECT coalesce(max(update_time_us), 0) FROM agents),"
-                "  (SELECT coalesce(max(last_clear_us), 0) FROM threads))"
+                "  (SELECT coalesce(max(last_clear_us), 0) FROM threads),"
+                "  (SELECT coalesce(max(update_time_us), 0) FROM status_entries),"
+                "  (SELECT coalesce(max(create_time_us), 0) FROM events))"
             )
         )
         return int(row[0]) if row else 0
 
     def _next_ids(self) -> tuple[int, int]:
+        """The next message id (above every id ever issued: the high-water mark survives
+        the deletion of the messages that held them) and the next context id."""
         row = _first(
             self._con.execute(
-                "SELECT (SELECT coalesce(max(id), 0) FROM messages),"
+                "SELECT greatest((SELECT coalesce(max(id), 0) FROM messages),"
+                "  (SELECT value FROM store_state WHERE key = 'message_id_high_water')),"
                 " (SELECT coalesce(max(context_id), 0) FROM threads)"
             )
         )
@@ -714,7 +802,8 @@ class Store:
         that were pending when the process last stopped without flushing them."""
         uncounted = """(
             SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
-                   min(create_time_us) AS first_us, max(create_time_us) AS last_us
+                   min(create_time_us) AS first_us, max(create_time_us) AS last_us,
+                   min(source_time_us) AS min_source_us
             FROM messages
             WHERE id > (SELECT value FROM store_state WHERE key = 'thread_counters_through_id')
             GROUP BY context_id)"""
@@ -840,6 +929,7 @@ class Store:
             self._next_message_id, self._next_context_id = saved
             self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
             self._known_agents.clear()  # may name agents whose insert was rolled back
+            self._last_sequence.clear()  # re-read from the rows, whoever numbered them
             if len(jobs) == 1:
                 jobs[0].future.set_exception(exc)
                 return
@@ -847,8 +937,8 @@ class Store:
             for job in jobs:
                 self._commit_new_appends(writer, [job])
             return
-        for context_id, (n, tokens, first_us, last_us) in counted.items():
-            self._pending.add(context_id, n, tokens, first_us, last_us)
+        for context_id, (n, tokens, first_us, last_us, min_source_us) in counted.items():
+            self._pending.add(context_id, n, tokens, first_us, last_us, min_source_us)
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
 
@@ -862,16 +952,36 @@ class Store:
         self._context_ids[key] = int(row[0])
         return int(row[0])
 
+    def _sequence_of(self, writer: duckdb.DuckDBPyConnection, context_id: int) -> int:
+        """The last sequence of a stored thread: its row's, plus the messages not yet
+        counted there (see thread_counters.py), cached while the writer numbers it."""
+        cached = self._last_sequence.get(context_id)
+        if cached is not None:
+            return cached
+        row = _first(
+            writer.execute("SELECT last_sequence FROM threads WHERE context_id = ?", [context_id])
+        )
+        return (int(row[0]) if row else 0) + self._pending.count_of(context_id)
+
     def _insert_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
     ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
         """Insert and commit the group; return its receipts and, per context id, the
-        counts it adds to its thread ([messages, tokens, first time, last time]), which
-        the caller leaves pending (see thread_counters.py)."""
+        counts it adds to its thread ([messages, tokens, first time, last time, oldest
+        source time]), which the caller leaves pending (see thread_counters.py).
+
+        Each call gets one commit time from the server's clock (client times never move
+        it) and its thread's next sequence numbers. Sequences are numbered here from the
+        thread's row, and the unique index on (context_id, sequence) checks them in the
+        transaction: a number taken by any other writer fails the commit instead of
+        being stored twice. (Numbering in SQL with an UPDATE of the thread's row would
+        check the same but costs about 2 ms a commit, as much as the insert itself.)
+        """
         columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
         all_receipts: list[list[MessageReceipt]] = []
-        # per context: [count, tokens, min time, max time]
+        # per context: [count, tokens, first commit, last commit, oldest source time]
         thread_deltas: dict[ContextKey, list[int]] = {}
+        numbered: dict[int, int] = {}  # context id -> its last sequence in this group
         new_contexts: dict[ContextKey, int] = {}
         agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
         summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
@@ -924,12 +1034,12 @@ class Store:
             first_id = self._next_message_id
             self._next_message_id += n
             ids = range(first_id, first_id + n)
-            times = [
-                commit_time if m.create_time_us is None else m.create_time_us for m in messages
-            ]
-            # A client's time may be ahead of the clock (within the allowed skew): later
-            # clears and commits must still come after it, as they do after a restart.
-            self.clock.advance_to(max(times))
+            last = numbered.get(context_id)
+            if last is None:
+                last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
+            sequences = range(last + 1, last + 1 + n)
+            numbered[context_id] = last + n
+            sources = [m.source_time_us for m in messages]
             columns["id"].extend(ids)
             columns["context_id"].extend([context_id] * n)
             columns["tenant"].extend([key.tenant] * n)
@@ -943,7 +1053,9 @@ class Store:
             columns["external_id"].extend([m.external_id for m in messages])
             columns["metadata"].extend([m.metadata for m in messages])
             columns["token_estimate"].extend(batch.token_estimates)
-            columns["create_time_us"].extend(times)
+            columns["create_time_us"].extend([commit_time] * n)
+            columns["source_time_us"].extend(sources)
+            columns["sequence"].extend(sequences)
             columns["token_count"].extend(batch.token_counts)
             columns["tokenizer"].extend([batch.tokenizer] * n)
             columns["chars"].extend(batch.chars)
@@ -962,17 +1074,19 @@ class Store:
             columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
             all_receipts.append(
                 [
-                    MessageReceipt(i, t, e, c)
-                    for i, t, e, c in zip(
-                        ids, times, batch.token_estimates, batch.token_counts, strict=True
+                    MessageReceipt(i, commit_time, e, c, q)
+                    for i, e, c, q in zip(
+                        ids, batch.token_estimates, batch.token_counts, sequences, strict=True
                     )
                 ]
             )
-            delta = thread_deltas.setdefault(key, [0, 0, 2**63 - 1, 0])
+            delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
             delta[0] += n
             delta[1] += sum(batch.token_estimates)
-            delta[2] = min(delta[2], min(times))
-            delta[3] = max(delta[3], max(times))
+            delta[3] = commit_time
+            given = [t for t in sources if t is not None]
+            if given:
+                delta[4] = min(delta[4], *given)
 
         # The whole group is written by one client call: a script of BEGIN, the inserts
         # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
@@ -985,6 +1099,15 @@ class Store:
         script.append(
             f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
         )
+        high_water = self._id_high_water
+        if self._next_message_id - 1 > high_water:
+            # Reserve the next block of ids in this transaction: no id this group commits
+            # is ever above the stored mark, so none is issued again after a restart.
+            high_water = self._next_message_id - 1 + ID_BLOCK
+            script.append(
+                f"UPDATE store_state SET value = {int(high_water)} "
+                "WHERE key = 'message_id_high_water'"
+            )
         counted = {
             new_contexts.get(key) or self._context_ids[key]: delta
             for key, delta in thread_deltas.items()
@@ -1027,6 +1150,8 @@ class Store:
         script.append("COMMIT")
         writer.execute(";\n".join(script))
         self._context_ids.update(new_contexts)
+        self._last_sequence.update(numbered)
+        self._id_high_water = high_water
         return all_receipts, counted
 
     def _group_of(
@@ -1057,7 +1182,7 @@ class Store:
             writer.execute(
                 "SELECT id FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
                 "AND list_contains(string_split(tool_call_ids, ','), ?) "
-                "ORDER BY id DESC LIMIT 1",
+                "ORDER BY sequence DESC LIMIT 1",
                 [context_id, message.tool_call_id],
             )
         )
@@ -1173,7 +1298,7 @@ class Store:
     def _forget_contexts(self, tenant: str, agent: str) -> None:
         """Drop cached context ids of a deleted agent (runs on the writer thread)."""
         for key in [k for k in self._context_ids if k.tenant == tenant and k.agent == agent]:
-            del self._context_ids[key]
+            self._last_sequence.pop(self._context_ids.pop(key), None)
         self._known_agents.discard((tenant, agent))
 
     # ----------------------------------------------------------------- messages
@@ -1202,32 +1327,42 @@ class Store:
     def list_messages(
         self,
         where: ThreadFilter,
-        window_start_us: int | None,
+        window: WindowSpec | None,
         after: tuple[int, int] | None,
         limit: int,
     ) -> list[StoredMessage]:
-        """Messages oldest first by (create_time, id), strictly after `after`.
+        """Messages of one thread in sequence order, or of every thread of the agent in
+        the scope by (create_time, id); strictly after the position `after`, which is a
+        (sequence, id) for one thread and a (create_time, id) for all.
 
-        With a window start, each thread is further limited by its own clear marker.
+        With a window, only its messages; each thread's own clear marker applies to it.
         """
-        after_time, after_id = after if after is not None else (-(2**63), -(2**63))
         params: list[Any] = [where.tenant, where.agent, where.scope]
         thread_clause = ""
         if where.thread is not None:
             thread_clause = "AND t.thread = ?"
             params.append(where.thread)
         window_clause = ""
-        if window_start_us is not None:
-            window_clause = "AND m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?))"
-            params += [window_start_us, window_start_us]
-        params += [after_time, after_time, after_id, limit]
+        if window is not None:
+            predicate, window_params = window_predicate(window)
+            window_clause = f"AND {predicate}"
+            params += window_params
+        if where.thread is not None:
+            after_clause = "AND m.sequence > ?"
+            params.append(after[0] if after is not None else 0)
+            order = "m.sequence"
+        else:
+            after_time, after_id = after if after is not None else (-(2**63), -(2**63))
+            after_clause = "AND (m.create_time_us > ? OR (m.create_time_us = ? AND m.id > ?))"
+            params += [after_time, after_time, after_id]
+            order = "m.create_time_us, m.id"
+        params.append(limit)
         sql = f"""
             SELECT {", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))}
             FROM threads t JOIN messages m ON m.context_id = t.context_id
             WHERE t.tenant = ? AND t.agent = ? AND t.scope = ? {thread_clause}
-              {window_clause}
-              AND (m.create_time_us > ? OR (m.create_time_us = ? AND m.id > ?))
-            ORDER BY m.create_time_us, m.id
+              {window_clause} {after_clause}
+            ORDER BY {order}
             LIMIT ?
         """
         rows = self._cursor().execute(sql, params).fetchall()
@@ -1245,41 +1380,42 @@ class Store:
         )
         return ContextRef(int(row[0]), row[1], int(row[2])) if row else None
 
-    def window_columns(self, context: ContextRef, window_start_us: int) -> pa.Table:
+    def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window of one thread as columns, without content: the first read of a build.
 
         Columns: id (int64), role (uint8), token_count (uint64), chars (uint64), group_id
-        (int64), create_time_us (int64), oldest first, in one chunk each (ready for
+        (int64), sequence (int64), in sequence order, in one chunk each (ready for
         zero-copy NumPy views). Stored summaries are left out (see `latest_summary`). A
         build trims on these and then loads content only for the newest messages it can
         keep (`window_messages_from`), so its cost follows the budget, not the window.
-        `window_start_us` is the full start (thread clear included).
+        `window` is the thread's (its own clear marker included).
         """
-        # No ORDER BY: rows come back in insertion order, which is (time, id) order
-        # unless history was imported out of order; `_in_window_order` checks and sorts
-        # only then, which saves the sort of a long window on every build.
+        predicate, params = window_predicate(window, "m", None)
+        # No ORDER BY: rows come back in insertion order, which is sequence order;
+        # `_in_sequence_order` checks and sorts only if not, which saves the sort of a
+        # long window on every build.
         table: pa.Table = (
             self._cursor()
             .sql(
                 "SELECT id, role, token_count::UBIGINT AS token_count, "
-                "chars::UBIGINT AS chars, group_id, create_time_us FROM messages "
-                "WHERE context_id = $1 AND create_time_us > $2 AND NOT is_summary",
-                params=[context.context_id, window_start_us],
+                "chars::UBIGINT AS chars, group_id, sequence FROM messages m "
+                f"WHERE context_id = ? AND {predicate} AND NOT is_summary",
+                params=[context.context_id, *params],
             )
             .to_arrow_table()
             .combine_chunks()
         )
-        return _in_window_order(table)
+        return _in_sequence_order(table)
 
     def window_messages_from(
         self,
         context: ContextRef,
-        window_start_us: int,
-        start: tuple[int, int],
+        window: WindowSpec,
+        from_sequence: int,
         id_range: tuple[int, int],
     ) -> list[StoredMessage]:
-        """The window's messages from `start` (time, id) on, oldest first, without stored
-        summaries: the newest suffix a build keeps, read as one range.
+        """The window's messages from `from_sequence` on, in sequence order, without
+        stored summaries: the newest suffix a build keeps, read as one range.
 
         `id_range` (smallest and largest id of that suffix, from `window_columns`) adds
         nothing to the result; it lets DuckDB skip every row group outside it by its
@@ -1287,24 +1423,15 @@ class Store:
         the thread. It also leaves out messages appended since the columns were read,
         so a build loads exactly what it planned.
         """
-        from_time_us, from_id = start
+        predicate, params = window_predicate(window, "m", None)
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages m "
                 "WHERE id BETWEEN ? AND ? AND context_id = ? "
-                "AND create_time_us > ? AND NOT is_summary "
-                "AND (create_time_us > ? OR (create_time_us = ? AND id >= ?)) "
-                "ORDER BY create_time_us, id",
-                [
-                    id_range[0],
-                    id_range[1],
-                    context.context_id,
-                    window_start_us,
-                    from_time_us,
-                    from_time_us,
-                    from_id,
-                ],
+                f"AND {predicate} AND NOT is_summary AND sequence >= ? "
+                "ORDER BY sequence",
+                [id_range[0], id_range[1], context.context_id, *params, from_sequence],
             )
             .fetchall()
         )
@@ -1343,50 +1470,61 @@ class Store:
         return [_message_from_row(r) for r in rows]
 
     def thread_activity(
-        self, tenant: str, agent: str, scope: str, window_start_us: int, limit: int
+        self, tenant: str, agent: str, scope: str, window: WindowSpec, limit: int
     ) -> list[ThreadActivity]:
-        """The agent's threads with messages after the window start, most recent first,
-        with how many messages each has in its window.
+        """The agent's threads with messages in their windows (`window` is the agent's;
+        each thread's own clear marker applies too), most recently active first, with
+        how many messages each has in its window.
 
-        A thread that began inside its window has all its messages there, so its count
-        comes from its metadata; only the others are counted from the messages.
+        A thread whose first message was committed after its clear marker and whose
+        oldest message time (source or commit) is inside the age limit has all its
+        messages in its window, so its count comes from its metadata; only the others
+        are counted from the messages, with the window's own predicate.
         """
         cur = self._cursor()
+        clear = "greatest(?, coalesce(last_clear_us, ?))"
+        # A message's own time is at most MAX_SOURCE_LEAD_US after its commit, so a thread
+        # whose newest commit is that much older than the age limit has nothing inside.
+        oldest_commit = window.age_after_us - MAX_SOURCE_LEAD_US
         rows = self._thread_rows(
-            "SELECT thread, last_message_time_us, create_time_us, message_count, context_id, "
-            "greatest(?, coalesce(last_clear_us, ?)) AS start_us FROM live_threads "
+            "SELECT thread, last_message_time_us, message_count, context_id, last_clear_us, "
+            f"create_time_us > {clear} "
+            "AND least(create_time_us, coalesce(min_source_time_us, create_time_us)) > ? "
+            "AS whole FROM live_threads "
             "WHERE tenant = ? AND agent = ? AND scope = ? "
-            "AND last_message_time_us > greatest(?, coalesce(last_clear_us, ?)) "
+            f"AND last_message_time_us > {clear} AND last_message_time_us > ? "
             "ORDER BY last_message_time_us DESC, thread LIMIT ?",
             [
-                window_start_us,
-                window_start_us,
+                window.clear_after_us,
+                window.clear_after_us,
+                window.age_after_us,
                 tenant,
                 agent,
                 scope,
-                window_start_us,
-                window_start_us,
+                window.clear_after_us,
+                window.clear_after_us,
+                oldest_commit,
                 limit,
             ],
         )
-        # Threads that began before their window start are counted from their messages,
-        # all in one statement: one branch per thread, each an equality on context_id
-        # (which the index serves), instead of a query per thread.
-        partial = [(r[4], r[5]) for r in rows if r[2] <= r[5]]
+        # The others are counted all in one statement: one branch per thread, each an
+        # equality on context_id (which the index serves), instead of a query per thread.
+        partial = [(r[3], window.with_thread_clear(r[4])) for r in rows if not r[5]]
         counted: dict[int, int] = {}
         if partial:
-            branch = "SELECT ?, count(*) FROM messages WHERE context_id = ? AND create_time_us > ?"
-            params = [
-                v for context_id, start_us in partial for v in (context_id, context_id, start_us)
-            ]
+            predicate, _ = window_predicate(window, "m", None)
+            branch = f"SELECT ?, count(*) FROM messages m WHERE context_id = ? AND {predicate}"
+            params: list[Any] = []
+            for context_id, own in partial:
+                params += [context_id, context_id, *window_predicate(own, "m", None)[1]]
             counted = dict(
                 cur.execute(" UNION ALL ".join([branch] * len(partial)), params).fetchall()
             )
         activity = [
             ThreadActivity(thread, last_us, int(counted.get(context_id, count)))
-            for thread, last_us, _first_us, count, context_id, _start_us in rows
+            for thread, last_us, count, context_id, _clear, _whole in rows
         ]
-        return activity
+        return [a for a in activity if a.window_message_count > 0]
 
     # ----------------------------------------------------------------- status entries
 
@@ -1610,18 +1748,18 @@ class Store:
         )
         return [_thread_from_row(r) for r in rows]
 
-    def context_counts(self, where: ThreadFilter, window_start_us: int) -> tuple[int, ...]:
+    def context_counts(self, where: ThreadFilter, window: WindowSpec) -> tuple[int, ...]:
         """(window count, window tokens, total count, total tokens, oldest, newest, threads).
 
-        Thread clears apply per thread, as in list_messages.
+        `window` is the agent's; thread clears apply per thread, as in list_messages.
         """
-        params: list[Any] = [window_start_us, window_start_us] * 2
+        in_window, window_params = window_predicate(window)
+        params: list[Any] = window_params * 2
         params += [where.tenant, where.agent, where.scope]
         thread_clause = ""
         if where.thread is not None:
             thread_clause = "AND t.thread = ?"
             params.append(where.thread)
-        in_window = "m.create_time_us > greatest(?, coalesce(t.last_clear_us, ?))"
         row = _first(
             self._cursor().execute(
                 f"""

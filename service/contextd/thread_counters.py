@@ -1,12 +1,13 @@
 """Thread counters the writer has not yet written to the threads table.
 
-Every thread row carries counters (messages, estimated tokens, first and last message
-time) that ListThreads, GetContextStats (for its thread's clear marker) and the status
-preamble read. Updating that row in every group commit was the largest single cost of an
-append: an UPDATE costs DuckDB about 1.5 ms whatever it touches, more than inserting the
-messages. So the writer adds each commit's counts here instead, and writes them to the
-table in one transaction when it has nothing else to do (no call for IDLE_FLUSH_S) or
-once they have waited FLUSH_INTERVAL_S.
+Every thread row carries counters (messages, estimated tokens, first and last commit
+time, the last sequence number, the oldest client source_time) that ListThreads,
+GetContextStats (for its thread's clear marker), the status preamble and the writer's
+numbering read. Updating that row in every group commit was the largest single cost of
+an append: an UPDATE costs DuckDB about 1.5 ms whatever it touches, more than inserting
+the messages. So the writer adds each commit's counts here instead, and writes them to
+the table in one transaction when it has nothing else to do (no call for IDLE_FLUSH_S)
+or once they have waited FLUSH_INTERVAL_S.
 
 Readers add what is pending to what they read, so an acknowledged append is always
 counted. A reader snapshots the pending counts with a generation number, runs its query,
@@ -39,12 +40,17 @@ PENDING_SCHEMA = pa.schema(
         ("tokens", pa.int64()),
         ("first_us", pa.int64()),
         ("last_us", pa.int64()),
+        # The oldest source_time among the messages; NO_SOURCE_TIME when none has one.
+        ("min_source_us", pa.int64()),
     ]
 )
+# "No message has a source_time" in the min_source_us column (SQL reads it as NULL).
+NO_SOURCE_TIME = 2**63 - 1
 
 
 class PendingCounters:
-    """Per context id: [messages, tokens, first time, last time] not yet in the table."""
+    """Per context id: [messages, tokens, first time, last time, oldest source time] not
+    yet in the table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -55,7 +61,15 @@ class PendingCounters:
     def __len__(self) -> int:
         return len(self._deltas)
 
-    def add(self, context_id: int, n: int, tokens: int, first_us: int, last_us: int) -> None:
+    def add(
+        self,
+        context_id: int,
+        n: int,
+        tokens: int,
+        first_us: int,
+        last_us: int,
+        min_source_us: int = NO_SOURCE_TIME,
+    ) -> None:
         with self._lock:
             if not self._deltas:
                 # Counters wait from their first pending count, not from the last flush:
@@ -63,12 +77,20 @@ class PendingCounters:
                 self._waiting_since = time.monotonic()
             delta = self._deltas.get(context_id)
             if delta is None:
-                self._deltas[context_id] = [n, tokens, first_us, last_us]
+                self._deltas[context_id] = [n, tokens, first_us, last_us, min_source_us]
             else:
                 delta[0] += n
                 delta[1] += tokens
                 delta[2] = min(delta[2], first_us)
                 delta[3] = max(delta[3], last_us)
+                delta[4] = min(delta[4], min_source_us)
+
+    def count_of(self, context_id: int) -> int:
+        """Messages of a context not yet counted in the table (the writer adds them to the
+        table's last_sequence to number the next message)."""
+        with self._lock:
+            delta = self._deltas.get(context_id)
+            return delta[0] if delta is not None else 0
 
     def flush_due(self) -> bool:
         """Whether a busy writer should flush now: counters have waited FLUSH_INTERVAL_S."""
@@ -97,4 +119,4 @@ class PendingCounters:
     def _table(self) -> pa.Table:
         ids = list(self._deltas)
         values = list(self._deltas.values())
-        return pa.table([ids, *([v[i] for v in values] for i in range(4))], schema=PENDING_SCHEMA)
+        return pa.table([ids, *([v[i] for v in values] for i in range(5))], schema=PENDING_SCHEMA)
