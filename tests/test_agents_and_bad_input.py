@@ -497,3 +497,40 @@ def test_a_hand_edited_page_token_is_invalid_argument(client: Client, position: 
         )
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    ("agent", "field"),
+    [
+        (pb.Agent(name="a1", system_prompt="x" * (256 * 1024 + 1)), "agent.system_prompt"),
+        (
+            pb.Agent(name="a1", docs=[pb.AgentDoc(name=f"d{i}", content="x") for i in range(33)]),
+            "agent.docs",
+        ),
+        (
+            pb.Agent(
+                name="a1",
+                docs=[pb.AgentDoc(name=f"d{i}", content="x" * 300_000) for i in range(4)],
+            ),
+            "agent.docs",
+        ),
+    ],
+)
+def test_oversized_settings_are_resource_exhausted(
+    client: Client, agent: pb.Agent, field: str
+) -> None:
+    """A 20 MiB doc used to be accepted and parsed on every GetAgent and ListAgents."""
+    error = _error(lambda: client.stub.CreateAgent(pb.CreateAgentRequest(agent=agent)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert field in (error.details() or "")
+    client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1")))
+    error = _error(lambda: client.stub.UpdateAgent(pb.UpdateAgentRequest(agent=agent)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_oversized_user_message_is_resource_exhausted(client: Client) -> None:
+    client.append("a1", "hi")
+    request = pb.BuildContextRequest(agent="a1", thread="t1", user_message="x" * ((1 << 20) + 1))
+    error = _error(lambda: client.stub.BuildContext(request))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "user_message" in (error.details() or "")

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from conftest import Client, rendering
+from contextd import core
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -94,3 +95,23 @@ def test_dropped_ids_are_capped_and_counted(client: Client) -> None:
     kept_from = ids.index(stats.dropped_ids[-1]) + 1
     assert stats.dropped_ids[-1] == ids[kept_from - 1]  # the newest dropped is listed
     assert list(stats.dropped_ids) == ids[kept_from - 10_000 : kept_from]
+
+
+def test_a_huge_budget_is_clamped_to_the_models_window(client: Client) -> None:
+    """A budget of 2**31 - 1 used to load a whole long window into Python."""
+    for start in range(0, 20_000, 5_000):
+        batch = [
+            pb.Message(role=pb.ROLE_USER, content=f"m{i} " + "w " * 40)
+            for i in range(start, start + 5_000)
+        ]
+        client.stub.AppendMessages(
+            pb.AppendMessagesRequest(
+                agent="a1", thread="t1", messages=batch, create_agent_if_missing=True
+            )
+        )
+    stats = _build(client, options=pb.BuildOptions(budget_tokens=2**31 - 1)).stats
+    window = core.model_info("default").context_window
+    assert stats.budget_tokens == window
+    assert stats.total_tokens <= window
+    assert stats.messages_loaded < 20_000
+    assert stats.dropped_count == 20_000 - stats.messages_after

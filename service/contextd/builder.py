@@ -315,7 +315,15 @@ class ContextBuilder:
         merged = agent.build_options.over(overrides) if agent.build_options else overrides
         options = strategy_options(merged)
         if merged.budget_tokens:
-            budget = Budget.tokens(merged.budget_tokens)
+            # An explicit budget never exceeds what the model can read, nor the server's
+            # cap: a budget of 2**31 would otherwise load a whole long window.
+            budget = Budget.tokens(
+                min(
+                    merged.budget_tokens,
+                    core.model_info(chosen).context_window,
+                    MAX_BUILD_BUDGET_TOKENS,
+                )
+            )
         else:
             budget = Budget.for_model(
                 chosen,
@@ -489,6 +497,10 @@ class ContextBuilder:
         receipt = self._store.append(plan.key, batch, None, record)  # never re-creates an agent
         stored = self._store.messages_by_ids(plan.key, [receipt[0].id])
         return stored[0]
+
+
+# The largest prompt budget a build applies, whatever a request or agent asks for.
+MAX_BUILD_BUDGET_TOKENS = 1_000_000
 
 
 def compaction_payload(summary_id: int, path: str, error: str | None) -> bytes:

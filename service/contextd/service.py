@@ -287,6 +287,9 @@ class ContextService:
     def build_context(self, request: BuildRequest) -> BuildResult:
         _context_key(request.tenant, request.agent, request.scope, request.thread or DEFAULT_THREAD)
         check_overrides(request.overrides)
+        _check_field_size(
+            _utf8_len(request.user_message), MAX_USER_MESSAGE_BYTES, "user_message", "user_message"
+        )
         unknown = sorted(set(request.formats) - set(FORMATS))
         if unknown:
             raise InvalidArgument(f"unknown formats: {', '.join(unknown)}", field="formats")
@@ -507,8 +510,43 @@ def _context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey
     )
 
 
+# Settings are parsed on every GetAgent, ListAgents page and build, so their size is
+# bounded like a message's.
+MAX_SYSTEM_PROMPT_BYTES = 256 << 10
+MAX_DOCS = 32
+MAX_DOCS_BYTES = 1 << 20
+MAX_USER_MESSAGE_BYTES = 1 << 20
+
+
+def _check_field_size(size: int, limit: int, field: str, what: str) -> None:
+    if size > limit:
+        raise ResourceExhausted(
+            f"{what} is {size:,} bytes; the limit is {limit:,} bytes",
+            reason="FIELD_TOO_LARGE",
+            field=field,
+        )
+
+
 def _checked_settings(settings: AgentSettings) -> AgentSettings:
     check_overrides(settings.build_options)
+    _check_field_size(
+        _utf8_len(settings.system_prompt),
+        MAX_SYSTEM_PROMPT_BYTES,
+        "agent.system_prompt",
+        "agent.system_prompt",
+    )
+    if len(settings.docs) > MAX_DOCS:
+        raise ResourceExhausted(
+            f"agent.docs holds {len(settings.docs)} docs; the limit is {MAX_DOCS}",
+            reason="FIELD_TOO_LARGE",
+            field="agent.docs",
+        )
+    _check_field_size(
+        sum(_utf8_len(d.name) + _utf8_len(d.content) for d in settings.docs),
+        MAX_DOCS_BYTES,
+        "agent.docs",
+        "agent.docs together",
+    )
     if settings.model:
         try:
             core.model_info(settings.model)
