@@ -156,7 +156,6 @@ class ContextBuilder:
         )
         window = self._load_history(plan)
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
-        before_loaded = len(window.not_loaded_ids)
         status = status_preamble(
             self._store.list_status(
                 plan.key.tenant, plan.key.agent, plan.key.scope, None, STATUS_ENTRIES, plan.now_us
@@ -189,7 +188,8 @@ class ContextBuilder:
         context = replace(context, stats=_account(context, window))
         stats = context.stats
         summary_id: int | None = None
-        if context.summary is not None and stats.summarizer_path in ("llm", "fallback"):
+        new_summary = context.summary is not None and stats.summarizer_path in ("llm", "fallback")
+        if context.summary is not None and new_summary:
             stored = self._store_summary(plan, context.summary)
             summary_id = stored.id
             context = _with_summary_id(context, stored.id)
@@ -198,7 +198,10 @@ class ContextBuilder:
             summary_id = context.summary.id
         strategy = _strategy(plan.options)
         event = None
-        if _compressed(context, before_loaded):
+        if new_summary:
+            # Only a build that changed something durable (it stored a summary) records
+            # an event, right after that write: a build that only trims is a pure read,
+            # and never waits on the writer or syncs the disk.
             event = self._record_compression(
                 plan,
                 original_count=stats.messages_before,
@@ -664,19 +667,6 @@ def _strategy(options: StrategyOptions) -> str:
     if options.elide_tool_results:
         used.append("elide_tool_results")
     return ",".join(used)
-
-
-def _compressed(context: AssembledContext, not_loaded: int) -> bool:
-    s = context.stats
-    return bool(
-        not_loaded
-        or s.dropped_ids
-        or s.truncated_ids
-        or s.elided_ids
-        or s.summarized_range
-        or s.summarizer_path == "reused"
-        or s.messages_after < s.messages_before
-    )
 
 
 def _render(fmt: str, context: AssembledContext) -> str:

@@ -248,6 +248,13 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
         ],
     ),
+    (
+        7,
+        [
+            # ListEvents reads one scope of one agent in id order.
+            "CREATE INDEX events_by_scope ON events (tenant, agent, scope, id)",
+        ],
+    ),
 ]
 
 # Message ids are reserved this many at a time: the high-water mark in store_state is
