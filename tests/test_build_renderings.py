@@ -115,3 +115,29 @@ def test_a_huge_budget_is_clamped_to_the_models_window(client: Client) -> None:
     assert stats.total_tokens <= window
     assert stats.messages_loaded < 20_000
     assert stats.dropped_count == 20_000 - stats.messages_after
+
+
+def test_summarize_reads_a_bounded_source(client: Client) -> None:
+    """A summarizing build used to load up to 5,000 whole messages, whatever their size."""
+    text = "z" * 1_990
+    for start in range(0, 1_000, 250):
+        batch = [
+            pb.Message(role=pb.ROLE_USER, content=f"{i:05d}{text}")
+            for i in range(start, start + 250)
+        ]
+        client.stub.AppendMessages(
+            pb.AppendMessagesRequest(
+                agent="a1", thread="t1", messages=batch, create_agent_if_missing=True
+            )
+        )
+    budget = 4_000
+    stats = _build(
+        client, options=pb.BuildOptions(summarize=True, budget_tokens=budget, truncate=False)
+    ).stats
+    assert stats.summarizer_path in ("llm", "fallback")
+    source_chars = stats.messages_loaded * 1_995
+    assert source_chars <= 400_000 + 8 * budget + 1_995
+    assert stats.messages_loaded < 1_000
+    # Nothing is lost from the accounting: what was not read is dropped.
+    summarized = stats.last_summarized_id >= stats.first_summarized_id > 0
+    assert summarized and stats.dropped_count > 0

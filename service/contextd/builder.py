@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,12 @@ COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
 # older messages; anything older is left out of the summary (and counted as dropped).
 MAX_SUMMARIZED_MESSAGES = 5_000
+# ... and reads at most this many characters of source besides the recent part the budget
+# keeps: the summarizer sees the newest 400,000 characters of what it folds, so reading
+# more would only cost memory. Chosen from the stored lengths before any content is read.
+MAX_SUMMARY_SOURCE_CHARS = 400_000
+# A budget's worth of characters (a token is rarely more than this many characters).
+CHARS_PER_TOKEN_BOUND = 8
 # Stored counts may come from another tokenizer than the build's; reading this much more
 # than the budget keeps the loaded set a superset of what the exact build keeps.
 CANDIDATE_SLACK = 1.5
@@ -375,6 +382,8 @@ class ContextBuilder:
         if everything or plan.options.summarize:
             too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
+            if too_long:
+                start = max(start, _source_start(chars, _summary_source_chars(plan)))
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
@@ -521,6 +530,19 @@ def replayed_compaction(store: Store, key: ContextKey, payload: bytes) -> Compac
             reason="THREAD_NOT_FOUND",
         )
     return CompactResult(found[0], str(data["path"]), data["error"])
+
+
+def _summary_source_chars(plan: _Plan) -> int:
+    """How many characters a summarizing build may read: the summarizer's share plus the
+    recent part the budget keeps."""
+    return MAX_SUMMARY_SOURCE_CHARS + CHARS_PER_TOKEN_BOUND * plan.budget.prompt_budget
+
+
+def _source_start(chars: npt.NDArray[Any], limit: int) -> int:
+    """The first index of the longest suffix whose characters stay within `limit`."""
+    suffix = np.cumsum(chars[::-1], dtype=np.int64)
+    within = int(np.searchsorted(suffix, limit, side="right"))
+    return max(0, len(chars) - within)
 
 
 # The build options that are strategy options under the same name.
