@@ -9,6 +9,7 @@ import pytest
 
 from conftest import Client, rendering
 from contextd import core
+from contextd.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -141,3 +142,41 @@ def test_summarize_reads_a_bounded_source(client: Client) -> None:
     # Nothing is lost from the accounting: what was not read is dropped.
     summarized = stats.last_summarized_id >= stats.first_summarized_id > 0
     assert summarized and stats.dropped_count > 0
+
+
+def test_prefix_is_byte_stable_between_builds(client: Client, clock: ManualClock) -> None:
+    """The status preamble ("as of <time>") used to sit in the system prompt, so every
+    build had a new prefix and prompt caches never hit."""
+    client.stub.CreateAgent(
+        pb.CreateAgentRequest(
+            agent=pb.Agent(
+                name="a1",
+                system_prompt="You are terse.",
+                docs=[pb.AgentDoc(name="d.md", content="doc")],
+            )
+        )
+    )
+    client.append("a1", "hello", "hi", thread="t1")
+    client.append("a1", "elsewhere", thread="t2")
+    entry = pb.StatusEntry(key="job", kind=pb.STATUS_KIND_PROCESS, state="running", summary="x")
+    client.stub.SetStatus(pb.SetStatusRequest(agent="a1", entry=entry))
+    formats = [pb.CONTEXT_FORMAT_ANTHROPIC, pb.CONTEXT_FORMAT_OPENAI, pb.CONTEXT_FORMAT_TEXT]
+    first = _build(client, formats=formats)
+    clock.advance(5 * 1_000_000)
+    second = _build(client, formats=formats)
+    assert first.status and first.status != second.status  # "as of" moved
+    anthropic = [json.loads(rendering(r, pb.CONTEXT_FORMAT_ANTHROPIC)) for r in (first, second)]
+    assert (
+        anthropic[0]["system"]
+        == anthropic[1]["system"]
+        == "You are terse.\n\n" + ('<document name="d.md">\ndoc\n</document>')
+    )
+    assert anthropic[0]["messages"][:-1] == anthropic[1]["messages"][:-1]
+    last = anthropic[0]["messages"][-1]["content"]
+    assert [b["text"] for b in last[-2:]] == [first.status, "next?"]
+    openai = [json.loads(rendering(r, pb.CONTEXT_FORMAT_OPENAI)) for r in (first, second)]
+    assert openai[0][:-2] == openai[1][:-2]
+    assert openai[0][-2] == {"role": "user", "content": first.status}
+    text = [rendering(r, pb.CONTEXT_FORMAT_TEXT) for r in (first, second)]
+    prefix = text[0].split(first.status)[0]
+    assert prefix and text[1].startswith(prefix)

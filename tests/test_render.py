@@ -146,7 +146,7 @@ MIXED = [
 
 def test_anthropic_rendering_of_parallel_calls_in_both_styles() -> None:
     payload = to_anthropic(context(MIXED, "thanks"))
-    assert payload["system"] == 'sys\n\n<document name="d.md">\ndoc\n</document>\n\nstatus'
+    assert payload["system"] == 'sys\n\n<document name="d.md">\ndoc\n</document>'
     assert payload["messages"] == [
         {"role": "user", "content": [{"type": "text", "text": "check both files"}]},
         {
@@ -166,7 +166,11 @@ def test_anthropic_rendering_of_parallel_calls_in_both_styles() -> None:
             ],
         },
         {"role": "assistant", "content": [{"type": "text", "text": "Both fine."}]},
-        {"role": "user", "content": [{"type": "text", "text": "thanks"}]},
+        # The volatile status opens the last user turn, after the cacheable history.
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "status"}, {"type": "text", "text": "thanks"}],
+        },
     ]
 
 
@@ -197,7 +201,9 @@ def test_openai_rendering_of_parallel_calls_in_both_styles() -> None:
         "tool",
         "user",
         "assistant",
+        "user",
     ]
+    assert messages[-1] == {"role": "user", "content": "status"}
     assert messages[3] == {"role": "tool", "tool_call_id": "o1", "content": "A"}
 
 
@@ -214,10 +220,10 @@ def test_orphans_and_leading_assistant_turns_stay_valid() -> None:
     check_openai(to_openai(context(history)))
 
 
-def test_text_rendering_follows_seed_002() -> None:
+def test_text_rendering_is_a_transcript() -> None:
     ctx = context([HistoryItem(1, Role.USER, "Hello"), HistoryItem(2, Role.ASSISTANT, "Hi there")])
-    assert to_text(ctx, include_system=False) == "User: Hello\nAssistant: Hi there"
+    assert to_text(ctx, include_system=False) == "User: Hello\nAssistant: Hi there\nstatus"
     full = to_text(context(MIXED, "thanks"))
     assert full.startswith("System: sys")
     assert 'Assistant: [calls read({"path":"a.py"})]' in full
-    assert "Tool (read): B" in full and full.endswith("User: thanks")
+    assert "Tool (read): B" in full and full.endswith("status\nUser: thanks")

@@ -1,6 +1,9 @@
-"""Context assembly: seed 000's order under a hard token budget. Pure functions.
+"""Context assembly under a hard token budget. Pure functions.
 
-    1. system prompt   2. agent docs   3. status preamble   4. history   5. new user message
+    1. system prompt   2. agent docs   3. history   4. status preamble   5. new user message
+
+(The renderings put the status, which changes with every build, after the history so
+that everything before it stays byte-stable for prompt caches.)
 
 Every part is counted with the caller's :data:`~contextd.context_types.TokenCounter`
 (estimate or exact tokenizer: the caller's choice), and the sum never exceeds the budget.
@@ -8,7 +11,7 @@ Priorities when it does not all fit: the system prompt and docs are the agent's
 configuration and are never cut (a budget too small for them is an error, not a silent
 mutilation); the new user message comes next and is truncated only if it alone is too
 big; the status preamble is dropped before the new message is cut; the history
-(seed 004's Compressor, :func:`compress_history`) takes what is left, and its newest turn
+(the compressor, :func:`compress_history`) takes what is left, and its newest turn
 is kept, truncated if need be, never dropped without being recorded in the stats.
 """
 

@@ -1,8 +1,11 @@
 """Render an :class:`~contextd.context_types.AssembledContext` for an LLM API.
 
 Three forms: Anthropic Messages (:func:`to_anthropic`), OpenAI Chat Completions
-(:func:`to_openai`) and seed 002's plain text (:func:`to_text`). The system prompt, the
-docs and the status preamble form the system part, in seed 000's order.
+(:func:`to_openai`) and plain text (:func:`to_text`). The system prompt and the docs form
+the system part; the status preamble, which says "as of <time>" and so changes between
+builds, comes after the history, right before the new user message. Everything before it
+is then byte-identical from one build to the next while the history only grows, which is
+what the providers' prompt caches need.
 
 Both APIs reject a tool result that does not directly answer a call: Anthropic wants the
 ``tool_result`` blocks in the user message right after the assistant message holding the
@@ -39,8 +42,9 @@ JsonObject = dict[str, Any]
 
 
 def system_text(ctx: AssembledContext) -> str:
-    """System prompt, docs and status preamble, blank-line separated, empty parts skipped."""
-    parts = [ctx.system_prompt, render_docs(ctx.docs), ctx.status]
+    """System prompt and docs, blank-line separated, empty parts skipped: the stable
+    prefix (the status preamble goes after the history)."""
+    parts = [ctx.system_prompt, render_docs(ctx.docs)]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -98,6 +102,8 @@ def to_anthropic(ctx: AssembledContext) -> JsonObject:
                 for c in parse_tool_calls(item.tool_calls)
             )
             push("assistant", blocks or [_text("")])
+    if ctx.status:
+        push("user", [_text(ctx.status)])  # opens (or ends) the last user turn
     if ctx.new_message:
         push("user", [_text(ctx.new_message)])
     _check_anthropic_pairs(messages)
@@ -175,13 +181,15 @@ def to_openai(ctx: AssembledContext) -> list[JsonObject]:
             elif message["content"] is None:
                 message["content"] = ""
             out.append(message)
+    if ctx.status:
+        out.append({"role": "user", "content": ctx.status})
     if ctx.new_message:
         out.append({"role": "user", "content": ctx.new_message})
     return out
 
 
 def to_text(ctx: AssembledContext, include_system: bool = True) -> str:
-    """Seed 002's ``"User: ...\\nAssistant: ..."`` transcript, for models or logs that take
+    """A ``"User: ...\\nAssistant: ..."`` transcript, for models or logs that take
     one string. Calls and results are written as text lines."""
     lines: list[str] = []
     system = system_text(ctx)
@@ -199,6 +207,8 @@ def to_text(ctx: AssembledContext, include_system: bool = True) -> str:
             for call in parse_tool_calls(item.tool_calls):
                 names[call.id] = call.name
                 lines.append(f"Assistant: [calls {call.name}({call.arguments_json})]")
+    if ctx.status:
+        lines.append(ctx.status)
     if ctx.new_message:
         lines.append(f"User: {ctx.new_message}")
     return "\n".join(lines)
