@@ -5,7 +5,7 @@ small writes, each acknowledged only after it is durable. Python's gRPC stack ha
 ceiling of its own, so the same load is first run against ``bench.echo_server`` (same
 process model and pool size, stores nothing) and contextd is reported as a share of it.
 Batched appends (100 and 1,000 messages per call, 4 concurrent callers) measure the
-store's own throughput. The baseline is the seed design, SQLite with WAL and
+store's own throughput. The baseline is the reference design, SQLite with WAL and
 synchronous=FULL, in process with one caller (see ``bench.sqlite_baseline``): it shows
 the scale of a durable commit and of a bulk insert on this disk, not the same load, so the
 single-message row has no contextd / SQLite ratio.

@@ -1,4 +1,4 @@
-"""The seed design's store, for comparison: SQLite from Python, in process.
+"""The reference design's store, for comparison: SQLite from Python, in process.
 
 WAL journal with ``synchronous=FULL`` so that every commit is durable, like contextd's
 acknowledged appends. Two variants, both with a single caller: one INSERT and one commit

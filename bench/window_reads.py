@@ -1,7 +1,7 @@
 """Benchmark 6: reading a 1,000-message window, ListMessages over gRPC vs SQLite.
 
 One ListMessages call with page_size 1,000 returns a whole 1,000-message window; the
-baseline is the seed design's SQLite query for the same rows in process (no network, no
+baseline is the reference design's SQLite query for the same rows in process (no network, no
 protobuf), so the ratio shows what the service's layers cost on a read. contextd's own
 store read (``Store.list_messages`` in process) is timed too, to separate DuckDB from
 gRPC. Both stores also hold other threads' messages, so the query must select; the first
@@ -114,7 +114,7 @@ def run(sz: Sizes) -> Section:
             con.close()
 
     rows = [
-        ["SQLite query in process (seed design)", fmt_ms(t_sqlite), "1x"],
+        ["SQLite query in process (reference design)", fmt_ms(t_sqlite), "1x"],
         [
             "contextd Store.list_messages in process (DuckDB)",
             fmt_ms(t_store),

@@ -1,15 +1,15 @@
-//! The seeds' token estimators.
+//! The character estimators of tokens.
 //!
-//! Seed 004 estimates a message as `(Unicode scalar values + 3) / 4`; seed 002 uses
+//! The estimate of a message is `(Unicode scalar values + 3) / 4`; the plain variant uses
 //! `chars / 4`. Both count Unicode scalar values (Rust `char`s), never bytes, so that a
 //! CJK or emoji-heavy message is not estimated at three or four times its size.
 
-/// Seed 004's estimate: `(Unicode scalar values + 3) / 4`, i.e. chars / 4 rounded up.
+/// The character estimate: `(Unicode scalar values + 3) / 4`, i.e. chars / 4 rounded up.
 pub fn estimate_tokens(text: &str) -> u64 {
     (text.chars().count() as u64).div_ceil(4)
 }
 
-/// Seed 002's estimate: `chars / 4`, rounded down.
+/// The plain character estimate: `chars / 4`, rounded down.
 pub fn estimate_tokens_chars_div4(text: &str) -> u64 {
     text.chars().count() as u64 / 4
 }

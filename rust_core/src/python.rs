@@ -61,7 +61,7 @@ fn guarded<T>(work: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     catch_panic(work)
 }
 
-/// Seed 004's estimate for each text, in order: `(code points + 3) / 4`.
+/// The character estimate for each text, in order: `(code points + 3) / 4`.
 ///
 /// A Python `str` knows its length in code points (O(1)), which for any string that is
 /// valid Unicode is its number of scalar values, so nothing is read or copied.
@@ -114,7 +114,7 @@ fn run_sized<T: Send>(
     }
 }
 
-/// Seed 004's estimate for one text.
+/// The character estimate for one text.
 #[pyfunction]
 fn estimate_tokens(text: &str) -> PyResult<u64> {
     guarded(|| Ok(crate::estimate_tokens(text)))
@@ -385,7 +385,7 @@ fn tokenize(text: &str, stop_words: bool) -> PyResult<Vec<String>> {
     guarded(|| Ok(text::tokenize(text, stop_words)))
 }
 
-/// For each text, how many distinct query words it contains (seed 001).
+/// For each text, how many distinct query words it contains.
 #[pyfunction]
 #[pyo3(signature = (query, texts, stop_words = false))]
 fn keyword_scores(

@@ -1,4 +1,4 @@
-//! Seed 001's keyword-overlap relevance.
+//! Keyword-overlap relevance.
 //!
 //! A document's score is the number of distinct query words it contains (words as
 //! [`crate::text`] defines them). It is a cheap, explainable filter: no corpus statistics,

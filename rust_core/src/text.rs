@@ -1,6 +1,6 @@
 //! Word tokenizer shared by keyword overlap and BM25.
 //!
-//! Seed 001's rule, made Unicode-aware: lower-case the text, split it into maximal runs of
+//! The keyword rule, made Unicode-aware: lower-case the text, split it into maximal runs of
 //! letters, combining marks and numbers (general categories L, M and N), and keep runs
 //! longer than two characters. Marks count as word characters so that scripts written
 //! with combining vowel signs (Devanagari, Thai, ...) and decomposed accents (`e` +
@@ -12,7 +12,7 @@ use std::sync::LazyLock;
 
 use regex::Regex;
 
-/// Words shorter than this many characters are dropped (seed 001 kept `len(word) > 2`).
+/// Words shorter than this many characters are dropped (the ASCII rule kept `len(word) > 2`).
 pub const MIN_WORD_CHARS: usize = 3;
 
 static WORD: LazyLock<Regex> =

@@ -1,4 +1,4 @@
-//! Token counting: exact OpenAI BPE counts and the seeds' estimators behind one enum.
+//! Token counting: exact OpenAI BPE counts and the character estimators behind one enum.
 //!
 //! The exact encodings come from the `bpe-openai` crate, which compiles the
 //! `o200k_base` / `cl100k_base` vocabularies into the binary at build time, so counting
@@ -33,9 +33,9 @@ pub enum Encoding {
     O200kBase,
     /// OpenAI's `cl100k_base` (GPT-4, GPT-3.5): exact.
     Cl100kBase,
-    /// Seed 004's `(chars + 3) / 4`: an estimate, used where no tokenizer is public.
+    /// The character estimate `(chars + 3) / 4`: an estimate, used where no tokenizer is public.
     Estimate,
-    /// Seed 002's `chars / 4`: kept so the seed's numbers can be reproduced.
+    /// `chars / 4`: the plain estimate, kept for reproducing older figures.
     CharsDiv4,
 }
 

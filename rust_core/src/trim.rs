@@ -6,7 +6,7 @@
 //!
 //! The rules, in the order they are applied:
 //!
-//! 1. A message longer than `max_chars` characters is truncated to `max_chars` (seed 004),
+//! 1. A message longer than `max_chars` characters is truncated to `max_chars`,
 //!    and from then on costs `truncated_tokens[i]` if given, else the estimate of
 //!    `max_chars` characters, `(max_chars + 3) / 4` (never more than its full count).
 //! 2. Messages are kept newest first, as one contiguous suffix: a conversation with a
@@ -42,7 +42,7 @@ use hashbrown::HashSet;
 
 use crate::error::{CoreError, CoreResult};
 
-/// Seed 004's per-message character limit.
+/// The default per-message character limit.
 pub const DEFAULT_MAX_CHARS: u64 = 4000;
 
 /// Message roles as they arrive over the wire (small integers keep the columns flat).

@@ -74,7 +74,7 @@ def status_preamble(
     max_entries: int = 30,
     max_threads: int = 30,
 ) -> str:
-    """Seed 000's status block: live thread/process entries plus the agent's threads with
+    """The status block: live thread/process entries plus the agent's threads with
     messages in the window, so each thread knows what else is happening.
 
     Expired entries are dropped (a stale "running" is worse than none). Threads are the
@@ -120,7 +120,7 @@ def status_preamble(
 
 @dataclass(frozen=True, slots=True)
 class CompressedHistory:
-    """The history part of a context (seed 004's Compressor output) and what it took."""
+    """The history part of a context (the compressor's output) and what it took."""
 
     items: tuple[HistoryItem, ...]
     tokens: int
@@ -149,7 +149,7 @@ def assemble(
     previous_summary: HistoryItem | None = None,
     summarizer: Summarizer | None = None,
 ) -> AssembledContext:
-    """Build the context in seed 000's order within ``budget`` (see the module docstring).
+    """Build the context in its documented order within ``budget`` (see the module docstring).
 
     ``history`` is the thread's window, oldest first; it may contain stored summary items
     (the latest one in effect is reused, the messages it covers are skipped), or pass

@@ -15,7 +15,7 @@ def prepare_batch(
     summarized_ids: tuple[int, int] | None = None,
 ) -> MessageBatch:
     """What the store keeps beside each message, computed for the whole batch at once:
-    seed 004's estimate, the count under `model`'s tokenizer (the estimate without a
+    the character estimate, the count under `model`'s tokenizer (the estimate without a
     model), the length in characters and the declared tool-call ids."""
     texts = [m.content + m.tool_calls for m in messages]
     estimates = core.estimate_tokens_batch(texts)

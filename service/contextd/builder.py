@@ -1,4 +1,4 @@
-"""BuildContext and CompactContext: seed 004's Provider around the pure assembly.
+"""BuildContext and CompactContext: the provider (all store I/O) around the pure assembly.
 
 This is the only part of context building that does I/O. It reads the window as integer
 columns first (ids, roles, token counts, lengths, tool groups), lets the Rust trimmer pick
@@ -479,7 +479,7 @@ class ContextBuilder:
         truncated_ids: Sequence[int] = (),
         dropped_count: int = 0,
     ) -> Event:
-        """Seed 004's `context.compressed` event, with what contextd adds to it."""
+        """The `context.compressed` event of a compaction."""
         return self._store.record_event(
             plan.key,
             COMPRESSED_EVENT,

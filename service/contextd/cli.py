@@ -1,5 +1,5 @@
 """The `contextd` command. `contextd serve` runs the server; more subcommands will mirror
-seed 000's slash commands (clear, save, history, restore) as their RPCs arrive."""
+chat-style slash commands (clear, save, history, restore) as their RPCs arrive."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The structure of a history and pi-mono style compaction over it. Pure functions.
+"""The structure of a history and checkpoint compaction over it. Pure functions.
 
 Tool pairs
     The Messages and Chat Completions APIs reject a tool_result without its tool_use and

@@ -33,15 +33,15 @@ from contextd import core
 from contextd.domain import AgentDoc, Role, StoredMessage
 
 TokenCounter = Callable[[list[str]], list[int]]
-"""Counts tokens of each text, in order. The caller picks the tokenizer (seed 004's
+"""Counts tokens of each text, in order. The caller picks the tokenizer (the character
 estimate, an exact BPE, or a model's count with its margin); see :func:`counter_for_model`."""
 
 DEFAULT_SAFETY_MARGIN = 0.20
-"""Seed 002: a 20% buffer for formatting and the per-message overhead of the APIs."""
+"""A 20% buffer for formatting and the per-message overhead of the APIs."""
 
 
 def estimate_counter(texts: list[str]) -> list[int]:
-    """Seed 004's ``(chars + 3) // 4`` for each text: cheap and model-independent."""
+    """The character estimate ``(chars + 3) // 4`` for each text: cheap and model-independent."""
     return core.estimate_tokens_batch(texts)
 
 
@@ -134,7 +134,7 @@ class StatusKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class StatusEntry:
-    """One line of the status preamble (seed 000's ThreadManager / ProcessManager view)."""
+    """One line of the status preamble (the thread and process view)."""
 
     key: str
     kind: StatusKind
@@ -162,9 +162,9 @@ class Budget:
     """How many tokens the prompt may use.
 
     ``prompt_budget`` is ``explicit_tokens`` when given, else
-    ``floor((context_window - output_reserve) * (1 - safety_margin))``. The margin (seed
-    002's 20% by default) absorbs what per-part accounting does not see: role framing and
-    block overhead of the wire formats, and tokenizer drift for estimated counts.
+    ``floor((context_window - output_reserve) * (1 - safety_margin))``. The margin (20% by
+    default) absorbs what per-part accounting does not see: role framing and block
+    overhead of the wire formats, and tokenizer drift for estimated counts.
     """
 
     context_window: int
@@ -213,12 +213,12 @@ class StrategyOptions:
     resort, whatever is chosen, because the budget is a hard limit.
 
     truncate
-        Cut any message longer than ``max_chars_per_message`` (seed 004), so one huge
+        Cut any message longer than ``max_chars_per_message`` , so one huge
         paste or tool output does not evict the whole conversation.
     summarize
-        pi-mono compaction: when the window does not fit, fold everything older than the
+        checkpoint compaction: when the window does not fit, fold everything older than the
         recent part into one checkpoint message. The recent part is at least
-        ``keep_recent_messages`` (seed 002's 10) and about ``keep_recent_tokens``, capped at
+        ``keep_recent_messages`` (10 by default) and about ``keep_recent_tokens``, capped at
         ``keep_recent_share`` of the history budget so the summary always has room.
     elide_tool_results
         Tool results older than the ``elide_keep_recent_turns`` most recent turns (a turn
@@ -254,7 +254,7 @@ or the previous summary reused because nothing new had to be folded."""
 
 @dataclass(frozen=True, slots=True)
 class BuildStats:
-    """What a build did, for the caller's response and logs (seed 004's
+    """What a build did, for the caller's response and logs (the
     ``context.compressed`` event: counts before and after, tokens against the budget)."""
 
     budget: int
@@ -291,7 +291,7 @@ class BuildStats:
 
 @dataclass(frozen=True, slots=True)
 class AssembledContext:
-    """The context in seed 000's order: system prompt, docs, status, history, new message.
+    """The context in its documented order: system prompt, docs, status, history, new message.
 
     ``summary`` is the summary item at the head of ``history`` when there is one; when
     ``stats.summarizer_path`` is ``"llm"`` or ``"fallback"`` it is new and the caller should

@@ -10,15 +10,15 @@ which costs less than releasing it and taking it back.
 Token counting
     ``o200k_base`` and ``cl100k_base`` are OpenAI's public BPEs, compiled into the
     extension (no download at run time) and equal to ``tiktoken`` token for token.
-    ``estimate`` is seed 004's ``(chars + 3) // 4`` and ``chars_div4`` seed 002's
+    ``estimate`` is the character estimate ``(chars + 3) // 4`` and ``chars_div4`` the plain
     ``chars // 4``, both counting Unicode code points. Anthropic's tokenizer is not public:
     the model registry counts Claude with ``o200k_base`` times a safety margin (see
     ``rust_core/data/models.toml`` for the figures and why).
 
 Relevance
-    :func:`tokenize` is seed 001's word rule made Unicode-aware (lower case, runs of letters,
+    :func:`tokenize` is the keyword rule made Unicode-aware (lower case, runs of letters,
     marks and digits, longer than two characters, optional English stop words).
-    :func:`keyword_scores` / :func:`keyword_select` are seed 001's overlap filter;
+    :func:`keyword_scores` / :func:`keyword_select` are the keyword-overlap filter;
     :class:`Bm25Index` is an incremental BM25 index meant for one index per conversation
     store, up to millions of messages.
 
@@ -99,7 +99,7 @@ ROLE_TOOL_RESULT: Final = 4
 
 
 def estimate_tokens(text: str) -> int:
-    """Seed 004's estimate, ``(code points + 3) // 4``: cheap and model-independent."""
+    """The character estimate, ``(code points + 3) // 4``: cheap and model-independent."""
     return _core.estimate_tokens(text)
 
 
@@ -224,7 +224,7 @@ def tokenize(text: str, stop_words: bool = False) -> list[str]:
 
 
 def keyword_scores(query: str, texts: list[str], stop_words: bool = False) -> list[int]:
-    """Seed 001's relevance: for each text, how many distinct query words it contains.
+    """Keyword relevance: for each text, how many distinct query words it contains.
 
     No corpus statistics, so it behaves the same on three messages as on three thousand.
     """

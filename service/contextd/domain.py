@@ -230,7 +230,7 @@ class Page(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """Something the service did that operators and clients may audit (seed 004)."""
+    """Something the service did that operators and clients may audit."""
 
     id: int
     type: str

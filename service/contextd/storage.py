@@ -439,7 +439,7 @@ _INSERT_AGENT = f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?
 
 
 def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> list[Any]:
-    """A new agent's row: its clear marker starts at its creation, as seed 000 says."""
+    """A new agent's row: its clear marker starts at its creation."""
     return [
         tenant,
         name,

@@ -1,10 +1,10 @@
 """Summarizers: fold old messages into one structured checkpoint.
 
 A summarizer never fails a context build. :class:`AnthropicSummarizer` asks Claude for a
-pi-mono style checkpoint; on any failure (no key, network, API status, rate limit,
+structured checkpoint; on any failure (no key, network, API status, rate limit,
 timeout, an empty or malformed answer) it falls back to :class:`ExtractiveSummarizer`
-(seed 002: the user's requests, up to 200 characters each, and what the agent did) and
-reports which path ran and why. Seed 000's "handles LLM failure gracefully".
+(the user's requests, up to 200 characters each, and what the agent did) and
+reports which path ran and why. A summary never makes a build fail.
 
 Both attach a *specifics ledger*: file paths, commands, URLs, identifiers, numbers and
 error lines found by :func:`contextd.core.extract_specifics`, kept verbatim beside the
@@ -33,7 +33,7 @@ SUMMARY_SECTIONS = (
     "Next steps",
     "Critical context",
 )
-"""The checkpoint's sections, in order (pi-mono's compaction summary)."""
+"""The checkpoint's sections, in order (a compaction checkpoint)."""
 
 SPECIFICS_HEADING = "## Specifics"
 MAX_SPECIFICS = 80
@@ -41,7 +41,7 @@ MAX_SPECIFICS = 80
 conversation and eventually crowd out the summary it supports."""
 
 USER_REQUEST_CHARS = 200
-"""Seed 002: user requests are kept up to 200 characters each."""
+"""User requests are kept up to 200 characters each."""
 
 SYSTEM_PROMPT = (
     "You compress the history of a conversation between a user and an AI agent into a "
@@ -161,7 +161,7 @@ def strip_specifics(summary_text: str) -> str:
 
 
 class ExtractiveSummarizer:
-    """Seed 002's summary, no LLM: the user's requests (up to 200 characters each) and the
+    """The extractive summary, no LLM: the user's requests (up to 200 characters each) and the
     agent's actions (metadata ``action``/``agent_type``/``actions`` and tool names), laid
     out in the checkpoint's sections. Deterministic and pure; also the fallback."""
 
@@ -253,7 +253,7 @@ class AnthropicConfig:
 
 
 class AnthropicSummarizer:
-    """pi-mono compaction through the Messages API; falls back instead of failing."""
+    """Checkpoint compaction through the Messages API; falls back instead of failing."""
 
     def __init__(
         self,
