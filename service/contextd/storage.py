@@ -55,7 +55,17 @@ from contextd.errors import (
     StoreLocked,
     Unavailable,
 )
-from contextd.idempotency import RETENTION_US, AlreadyDone, Remembered, RequestRecord, replay
+from contextd.idempotency import (
+    CLEANUP_BACKLOG_EVERY_US,
+    CLEANUP_CHUNK,
+    CLEANUP_EVERY_US,
+    RETENTION_US,
+    AlreadyDone,
+    Remembered,
+    RequestRecord,
+    record_key,
+    replay,
+)
 from contextd.thread_counters import IDLE_FLUSH_S, NO_SOURCE_TIME, PendingCounters
 from contextd.validation import quote
 from contextd.window import MAX_SOURCE_LEAD_US, WindowSpec
@@ -251,8 +261,33 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
     (
         7,
         [
-            # ListEvents reads one scope of one agent in id order.
-            "CREATE INDEX events_by_scope ON events (tenant, agent, scope, id)",
+            # The request records again, keyed by one column (see idempotency.record_key):
+            # DuckDB finds a row through an index only by a single-column key, so a lookup
+            # by (tenant, request_id) scanned the whole table, on the writer, per write.
+            """
+            CREATE TABLE request_records (
+                id_key VARCHAR NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                request_id VARCHAR NOT NULL,
+                method VARCHAR NOT NULL,
+                fingerprint VARCHAR NOT NULL,
+                payload BLOB NOT NULL,
+                create_time_us BIGINT NOT NULL
+            )
+            """,
+            "INSERT INTO request_records SELECT request_id || chr(9) || tenant, tenant, "
+            "request_id, method, fingerprint, payload, create_time_us FROM request_log",
+            "DROP TABLE request_log",
+        ],
+    ),
+    (
+        8,
+        [
+            # ListEvents reads the events of one scope of one agent: a one-column key of
+            # them, since DuckDB uses an index only for a single-column predicate.
+            "ALTER TABLE events ADD COLUMN scope_key VARCHAR",
+            "UPDATE events SET scope_key = tenant || chr(9) || agent || chr(9) || scope",
+            "CREATE INDEX events_by_scope ON events (scope_key)",
         ],
     ),
 ]
@@ -455,19 +490,37 @@ def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> 
 
 
 def _remembered(cur: duckdb.DuckDBPyConnection, tenant: str, request_id: str) -> Remembered | None:
-    row = _first(
-        cur.execute(
-            "SELECT method, fingerprint, payload FROM request_log "
-            "WHERE tenant = ? AND request_id = ?",
-            [tenant, request_id],
-        )
-    )
-    return Remembered(row[0], row[1], bytes(row[2])) if row else None
+    key = record_key(tenant, request_id)
+    return _remembered_keys(cur, [key]).get(key)
+
+
+def _remembered_keys(cur: duckdb.DuckDBPyConnection, keys: Sequence[str]) -> dict[str, Remembered]:
+    """The records of these keys (see idempotency.record_key), in one query per few
+    hundred: the writer checks a whole group of appends at once."""
+    found: dict[str, Remembered] = {}
+    for start in range(0, len(keys), 500):
+        chunk = list(dict.fromkeys(keys[start : start + 500]))
+        rows = cur.execute(
+            "SELECT id_key, method, fingerprint, payload FROM request_records "
+            f"WHERE id_key IN ({', '.join('?' * len(chunk))})",
+            chunk,
+        ).fetchall()
+        for key, method, fingerprint, payload in rows:
+            found[key] = Remembered(method, fingerprint, bytes(payload))
+    return found
+
+
+_INSERT_REQUESTS = (
+    "INSERT INTO request_records (id_key, tenant, request_id, method, fingerprint, payload, "
+    "create_time_us) SELECT id_key, tenant, request_id, method, fingerprint, payload, "
+    "create_time_us FROM contextd_requests"
+)
 
 
 def _request_rows(requests: list[tuple[RequestRecord, bytes]], now_us: int) -> pa.Table:
     return pa.table(
         {
+            "id_key": [r.key for r, _ in requests],
             "tenant": [r.tenant for r, _ in requests],
             "request_id": [r.request_id for r, _ in requests],
             "method": [r.method for r, _ in requests],
@@ -482,7 +535,12 @@ def _save_records(
     cur: duckdb.DuckDBPyConnection, requests: list[tuple[RequestRecord, bytes]], now_us: int
 ) -> None:
     contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned below
-    cur.execute("INSERT INTO request_log SELECT * FROM contextd_requests")
+    cur.execute(_INSERT_REQUESTS)
+
+
+def _scope_key(tenant: str, agent: str, scope: str) -> str:
+    """One column naming (tenant, agent, scope): names never hold a tab."""
+    return f"{tenant}\t{agent}\t{scope}"
 
 
 def _check_etag(agent: Agent, etag: str) -> None:
@@ -728,20 +786,28 @@ class Store:
         return _remembered(self._cursor(), tenant, request_id)
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
-        """Remove request records past their retention, a bounded chunk at a time, so
-        the cleanup never holds the writer for long."""
-        now = self.clock.tick()
+        """Remove request records past their retention, at most CLEANUP_CHUNK per pass
+        (a few milliseconds), once a minute by the store's clock; a pass that found a
+        full chunk brings the next one to a second later, so a backlog drains without
+        any pass holding the writer for long."""
+        now = self.clock.now_us()
         if now < self._next_request_cleanup_us:
             return
-        self._next_request_cleanup_us = now + 60 * 1_000_000
+        self._next_request_cleanup_us = now + CLEANUP_EVERY_US
         try:
-            writer.execute(
-                "DELETE FROM request_log WHERE rowid IN (SELECT rowid FROM request_log "
-                "WHERE create_time_us < ? LIMIT 10000)",
-                [now - RETENTION_US],
+            row = _first(
+                writer.execute(
+                    "DELETE FROM request_records WHERE rowid IN (SELECT rowid FROM "
+                    "request_records WHERE create_time_us < ? LIMIT ?)",
+                    [now - RETENTION_US, CLEANUP_CHUNK],
+                )
             )
         except duckdb.Error:
+            self._rollback(writer)
             log.exception("removing old request records failed; the next pass retries")
+            return
+        if row and int(row[0]) >= CLEANUP_CHUNK:
+            self._next_request_cleanup_us = now + CLEANUP_BACKLOG_EVERY_US
 
     def _write_loop(self) -> None:
         writer = self._con.cursor()
@@ -761,6 +827,9 @@ class Store:
                 if job is _STOP:
                     self._flush_counters(writer)
                     return
+                # Before the group, so a write answered after the clock passed a due
+                # pass was preceded by it (also on a writer that is never idle).
+                self._forget_old_requests(writer)
                 appends: list[_AppendJob] = []
                 calls: list[_CallJob] = []
                 stop = self._gather(job, appends, calls)
@@ -877,17 +946,18 @@ class Store:
             return jobs, []
         keep: list[_AppendJob] = []
         repeats: list[tuple[_AppendJob, _AppendJob]] = []
-        first_of: dict[tuple[str, str], _AppendJob] = {}
+        first_of: dict[str, _AppendJob] = {}
+        stored = _remembered_keys(writer, [j.record.key for j in recorded if j.record])
         for job in jobs:
             record = job.record
             if record is None:
                 keep.append(job)
                 continue
-            id_key = (record.tenant, record.request_id)
+            id_key = record.key
             if id_key in first_of:
                 repeats.append((job, first_of[id_key]))
                 continue
-            found = _remembered(writer, record.tenant, record.request_id)
+            found = stored.get(id_key)
             if found is None:
                 first_of[id_key] = job
                 keep.append(job)
@@ -1153,7 +1223,7 @@ class Store:
         ]
         if requests:
             contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned
-            script.append("INSERT INTO request_log SELECT * FROM contextd_requests")
+            script.append(_INSERT_REQUESTS)
         script.append("COMMIT")
         writer.execute(";\n".join(script))
         self._context_ids.update(new_contexts)
@@ -1627,8 +1697,18 @@ class Store:
             now_us = self.clock.tick()
             text = json.dumps(data, separators=(",", ":"))
             cur.execute(
-                "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [event_id, key.tenant, key.agent, key.scope, key.thread, event_type, now_us, text],
+                "INSERT INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    event_id,
+                    key.tenant,
+                    key.agent,
+                    key.scope,
+                    key.thread,
+                    event_type,
+                    now_us,
+                    text,
+                    _scope_key(key.tenant, key.agent, key.scope),
+                ],
             )
             self._next_event_id += 1
             return Event(event_id, event_type, key.agent, key.scope, key.thread, now_us, text)
@@ -1649,11 +1729,13 @@ class Store:
             self._cursor()
             .execute(
                 "SELECT id, type, agent, scope, thread, create_time_us, data FROM events "
-                "WHERE tenant = ? AND agent = ? AND scope = ? AND (? IS NULL OR thread = ?) "
+                "WHERE scope_key = ? AND tenant = ? AND agent = ? AND scope = ? "
+                "AND (? IS NULL OR thread = ?) "
                 "AND (? = '' OR type = ?) "
                 "AND (? IS NULL OR create_time_us >= ?) AND (? IS NULL OR create_time_us < ?) "
                 "AND id > ? ORDER BY id LIMIT ?",
                 [
+                    _scope_key(where.tenant, where.agent, where.scope),
                     where.tenant,
                     where.agent,
                     where.scope,
