@@ -2,13 +2,15 @@
 
 Every serve option has an environment variable (CONTEXTD_*) so a process manager can
 configure the server without flags; a flag, when given, wins. (`max_group_rows`, the
-writer's group-commit limit, is a tuning knob for tests and benchmarks, not an option.)
+writer's group-commit limit, and `delete_chunk_rows`, how many messages of a deleted agent
+one writer job removes, are tuning knobs for tests and benchmarks, not options.)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +27,11 @@ class Settings:
     max_message_bytes: int = 1 << 20
     max_batch_messages: int = 10_000
     max_group_rows: int = 50_000
+    delete_chunk_rows: int = 5_000
     workers: int = 32
     grace_seconds: float = 10.0
+    write_timeout_seconds: float = 30.0
+    store_memory_limit: str = ""  # DuckDB's memory_limit, e.g. "2GB"; "": DuckDB's default
     log_level: str = "INFO"
     log_format: str = "json"
     summary_model: str = "claude-haiku-4-5"
@@ -48,6 +53,10 @@ _SERVE_OPTIONS: dict[str, str] = {
     "max_batch_messages": "most messages in one AppendMessages call",
     "workers": "gRPC handler threads",
     "grace_seconds": "how long shutdown waits for calls in flight",
+    "write_timeout_seconds": "how long a call waits for the store's writer before it is "
+    "answered UNAVAILABLE (STORE_BUSY)",
+    "store_memory_limit": "DuckDB's memory limit, e.g. 2GB (unset: DuckDB's default, 80%% of "
+    "the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -58,6 +67,7 @@ _SERVE_OPTIONS: dict[str, str] = {
     "ANTHROPIC_BASE_URL)",
 }
 _CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
+_MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
 _MAY_BE_ZERO = {"grace_seconds"}
 
@@ -78,6 +88,18 @@ def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | f
     return parse
 
 
+def _memory_size(text: str) -> str:
+    """argparse type of the memory limit: a size DuckDB understands ("" for its default),
+    checked here so that a typo is a one-line start-up error, not a DuckDB traceback."""
+    text = text.strip()
+    if text and not _MEMORY_SIZE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a size like 512MB or 2GB")
+    return text
+
+
+_memory_size.__name__ = "size"
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for name, help_text in _SERVE_OPTIONS.items():
@@ -86,6 +108,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         kind: Callable[[str], object] = str
         if name == "log_level":
             kind = str.upper
+        elif name == "store_memory_limit":
+            kind = _memory_size
         elif isinstance(default, int | float):
             kind = _number(type(default), name)
         # A string default goes through `type`, so a bad environment value is reported

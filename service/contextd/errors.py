@@ -23,16 +23,28 @@ class Code(Enum):
 
 
 class ContextdError(Exception):
-    """An error the caller can act on: a code, a human message and a machine reason."""
+    """An error the caller can act on: a code, a human message and a machine reason.
+
+    `retry_after_s`, when set, is how long the caller should wait before trying again
+    (sent as google.rpc.RetryInfo); None means a retry as such will not help.
+    """
 
     code: Code = Code.FAILED_PRECONDITION
     default_reason = "FAILED_PRECONDITION"
 
-    def __init__(self, message: str, *, reason: str | None = None, field: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        field: str = "",
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason
         self.field = field
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(ContextdError):
@@ -70,6 +82,25 @@ class Aborted(ContextdError):
 class Unavailable(ContextdError):
     code = Code.UNAVAILABLE
     default_reason = "UNAVAILABLE"
+
+
+class StoreUnavailable(Unavailable):
+    """The store cannot serve the call now: an I/O error, or a fatal DuckDB error after
+    which the database must be reopened (the server then reports NOT_SERVING)."""
+
+    default_reason = "STORE_UNAVAILABLE"
+
+
+class StoreBusy(StoreUnavailable):
+    """The store's writer did not take the call within the write timeout."""
+
+    default_reason = "STORE_BUSY"
+
+
+class StoreExhausted(ResourceExhausted):
+    """DuckDB ran out of memory (its memory limit) for this call."""
+
+    default_reason = "STORE_RESOURCE_EXHAUSTED"
 
 
 class StoreLocked(Exception):

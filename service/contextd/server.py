@@ -1,8 +1,15 @@
 """Server assembly and life cycle: store, service, servicer, health, reflection, signals.
 
-Shutdown order matters for durability: health goes NOT_SERVING (load balancers stop
-sending), the gRPC server stops accepting and drains calls in flight for the grace
-period, and only then is the store closed, which flushes queued writes and checkpoints.
+Shutdown order matters for durability and for what clients see: health goes NOT_SERVING
+(load balancers stop sending); calls that arrive from then on are answered UNAVAILABLE
+(SHUTTING_DOWN) by the server itself while the calls it had already received run to their
+end, within the grace period; only then does the gRPC server stop (gRPC core ends a call
+that reaches it after that with CANCELLED, which clients do not retry, so this window is
+kept as short as the drain allows); last the store is closed, which flushes queued writes
+and checkpoints.
+
+Health also follows the store: NOT_SERVING after a fatal DuckDB error (until a restart)
+and while the store's writer is stuck on one job for longer than the write timeout.
 """
 
 from __future__ import annotations
@@ -10,9 +17,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from contextd.clock import MonotonicClock
 from contextd.config import Settings
+from contextd.errors import Unavailable
 from contextd.grpc_errors import ErrorMappingInterceptor
 from contextd.paging import PageTokens, load_or_create_key
 from contextd.service import ContextService, Limits
@@ -33,6 +44,75 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextService"].full_name
 MAX_REQUEST_BYTES = 256 << 20
+# How long a client refused during shutdown is told to wait before retrying (elsewhere).
+SHUTDOWN_RETRY_AFTER_S = 1.0
+
+
+class Admission(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Counts the ContextService calls being handled and, once the server is draining,
+    answers new ones UNAVAILABLE (SHUTTING_DOWN) itself.
+
+    Why: once grpc's own server.stop() has begun, gRPC core ends every call it has not
+    yet handed to a handler with CANCELLED (grpc/grpc#41785), including a call the
+    client sent just before the signal, and clients rightly do not retry CANCELLED. So
+    the server first drains on its own terms: a call is admitted or refused when gRPC
+    matches it to its handler (before its request body is read), admitted calls run to
+    their end, refused ones get a retryable status, and grpc's stop comes only when no
+    admitted call is left. Health and reflection calls are never refused or counted (a
+    health check must still answer NOT_SERVING).
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._running = 0
+        self._draining = False
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or handler.unary_unary is None:
+            return handler  # every ContextService method is unary; others pass through
+        if not method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        behavior = handler.unary_unary
+        admitted = not self._draining
+
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            if not admitted:
+                raise Unavailable(
+                    "the server is shutting down; retry (another server, or this one "
+                    "after its restart)",
+                    reason="SHUTTING_DOWN",
+                    retry_after_s=SHUTDOWN_RETRY_AFTER_S,
+                )
+            with self._changed:
+                self._running += 1
+            log.debug("call received", extra={"method": method})
+            try:
+                return behavior(request, context)
+            finally:
+                with self._changed:
+                    self._running -= 1
+                    self._changed.notify_all()
+
+        return grpc.unary_unary_rpc_method_handler(
+            handle,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def drain(self, timeout: float | None) -> int:
+        """Refuse calls from now on; wait (at most `timeout`) until no admitted call is
+        being handled. Returns how many still are."""
+        with self._changed:
+            self._draining = True
+            log.info("draining calls in flight", extra={"calls": self._running})
+            self._changed.wait_for(lambda: self._running == 0, timeout)
+            return self._running
 
 
 @dataclass
@@ -43,16 +123,24 @@ class RunningServer:
     health: health.HealthServicer
     workers: futures.ThreadPoolExecutor
     summarizer: AnthropicSummarizer
+    admission: Admission
 
     def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING, drain calls in flight, then flush and close the store.
+        """NOT_SERVING, refuse new calls and drain those in flight, stop gRPC, then flush
+        and close the store.
 
+        Long background work of the store (removing a deleted agent's messages) stops
+        first, so a DeleteAgent in flight returns at once instead of holding the drain.
         The worker pool is joined before the store closes: a handler whose call was
         cancelled at the end of the grace period may still be running, and closing DuckDB
         under it would turn a clean shutdown into a crash.
         """
+        deadline = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
-        self.server.stop(grace).wait()
+        self.store.stop_background_work()
+        self.admission.drain(0.0 if grace is None else grace)  # None: stop at once
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.server.stop(left).wait()
         self.workers.shutdown(wait=True, cancel_futures=True)
         self.summarizer.close()
         self.store.close()
@@ -64,7 +152,14 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
     `clock` is the server's one clock (commit times, clear markers, window ages, expiry);
     the default follows the wall clock and never goes back. Tests pass a ManualClock.
     """
-    store = Store.open(settings.database_path, max_group_rows=settings.max_group_rows, clock=clock)
+    store = Store.open(
+        settings.database_path,
+        max_group_rows=settings.max_group_rows,
+        clock=clock,
+        write_timeout_s=settings.write_timeout_seconds,
+        memory_limit=settings.store_memory_limit,
+        delete_chunk_rows=settings.delete_chunk_rows,
+    )
     try:
         summarizer = AnthropicSummarizer(
             AnthropicConfig(
@@ -86,9 +181,11 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         workers = futures.ThreadPoolExecutor(
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"
         )
+        admission = Admission()
         server = grpc.server(
             workers,
-            interceptors=[ErrorMappingInterceptor()],
+            # The error mapping wraps the admission check, so a refusal gets its details.
+            interceptors=[ErrorMappingInterceptor(), admission],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
@@ -119,8 +216,17 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
     except BaseException:
         store.close()
         raise
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def follow_store(serving: bool) -> None:
+        """The store turned unable to serve (a fatal error, a stuck writer) or able again."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)  # ignored once shutdown has begun
+
+    follow_store(True)
+    store.watch(follow_store)
     return RunningServer(
         server=server,
         port=port,
@@ -128,6 +234,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         health=health_servicer,
         workers=workers,
         summarizer=summarizer,
+        admission=admission,
     )
 
 
