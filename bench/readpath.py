@@ -8,8 +8,8 @@ called in process (``ContextService.build_context``): it reads only the narrow c
 NumPy buffers, loads content only for the newest messages that can fit
 (``Store.window_messages_from``),
 then assembles the context, counts it exactly (reusing the counts stored at insert where
-they were made with the same tokenizer) and records its ``context.compressed``
-event. Its cost follows the budget, not the history, and it does more work than the
+they were made with the same tokenizer); a build that only trims writes nothing. Its cost
+follows the budget, not the history, and it does more work than the
 naive paths, which only trim.
 
 The thread is written through ``ContextService.append_messages`` into a real DuckDB file,
@@ -206,8 +206,8 @@ def run(sz: Sizes) -> Section:
                     f"({fmt_ms(t['contextd'])}): besides reading the newest columns and the "
                     "content that can fit, it looks up the agent, thread, latest summary, "
                     "status entries and thread activity, counts exactly what was not counted "
-                    "at insert under the same tokenizer, assembles, and commits its "
-                    "context.compressed event through the writer, while the naive paths "
+                    "at insert under the same tokenizer and assembles (a build that only trims "
+                    "writes nothing), while the naive paths "
                     "only load and trim. Loading the window alone takes "
                     f"{fmt_ratio(ratio(t['load'], t['contextd']))} contextd's whole build."
                 ),
