@@ -26,8 +26,8 @@ CALLERS = 32
 
 def child_probe(shared: bool, seconds: float) -> dict[str, Any]:
     from bench.readpath import service_over
-    from contextd.domain import NewMessage, Role
-    from contextd.storage import Store
+    from contextd.adapters.duckdb.store import Store
+    from contextd.domain.model import NewMessage, Role
 
     original = getattr(Store, "_commit_appends", None)
     if original is None:

@@ -24,7 +24,7 @@ from types import FrameType
 
 import grpc
 
-from contextd.server import MAX_REQUEST_BYTES
+from contextd.api.server import MAX_REQUEST_BYTES
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 

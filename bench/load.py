@@ -17,7 +17,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped,unused-ignore]
 
 from bench import corpus
-from contextd.server import MAX_REQUEST_BYTES
+from contextd.api.server import MAX_REQUEST_BYTES
 
 AGENT = "bench-append"
 # The server's own message size limits, both ways, so large batches and windows fit.

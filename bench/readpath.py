@@ -41,8 +41,8 @@ BATCH = 10_000
 def service_over(store: Any) -> Any:
     """A ``ContextService`` over ``store`` as the server builds it, but with the offline
     extractive summarizer (no LLM calls from a benchmark)."""
-    from contextd.service import ContextService
-    from contextd.summarizer import ExtractiveSummarizer
+    from contextd.app.build.summarizer import ExtractiveSummarizer
+    from contextd.app.service import ContextService
 
     return ContextService(store, ExtractiveSummarizer())
 
@@ -52,8 +52,8 @@ def populate_thread(
 ) -> None:
     """Append ``messages`` through the service layer (creating the agent with ``model`` if
     needed), so the stored counts are the server's own."""
-    from contextd.domain import AgentSettings, NewMessage, Role
-    from contextd.errors import AlreadyExists
+    from contextd.domain.errors import AlreadyExists
+    from contextd.domain.model import AgentSettings, NewMessage, Role
 
     with contextlib.suppress(AlreadyExists):
         service.create_agent(TENANT, agent, AgentSettings(model=model))
@@ -97,8 +97,8 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
 
 
 def run(sz: Sizes) -> Section:
-    from contextd.storage import Store, ThreadFilter
-    from contextd.window import WindowSpec
+    from contextd.adapters.duckdb.store import Store, ThreadFilter
+    from contextd.domain.window import WindowSpec
 
     n = sz.read_thread
     budget = sz.budget
@@ -110,8 +110,8 @@ def run(sz: Sizes) -> Section:
             history = corpus.conversation(n, tools=False)
             fill_s, _ = timed(lambda: populate_thread(service_over(store), AGENT, THREAD, history))
 
-            from contextd.builder import BuildRequest
-            from contextd.domain import BuildOverrides
+            from contextd.app.build.builder import BuildRequest
+            from contextd.domain.model import BuildOverrides
 
             service = service_over(store)
             request = BuildRequest(

@@ -42,9 +42,9 @@ def _check(path: str, got: list[tuple[int, str]], expected: list[corpus.Message]
 def run(sz: Sizes) -> Section:
     from bench.load import populated_stub
     from bench.readpath import populate_thread, service_over
-    from contextd.storage import Store, ThreadFilter
+    from contextd.adapters.duckdb.store import Store, ThreadFilter
+    from contextd.domain.window import WindowSpec
     from contextd.v1 import context_service_pb2 as pb
-    from contextd.window import WindowSpec
 
     history = corpus.conversation(WINDOW * (NOISE_THREADS + 1), tools=False)
     threads = [(f"t{k}", history[k * WINDOW : (k + 1) * WINDOW]) for k in range(NOISE_THREADS + 1)]

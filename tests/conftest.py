@@ -24,9 +24,9 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from contextd.clock import ManualClock, wall_clock_us
+from contextd.api.server import RunningServer, create_server
 from contextd.config import Settings
-from contextd.server import RunningServer, create_server
+from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 

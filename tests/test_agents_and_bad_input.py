@@ -9,7 +9,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import USER, Client, InProcessServer, scope_pb, ts
-from contextd.clock import ManualClock
+from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -419,8 +419,8 @@ def test_errors_carry_error_info_details(client: Client) -> None:
 
 def test_batch_over_limit_is_resource_exhausted(tmp_path: object) -> None:
     from conftest import connect
+    from contextd.api.server import create_server
     from contextd.config import Settings
-    from contextd.server import create_server
 
     running = create_server(
         Settings(

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextd import core
-from contextd.assembly import BudgetTooSmallError, assemble, render_docs, status_preamble
-from contextd.context_types import (
+from contextd.app.build.assembly import BudgetTooSmallError, assemble, render_docs, status_preamble
+from contextd.domain.context import (
     AssembledContext,
     Budget,
     HistoryItem,
@@ -26,8 +26,8 @@ from contextd.context_types import (
     estimate_counter,
     parse_tool_calls,
 )
-from contextd.domain import AgentDoc, Role, StoredMessage
-from contextd.window import window_spec
+from contextd.domain.model import AgentDoc, Role, StoredMessage
+from contextd.domain.window import window_spec
 
 S = 1_000_000
 NOW = 1_750_000_000 * S

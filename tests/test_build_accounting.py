@@ -29,14 +29,14 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from contextd.builder import BuildRequest, BuildResult
-from contextd.domain import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
-from contextd.errors import FailedPrecondition
-from contextd.render import to_anthropic, to_openai
-from contextd.service import ContextService
-from contextd.storage import Store
-from contextd.summarizer import ExtractiveSummarizer
-from contextd.window import WindowSpec
+from contextd.adapters.duckdb.store import Store
+from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.render import to_anthropic, to_openai
+from contextd.app.build.summarizer import ExtractiveSummarizer
+from contextd.app.service import ContextService
+from contextd.domain.errors import FailedPrecondition
+from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
+from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 THREADS = ("t1", "t2")

@@ -18,9 +18,9 @@ from google.protobuf import duration_pb2, field_mask_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect, rendering, ts
 from contextd import core
-from contextd.clock import ManualClock
+from contextd.api.server import RunningServer, create_server
 from contextd.config import Settings
-from contextd.server import RunningServer, create_server
+from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 

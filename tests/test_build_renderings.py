@@ -9,7 +9,7 @@ import pytest
 
 from conftest import Client, rendering
 from contextd import core
-from contextd.clock import ManualClock
+from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 

@@ -11,8 +11,8 @@ from fake_anthropic import FakeAnthropic
 from hypothesis import given, settings
 from test_assembly import History, check_pairs, histories
 
-from contextd.assembly import assemble
-from contextd.compaction import (
+from contextd.app.build.assembly import assemble
+from contextd.app.build.compaction import (
     elide_tool_results,
     make_summary_item,
     plan_compaction,
@@ -21,15 +21,15 @@ from contextd.compaction import (
     summary_range,
     valid_cuts,
 )
-from contextd.context_types import HistoryItem, StrategyOptions, estimate_counter
-from contextd.domain import Role
-from contextd.summarizer import (
+from contextd.app.build.summarizer import (
     SPECIFICS_HEADING,
     AnthropicConfig,
     AnthropicSummarizer,
     SummaryResult,
     parse_specifics,
 )
+from contextd.domain.context import HistoryItem, StrategyOptions, estimate_counter
+from contextd.domain.model import Role
 
 
 def parallel_turn(start: int, n: int, style: str = "anthropic") -> list[HistoryItem]:

@@ -9,7 +9,7 @@ import json
 from google.protobuf import field_mask_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, InProcessServer, span, ts
-from contextd.clock import ManualClock
+from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 MINUTE = 60 * 1_000_000

@@ -20,11 +20,11 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import USER, Client, InProcessServer, connect
-from contextd.errors import InvalidArgument
-from contextd.grpc_errors import ErrorMappingInterceptor
-from contextd.paging import KEY_FILE, PageToken, PageTokens
+from contextd.api.errors import ErrorMappingInterceptor
+from contextd.app.paging import KEY_FILE, PageToken, PageTokens
+from contextd.domain.errors import InvalidArgument
+from contextd.domain.validation import MAX_JSON_DEPTH
 from contextd.v1 import context_service_pb2 as pb
-from contextd.validation import MAX_JSON_DEPTH
 
 SERVICE = Path(__file__).parent.parent / "service" / "contextd"
 

@@ -9,15 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_assembly import STRATEGIES, History, histories, texts
 
-from contextd.assembly import assemble
-from contextd.context_types import (
+from contextd.app.build.assembly import assemble
+from contextd.app.build.render import CONTINUATION, system_text, to_anthropic, to_openai, to_text
+from contextd.domain.context import (
     AssembledContext,
     BuildStats,
     HistoryItem,
     estimate_counter,
 )
-from contextd.domain import AgentDoc, Role
-from contextd.render import CONTINUATION, system_text, to_anthropic, to_openai, to_text
+from contextd.domain.model import AgentDoc, Role
 
 
 def context(history: list[HistoryItem], new: str | None = None) -> AssembledContext:

@@ -17,12 +17,12 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, SpawnServer, connect
-from contextd import storage
-from contextd.batches import prepare_batch
-from contextd.clock import ManualClock
+from contextd.adapters.duckdb import store as storage
+from contextd.api.server import create_server
 from contextd.config import Settings
-from contextd.domain import DEFAULT_TENANT, AgentSettings, ContextKey, NewMessage, Role
-from contextd.idempotency import (
+from contextd.domain.batches import prepare_batch
+from contextd.domain.clock import ManualClock
+from contextd.domain.idempotency import (
     CLEANUP_BACKLOG_EVERY_US,
     CLEANUP_EVERY_US,
     RETENTION_US,
@@ -30,7 +30,7 @@ from contextd.idempotency import (
     RequestRecord,
     record_key,
 )
-from contextd.server import create_server
+from contextd.domain.model import DEFAULT_TENANT, AgentSettings, ContextKey, NewMessage, Role
 from contextd.v1 import context_service_pb2 as pb
 
 

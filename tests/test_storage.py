@@ -9,12 +9,12 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from contextd import storage
-from contextd.batches import prepare_batch
-from contextd.domain import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
-from contextd.errors import Unavailable
-from contextd.storage import Store, ThreadFilter
-from contextd.window import WindowSpec
+from contextd.adapters.duckdb import store as storage
+from contextd.adapters.duckdb.store import Store, ThreadFilter
+from contextd.domain.batches import prepare_batch
+from contextd.domain.errors import Unavailable
+from contextd.domain.model import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
+from contextd.domain.window import WindowSpec
 
 
 def _batch(*texts: str) -> MessageBatch:

@@ -33,10 +33,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, ServerProcess, SpawnServer, connect
+from contextd.adapters.duckdb.store import store_error
+from contextd.api.server import SERVICE_NAME, create_server
 from contextd.config import Settings
-from contextd.errors import StoreBusy, StoreExhausted, StoreUnavailable
-from contextd.server import SERVICE_NAME, create_server
-from contextd.storage import store_error
+from contextd.domain.errors import StoreBusy, StoreExhausted, StoreUnavailable
 from contextd.v1 import context_service_pb2 as pb
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

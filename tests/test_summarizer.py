@@ -11,9 +11,7 @@ from typing import Any
 import pytest
 from fake_anthropic import FakeAnthropic
 
-from contextd.context_types import HistoryItem
-from contextd.domain import Role
-from contextd.summarizer import (
+from contextd.app.build.summarizer import (
     SPECIFICS_HEADING,
     SUMMARY_SECTIONS,
     AnthropicConfig,
@@ -21,6 +19,8 @@ from contextd.summarizer import (
     ExtractiveSummarizer,
     parse_specifics,
 )
+from contextd.domain.context import HistoryItem
+from contextd.domain.model import Role
 
 CHECKPOINT = "\n\n".join(f"## {s}\nfrom the model" for s in SUMMARY_SECTIONS)
 

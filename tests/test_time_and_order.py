@@ -16,11 +16,11 @@ import pytest
 from google.protobuf import field_mask_pb2
 
 from conftest import Client, SpawnServer, connect, span, ts
-from contextd.clock import ManualClock
+from contextd.api.server import create_server
 from contextd.config import Settings
-from contextd.server import create_server
+from contextd.domain.clock import ManualClock
+from contextd.domain.window import WindowSpec, window_spec
 from contextd.v1 import context_service_pb2 as pb
-from contextd.window import WindowSpec, window_spec
 
 SECOND = 1_000_000
 MINUTE = 60 * SECOND

@@ -10,9 +10,9 @@ from google.protobuf import field_mask_pb2
 
 from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, InProcessServer
 from contextd import core
-from contextd.domain import ContextKey
+from contextd.domain.model import ContextKey
+from contextd.domain.window import WindowSpec
 from contextd.v1 import context_service_pb2 as pb
-from contextd.window import WindowSpec
 
 
 def test_agent_model_gives_exact_counts(server: InProcessServer) -> None:

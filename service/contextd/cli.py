@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from contextd import __version__
 from contextd.config import add_serve_arguments, settings_from_args
-from contextd.errors import StoreLocked
+from contextd.domain.errors import StoreLocked
 from contextd.logs import configure
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         settings = settings_from_args(args)
         configure(settings.log_level, settings.log_format)
-        from contextd.server import serve  # imported late: needs the generated code
+        from contextd.api.server import serve  # imported late: needs the generated code
 
         try:
             serve(settings)

@@ -1,6 +1,6 @@
 """Domain errors, each bound to the canonical gRPC status it means.
 
-The domain raises these; one interceptor (`contextd.grpc_errors`) turns them into statuses,
+The domain raises these; one interceptor (`contextd.api.errors`) turns them into statuses,
 so no servicer method has its own try/except and every error message reads the same way.
 """
 

@@ -2,7 +2,7 @@
 
 They are frozen dataclasses over plain values (no proto, no SQL) so the assembly,
 compaction and rendering code is pure and testable without a server. Times are integers
-of microseconds since the Unix epoch, as in :mod:`contextd.domain`.
+of microseconds since the Unix epoch, as in :mod:`contextd.domain.model`.
 
 Tool calls
     A message's ``tool_calls`` is JSON text. :func:`parse_tool_calls` is the one place
@@ -30,7 +30,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from contextd import core
-from contextd.domain import AgentDoc, Role, StoredMessage
+from contextd.domain.model import AgentDoc, Role, StoredMessage
 
 TokenCounter = Callable[[list[str]], list[int]]
 """Counts tokens of each text, in order. The caller picks the tokenizer (the character

@@ -6,8 +6,8 @@ import json
 import re
 from collections.abc import Iterable
 
-from contextd.context_types import parse_tool_calls
-from contextd.errors import InvalidArgument, ResourceExhausted
+from contextd.domain.context import parse_tool_calls
+from contextd.domain.errors import InvalidArgument, ResourceExhausted
 
 MAX_NAME_CHARS = 128
 MAX_DOC_NAME_CHARS = 256

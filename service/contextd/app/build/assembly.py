@@ -5,7 +5,7 @@
 (The renderings put the status, which changes with every build, after the history so
 that everything before it stays byte-stable for prompt caches.)
 
-Every part is counted with the caller's :data:`~contextd.context_types.TokenCounter`
+Every part is counted with the caller's :data:`~contextd.domain.context.TokenCounter`
 (estimate or exact tokenizer: the caller's choice), and the sum never exceeds the budget.
 Priorities when it does not all fit: the system prompt and docs are the agent's
 configuration and are never cut (a budget too small for them is an error, not a silent
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from contextd import core
-from contextd.compaction import (
+from contextd.app.build.compaction import (
     elide_tool_results,
     make_summary_item,
     newest_unit_start,
@@ -33,7 +33,8 @@ from contextd.compaction import (
     trim_columns,
     valid_cuts,
 )
-from contextd.context_types import (
+from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer
+from contextd.domain.context import (
     AssembledContext,
     Budget,
     BuildStats,
@@ -44,8 +45,7 @@ from contextd.context_types import (
     ThreadActivity,
     TokenCounter,
 )
-from contextd.domain import AgentDoc
-from contextd.summarizer import ExtractiveSummarizer, Summarizer
+from contextd.domain.model import AgentDoc
 
 NO_CHAR_LIMIT = 2**62
 """``max_chars_per_message`` for the Rust trimmer when per-message truncation is off."""

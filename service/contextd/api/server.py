@@ -28,15 +28,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from contextd.clock import MonotonicClock
+from contextd.adapters.duckdb.store import Store
+from contextd.api.errors import ErrorMappingInterceptor
+from contextd.api.servicer import ContextServicer
+from contextd.app.build.summarizer import AnthropicConfig, AnthropicSummarizer
+from contextd.app.paging import PageTokens, load_or_create_key
+from contextd.app.service import ContextService, Limits
 from contextd.config import Settings
-from contextd.errors import Unavailable
-from contextd.grpc_errors import ErrorMappingInterceptor
-from contextd.paging import PageTokens, load_or_create_key
-from contextd.service import ContextService, Limits
-from contextd.servicer import ContextServicer
-from contextd.storage import Store
-from contextd.summarizer import AnthropicConfig, AnthropicSummarizer
+from contextd.domain.clock import MonotonicClock
+from contextd.domain.errors import Unavailable
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 

@@ -34,9 +34,38 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from contextd.clock import MonotonicClock
-from contextd.context_types import StatusEntry, StatusKind, ThreadActivity
-from contextd.domain import (
+from contextd.adapters.duckdb.thread_counters import (
+    FLUSH_INTERVAL_S,
+    IDLE_FLUSH_S,
+    NO_SOURCE_TIME,
+    PendingCounters,
+)
+from contextd.domain.clock import MonotonicClock
+from contextd.domain.context import StatusEntry, StatusKind, ThreadActivity
+from contextd.domain.errors import (
+    Aborted,
+    AlreadyExists,
+    ContextdError,
+    InvalidArgument,
+    NotFound,
+    StoreBusy,
+    StoreExhausted,
+    StoreLocked,
+    StoreUnavailable,
+    Unavailable,
+)
+from contextd.domain.idempotency import (
+    CLEANUP_BACKLOG_EVERY_US,
+    CLEANUP_CHUNK,
+    CLEANUP_EVERY_US,
+    RETENTION_US,
+    AlreadyDone,
+    Remembered,
+    RequestRecord,
+    record_key,
+    replay,
+)
+from contextd.domain.model import (
     Agent,
     AgentDoc,
     AgentSettings,
@@ -50,37 +79,8 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import (
-    Aborted,
-    AlreadyExists,
-    ContextdError,
-    InvalidArgument,
-    NotFound,
-    StoreBusy,
-    StoreExhausted,
-    StoreLocked,
-    StoreUnavailable,
-    Unavailable,
-)
-from contextd.idempotency import (
-    CLEANUP_BACKLOG_EVERY_US,
-    CLEANUP_CHUNK,
-    CLEANUP_EVERY_US,
-    RETENTION_US,
-    AlreadyDone,
-    Remembered,
-    RequestRecord,
-    record_key,
-    replay,
-)
-from contextd.thread_counters import (
-    FLUSH_INTERVAL_S,
-    IDLE_FLUSH_S,
-    NO_SOURCE_TIME,
-    PendingCounters,
-)
-from contextd.validation import quote
-from contextd.window import MAX_SOURCE_LEAD_US, WindowSpec
+from contextd.domain.validation import quote
+from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 
 log = logging.getLogger(__name__)
 

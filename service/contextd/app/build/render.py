@@ -1,4 +1,4 @@
-"""Render an :class:`~contextd.context_types.AssembledContext` for an LLM API.
+"""Render an :class:`~contextd.domain.context.AssembledContext` for an LLM API.
 
 Three forms: Anthropic Messages (:func:`to_anthropic`), OpenAI Chat Completions
 (:func:`to_openai`) and plain text (:func:`to_text`). The system prompt and the docs form
@@ -15,7 +15,7 @@ while a tool runs), so rendering first repairs pairs (orphans become text, unans
 calls are removed) and then moves each result to just after its call. The assembled
 context itself keeps the stored order; only the wire form is reordered.
 
-``tool_calls`` JSON is read by :func:`contextd.context_types.parse_tool_calls`: Anthropic
+``tool_calls`` JSON is read by :func:`contextd.domain.context.parse_tool_calls`: Anthropic
 style ``[{"id","name","input"}]`` and OpenAI style
 ``[{"id","type":"function","function":{"name","arguments"}}]`` are both accepted and
 each is written out in the target API's own shape.
@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from contextd import core
-from contextd.assembly import render_docs
-from contextd.compaction import repair_tool_pairs, trim_columns
-from contextd.context_types import AssembledContext, HistoryItem, parse_tool_calls
-from contextd.domain import Role
+from contextd.app.build.assembly import render_docs
+from contextd.app.build.compaction import repair_tool_pairs, trim_columns
+from contextd.domain.context import AssembledContext, HistoryItem, parse_tool_calls
+from contextd.domain.model import Role
 
 EMPTY_TEXT = "(empty)"
 """Stands in for empty text: the Messages API rejects empty text blocks."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from contextd.errors import InvalidArgument
+from contextd.domain.errors import InvalidArgument
 
 T = TypeVar("T")
 

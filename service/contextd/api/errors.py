@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from contextd.errors import ContextdError
+from contextd.domain.errors import ContextdError
 
 log = logging.getLogger(__name__)
 

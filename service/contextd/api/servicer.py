@@ -1,7 +1,7 @@
 """The gRPC servicer: proto in, domain call, proto out. No rules live here.
 
 Errors are not handled here either: domain exceptions pass through to
-`contextd.grpc_errors`, which maps them to status codes in one place.
+`contextd.api.errors`, which maps them to status codes in one place.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
 from google.protobuf.message import Message
 
-from contextd import scopes
-from contextd.builder import BuildRequest, BuildResult
-from contextd.context_types import HistoryItem, StatusEntry, StatusKind
-from contextd.domain import (
+from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.service import ContextService
+from contextd.domain import scopes
+from contextd.domain.context import HistoryItem, StatusEntry, StatusKind
+from contextd.domain.errors import InvalidArgument
+from contextd.domain.idempotency import (
+    AlreadyDone,
+    RequestRecord,
+    check_request_id,
+    replay,
+)
+from contextd.domain.model import (
     DEFAULT_ROLLING_WINDOW_US,
     DEFAULT_TENANT,
     Agent,
@@ -34,14 +42,6 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import InvalidArgument
-from contextd.idempotency import (
-    AlreadyDone,
-    RequestRecord,
-    check_request_id,
-    replay,
-)
-from contextd.service import ContextService
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 

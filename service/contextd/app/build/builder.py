@@ -18,15 +18,23 @@ import numpy as np
 import numpy.typing as npt
 
 from contextd import core
-from contextd.assembly import NO_CHAR_LIMIT, BudgetTooSmallError, assemble, status_preamble
-from contextd.batches import prepare_batch, stored_tokenizer
-from contextd.compaction import (
+from contextd.adapters.duckdb.store import ContextRef, Store
+from contextd.app.build.assembly import (
+    NO_CHAR_LIMIT,
+    BudgetTooSmallError,
+    assemble,
+    status_preamble,
+)
+from contextd.app.build.compaction import (
     make_summary_item,
     plan_compaction,
     repair_tool_pairs,
     summary_body,
 )
-from contextd.context_types import (
+from contextd.app.build.render import to_anthropic, to_openai, to_text
+from contextd.app.build.summarizer import Summarizer
+from contextd.domain.batches import prepare_batch, stored_tokenizer
+from contextd.domain.context import (
     DEFAULT_SAFETY_MARGIN,
     AssembledContext,
     Budget,
@@ -38,7 +46,9 @@ from contextd.context_types import (
     counter_with_known,
     parse_tool_calls,
 )
-from contextd.domain import (
+from contextd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.model import (
     Agent,
     BuildOverrides,
     ContextKey,
@@ -48,13 +58,8 @@ from contextd.domain import (
     Role,
     StoredMessage,
 )
-from contextd.errors import FailedPrecondition, InvalidArgument, NotFound
-from contextd.idempotency import RequestRecord
-from contextd.render import to_anthropic, to_openai, to_text
-from contextd.storage import ContextRef, Store
-from contextd.summarizer import Summarizer
-from contextd.validation import quote
-from contextd.window import WindowSpec, window_spec
+from contextd.domain.validation import quote
+from contextd.domain.window import WindowSpec, window_spec
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from contextd import core
-from contextd.context_types import HistoryItem, parse_tool_calls
-from contextd.domain import Role
+from contextd.domain.context import HistoryItem, parse_tool_calls
+from contextd.domain.model import Role
 
 SUMMARY_SECTIONS = (
     "Goal",

@@ -23,15 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
-from contextd.context_types import (
+from contextd.app.build.summarizer import SPECIFICS_HEADING, SummaryResult, strip_specifics
+from contextd.domain.context import (
     HistoryItem,
     TokenCounter,
     ToolCall,
     parse_tool_calls,
     tool_calls_json,
 )
-from contextd.domain import Role
-from contextd.summarizer import SPECIFICS_HEADING, SummaryResult, strip_specifics
+from contextd.domain.model import Role
 
 # How much of an orphan result's call arguments its note quotes.
 ORPHAN_ARGS_CHARS = 200

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
-from contextd.batches import prepare_batch
-from contextd.builder import (
+from contextd.adapters.duckdb.store import Store, ThreadFilter
+from contextd.app.build.builder import (
     FORMATS,
     BuildRequest,
     BuildResult,
@@ -21,8 +21,13 @@ from contextd.builder import (
     ContextBuilder,
     replayed_compaction,
 )
-from contextd.context_types import StatusEntry
-from contextd.domain import (
+from contextd.app.build.summarizer import Summarizer
+from contextd.app.paging import PageTokens, page_size
+from contextd.domain.batches import prepare_batch
+from contextd.domain.context import StatusEntry
+from contextd.domain.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
+from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
+from contextd.domain.model import (
     DEFAULT_THREAD,
     Agent,
     AgentDoc,
@@ -38,12 +43,7 @@ from contextd.domain import (
     StoredMessage,
     Thread,
 )
-from contextd.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
-from contextd.idempotency import AlreadyDone, Remembered, RequestRecord, replay
-from contextd.paging import PageTokens, page_size
-from contextd.storage import Store, ThreadFilter
-from contextd.summarizer import Summarizer
-from contextd.validation import (
+from contextd.domain.validation import (
     MAX_DOC_NAME_CHARS,
     MAX_EXTERNAL_ID_CHARS,
     check_json,
@@ -52,7 +52,7 @@ from contextd.validation import (
     quote,
     tool_call_ids,
 )
-from contextd.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
+from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
 
 UPDATABLE_AGENT_FIELDS = frozenset(
     {"system_prompt", "docs", "rolling_window", "model", "build_options"}

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from contextd.errors import InvalidArgument
+from contextd.domain.errors import InvalidArgument
 
 MAX_REQUEST_ID_CHARS = 128
 # Records live at least this long: a client's retries all happen well inside it.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from contextd import core
-from contextd.domain import MessageBatch, NewMessage
+from contextd.domain.model import MessageBatch, NewMessage
 
 
 def prepare_batch(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from contextd.errors import InvalidArgument
-from contextd.validation import check_name, quote
+from contextd.domain.errors import InvalidArgument
+from contextd.domain.validation import check_name, quote
 
 DEFAULT_SCOPE = ""
 MAX_SCOPE_ID_CHARS = 64

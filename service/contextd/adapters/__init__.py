@@ -1,0 +1,1 @@
+"""Storage engines: each package implements the ports in `contextd.ports` over one engine."""

@@ -1,0 +1,1 @@
+"""The embedded engine: one DuckDB file, one writer thread with group commit."""
