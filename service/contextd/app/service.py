@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
-from contextd.adapters.duckdb.store import Store, ThreadFilter
 from contextd.app.build.builder import (
     FORMATS,
     BuildRequest,
@@ -53,6 +52,7 @@ from contextd.domain.validation import (
     tool_call_ids,
 )
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
+from contextd.ports.store import Store, ThreadFilter
 
 UPDATABLE_AGENT_FIELDS = frozenset(
     {"system_prompt", "docs", "rolling_window", "model", "build_options"}

@@ -40,10 +40,22 @@ from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
     PendingCounters,
 )
+from contextd.adapters.rows import (
+    AGENT_COLUMNS,
+    MESSAGE_COLUMNS,
+    THREAD_COLUMNS,
+    agent_from_row,
+    agent_row,
+    docs_json,
+    message_from_row,
+    settings_json,
+    status_from_row,
+    thread_from_row,
+)
+from contextd.domain.agents import check_etag, updated_options
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.context import StatusEntry, StatusKind, ThreadActivity
 from contextd.domain.errors import (
-    Aborted,
     AlreadyExists,
     ContextdError,
     InvalidArgument,
@@ -67,9 +79,7 @@ from contextd.domain.idempotency import (
 )
 from contextd.domain.model import (
     Agent,
-    AgentDoc,
     AgentSettings,
-    BuildOverrides,
     ContextKey,
     Event,
     MessageBatch,
@@ -81,6 +91,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
+from contextd.ports.store import ContextRef, ThreadFilter
 
 log = logging.getLogger(__name__)
 
@@ -358,11 +369,6 @@ _LIVE_THREADS = f"""
     )
 """
 
-MESSAGE_COLUMNS = (
-    "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
-    "external_id, metadata, token_estimate, create_time_us, token_count, group_id, "
-    "is_summary, first_summarized_id, last_summarized_id, tokenizer, source_time_us, sequence"
-)
 # How many tool-call ids the writer remembers to tie results to their tool_use without a
 # query; older ones are looked up in the table.
 _REMEMBERED_CALLS = 100_000
@@ -424,97 +430,7 @@ def window_predicate(
     return sql, [*params, window.age_after_us]
 
 
-@dataclass(frozen=True, slots=True)
-class ThreadFilter:
-    """Which messages of an agent in a scope a read covers."""
-
-    tenant: str
-    agent: str
-    scope: str
-    thread: str | None  # None: every thread of the agent in the scope
-
-
-@dataclass(frozen=True, slots=True)
-class ContextRef:
-    """A thread as the store addresses it: what a build resolves once, then reads by."""
-
-    context_id: int
-    last_clear_time_us: int | None
-    latest_summary_id: int  # 0: the thread has no stored summary
-
-
-def _agent_from_row(row: Sequence[Any]) -> Agent:
-    docs = tuple(AgentDoc(name=d["name"], content=d["content"]) for d in json.loads(row[3]))
-    return Agent(
-        tenant=row[0],
-        name=row[1],
-        system_prompt=row[2],
-        docs=docs,
-        rolling_window_us=row[4],
-        create_time_us=row[5],
-        update_time_us=row[6],
-        last_clear_time_us=row[7],
-        model=row[8],
-        build_options=BuildOverrides(**json.loads(row[9]).get("build_options", {})),
-    )
-
-
-_AGENT_COLUMNS = (
-    "tenant, name, system_prompt, docs_json, rolling_window_us, create_time_us, "
-    "update_time_us, last_clear_us, model, settings_json"
-)
-_THREAD_COLUMNS = (
-    "tenant, agent, scope, thread, create_time_us, last_message_time_us, message_count, "
-    "token_estimate, last_clear_us, last_sequence"
-)
-
-
-def _thread_from_row(row: Sequence[Any]) -> Thread:
-    return Thread(*row)
-
-
-def _message_from_row(row: Sequence[Any]) -> StoredMessage:
-    return StoredMessage(
-        id=row[0],
-        tenant=row[1],
-        agent=row[2],
-        scope=row[3],
-        thread=row[4],
-        role=Role(row[5]),
-        content=row[6],
-        tool_calls=row[7],
-        tool_call_id=row[8],
-        external_id=row[9],
-        metadata=row[10],
-        token_estimate=row[11],
-        create_time_us=row[12],
-        token_count=row[13],
-        group_id=row[14],
-        is_summary=bool(row[15]),
-        summarized_ids=(row[16], row[17]) if row[15] else None,
-        tokenizer=row[18],
-        source_time_us=row[19],
-        sequence=row[20],
-    )
-
-
-_INSERT_AGENT = f"INSERT INTO agents ({_AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-
-
-def _agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> list[Any]:
-    """A new agent's row: its clear marker starts at its creation."""
-    return [
-        tenant,
-        name,
-        settings.system_prompt,
-        _docs_json(settings.docs),
-        settings.rolling_window_us,
-        now_us,
-        now_us,
-        now_us,
-        settings.model,
-        _settings_json(settings),
-    ]
+_INSERT_AGENT = f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 
 
 def _remembered(cur: duckdb.DuckDBPyConnection, tenant: str, request_id: str) -> Remembered | None:
@@ -569,44 +485,6 @@ def _save_records(
 def _scope_key(tenant: str, agent: str, scope: str) -> str:
     """One column naming (tenant, agent, scope): names never hold a tab."""
     return f"{tenant}\t{agent}\t{scope}"
-
-
-def _check_etag(agent: Agent, etag: str) -> None:
-    if etag and etag != agent.etag:
-        raise Aborted(
-            f"agent {agent.name!r} changed since etag {quote(etag)} was read (now "
-            f"{agent.etag}); read it again",
-            reason="ETAG_MISMATCH",
-            field="etag",
-        )
-
-
-def _updated_options(
-    current: BuildOverrides | None, given: BuildOverrides, fields: frozenset[str]
-) -> BuildOverrides | None:
-    """The build options after an update, or None when the update leaves them alone."""
-    if "build_options" in fields:
-        return given
-    chosen = [f.split(".", 1)[1] for f in fields if f.startswith("build_options.")]
-    if not chosen:
-        return None
-    values = (current or BuildOverrides()).as_dict()
-    for option in chosen:
-        value = getattr(given, option)
-        if value is None:
-            values.pop(option, None)
-        else:
-            values[option] = value
-    return BuildOverrides(**values)  # type: ignore[arg-type]
-
-
-def _settings_json(settings: AgentSettings) -> str:
-    """Settings without columns of their own (build options today), as one JSON object."""
-    return json.dumps({"build_options": settings.build_options.as_dict()})
-
-
-def _docs_json(docs: Sequence[AgentDoc]) -> str:
-    return json.dumps([{"name": d.name, "content": d.content} for d in docs])
 
 
 @dataclass(slots=True)
@@ -1394,7 +1272,7 @@ class Store:
                 if not in_transaction:
                     writer.execute("BEGIN TRANSACTION")
                     in_transaction = True
-                writer.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
+                writer.execute(_INSERT_AGENT, agent_row(tenant, name, settings, now_us))
             self._known_agents.add((tenant, name))
 
         for job in jobs:
@@ -1589,7 +1467,7 @@ class Store:
             if exists:
                 raise AlreadyExists(f"agent {name!r} already exists", reason="AGENT_EXISTS")
             now_us = self.clock.tick()
-            cur.execute(_INSERT_AGENT, _agent_row(tenant, name, settings, now_us))
+            cur.execute(_INSERT_AGENT, agent_row(tenant, name, settings, now_us))
             return _require_agent(cur, tenant, name)
 
         return self._write(create, record)
@@ -1614,7 +1492,7 @@ class Store:
 
         def update(cur: duckdb.DuckDBPyConnection) -> Agent:
             current = _require_agent(cur, tenant, name)
-            _check_etag(current, etag)
+            check_etag(current, etag)
             assignments: list[str] = []
             params: list[Any] = []
             if "system_prompt" in fields:
@@ -1622,17 +1500,17 @@ class Store:
                 params.append(settings.system_prompt)
             if "docs" in fields:
                 assignments.append("docs_json = ?")
-                params.append(_docs_json(settings.docs))
+                params.append(docs_json(settings.docs))
             if "rolling_window" in fields:
                 assignments.append("rolling_window_us = ?")
                 params.append(settings.rolling_window_us)
             if "model" in fields:
                 assignments.append("model = ?")
                 params.append(settings.model)
-            options = _updated_options(current.build_options, settings.build_options, fields)
+            options = updated_options(current.build_options, settings.build_options, fields)
             if options is not None:
                 assignments.append("settings_json = ?")
-                params.append(_settings_json(replace(settings, build_options=options)))
+                params.append(settings_json(replace(settings, build_options=options)))
             assignments.append("update_time_us = ?")
             params.append(self.clock.tick())
             cur.execute(
@@ -1647,13 +1525,13 @@ class Store:
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name > ? "
+                f"SELECT {AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name > ? "
                 "ORDER BY name LIMIT ?",
                 [tenant, after_name or "", limit],
             )
             .fetchall()
         )
-        return [_agent_from_row(r) for r in rows]
+        return [agent_from_row(r) for r in rows]
 
     def delete_agent(
         self, tenant: str, name: str, etag: str = "", record: RequestRecord | None = None
@@ -1673,7 +1551,7 @@ class Store:
         """
 
         def mark(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[int]]:
-            _check_etag(_require_agent(cur, tenant, name), etag)
+            check_etag(_require_agent(cur, tenant, name), etag)
             # Through the agent's context ids: messages are indexed by context_id only,
             # which keeps appends cheap; deletes are rare.
             where = "tenant = ? AND agent = ?"
@@ -1839,7 +1717,7 @@ class Store:
             LIMIT ?
         """
         rows = self._cursor().execute(sql, params).fetchall()
-        return [_message_from_row(r) for r in rows]
+        return [message_from_row(r) for r in rows]
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
         """What a build needs to know of a thread before reading it, in one lookup; None
@@ -1908,7 +1786,7 @@ class Store:
             )
             .fetchall()
         )
-        return [_message_from_row(r) for r in rows]
+        return [message_from_row(r) for r in rows]
 
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         """The newest stored summary of a thread, whatever the window."""
@@ -1920,7 +1798,7 @@ class Store:
                 [context.latest_summary_id, context.context_id],
             )
         )
-        return _message_from_row(row) if row else None
+        return message_from_row(row) if row else None
 
     def messages_by_ids(self, key: ContextKey, ids: Sequence[int]) -> list[StoredMessage]:
         """Whole messages of one context by id, ordered by (create_time, id). Ids are
@@ -1940,7 +1818,7 @@ class Store:
             )
             .fetchall()
         )
-        return [_message_from_row(r) for r in rows]
+        return [message_from_row(r) for r in rows]
 
     def thread_activity(
         self, tenant: str, agent: str, scope: str, window: WindowSpec, limit: int
@@ -2051,7 +1929,7 @@ class Store:
             )
             .fetchall()
         )
-        return [_status_from_row(r) for r in rows]
+        return [status_from_row(r) for r in rows]
 
     def clear_status(
         self,
@@ -2217,21 +2095,21 @@ class Store:
 
     def get_thread(self, key: ContextKey) -> Thread | None:
         rows = self._thread_rows(
-            f"SELECT {_THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
+            f"SELECT {THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
             "AND scope = ? AND thread = ?",
             [key.tenant, key.agent, key.scope, key.thread],
         )
-        return _thread_from_row(rows[0]) if rows else None
+        return thread_from_row(rows[0]) if rows else None
 
     def list_threads(
         self, tenant: str, agent: str, scope: str, after_thread: str | None, limit: int
     ) -> list[Thread]:
         rows = self._thread_rows(
-            f"SELECT {_THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
+            f"SELECT {THREAD_COLUMNS} FROM live_threads WHERE tenant = ? AND agent = ? "
             "AND scope = ? AND thread > ? ORDER BY thread LIMIT ?",
             [tenant, agent, scope, after_thread or "", limit],
         )
-        return [_thread_from_row(r) for r in rows]
+        return [thread_from_row(r) for r in rows]
 
     def context_counts(self, where: ThreadFilter, window: WindowSpec) -> tuple[int, ...]:
         """(window count, window tokens, total count, total tokens, oldest, newest, threads).
@@ -2265,17 +2143,6 @@ class Store:
         return tuple(row)
 
 
-def _status_from_row(row: Sequence[Any]) -> StatusEntry:
-    return StatusEntry(
-        key=row[0],
-        kind=StatusKind.THREAD if row[1] == 1 else StatusKind.PROCESS,
-        state=row[2],
-        summary=row[3],
-        update_time_us=row[4],
-        expire_time_us=row[5],
-    )
-
-
 def _context_row(cur: duckdb.DuckDBPyConnection, key: ContextKey) -> Any:
     """The row (context_id,) of a context, or None when the thread has no messages yet."""
     return _first(
@@ -2300,10 +2167,10 @@ def _first(result: duckdb.DuckDBPyConnection) -> Any:
 def _find_agent(cur: duckdb.DuckDBPyConnection, tenant: str, name: str) -> Agent | None:
     row = _first(
         cur.execute(
-            f"SELECT {_AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
+            f"SELECT {AGENT_COLUMNS} FROM agents WHERE tenant = ? AND name = ?", [tenant, name]
         )
     )
-    return _agent_from_row(row) if row else None
+    return agent_from_row(row) if row else None
 
 
 def _require_agent(cur: duckdb.DuckDBPyConnection, tenant: str, name: str) -> Agent:

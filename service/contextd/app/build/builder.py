@@ -18,7 +18,6 @@ import numpy as np
 import numpy.typing as npt
 
 from contextd import core
-from contextd.adapters.duckdb.store import ContextRef, Store
 from contextd.app.build.assembly import (
     NO_CHAR_LIMIT,
     BudgetTooSmallError,
@@ -60,6 +59,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import WindowSpec, window_spec
+from contextd.ports.store import ContextRef, Store
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest

@@ -1,0 +1,197 @@
+"""What every aggregate module of the PostgreSQL store shares: the pool, transactions
+with retries and request records, and the translation of driver failures.
+
+Writes run in READ COMMITTED transactions that lock the rows they depend on (the agent's
+row FOR KEY SHARE, the thread's row FOR UPDATE), in that order everywhere, so concurrent
+writers serialise per thread and never interleave numbers. A transaction PostgreSQL
+aborts for a conflict (deadlock, serialization failure, a concurrent duplicate request
+id) is run again from the start, a few times, before the caller sees an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import psycopg
+import psycopg_pool
+from psycopg import errors as pg_errors
+
+from contextd.domain.clock import MonotonicClock
+from contextd.domain.errors import (
+    ContextdError,
+    NotFound,
+    StoreBusy,
+    StoreExhausted,
+    StoreUnavailable,
+    Unavailable,
+)
+from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+P = ParamSpec("P")
+Conn = psycopg.Connection[tuple[Any, ...]]
+
+RETRY_AFTER_S = 1.0
+# How many times a write aborted by a conflict is run again before the caller is told.
+CONFLICT_ATTEMPTS = 8
+
+
+def store_error(exc: psycopg.Error | psycopg_pool.PoolTimeout) -> ContextdError | None:
+    """The domain error a driver failure stands for, or None for one that is a bug (our
+    SQL). Messages never quote the driver's text (it may name hosts and users); the
+    store logs that."""
+    if isinstance(exc, psycopg_pool.PoolTimeout):
+        return StoreBusy(
+            "no database connection became free in time; retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    if isinstance(exc, pg_errors.OutOfMemory | pg_errors.DiskFull | pg_errors.TooManyConnections):
+        return StoreExhausted(
+            "the database is out of a resource (memory, disk or connections); retry later",
+            retry_after_s=2 * RETRY_AFTER_S,
+        )
+    if isinstance(exc, pg_errors.AdminShutdown | pg_errors.CannotConnectNow):
+        return StoreUnavailable(
+            "the database is shutting down or starting; retry later",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return StoreUnavailable(
+            "the database connection failed; nothing of this call was saved unless it "
+            "was acknowledged; retry later (with the same request id)",
+            retry_after_s=RETRY_AFTER_S,
+        )
+    return None
+
+
+def _translating(method: Callable[Concatenate[Any, P], T]) -> Callable[Concatenate[Any, P], T]:
+    @functools.wraps(method)
+    def call(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+            error = store_error(exc)
+            if error is None:
+                raise
+            if getattr(self, "_closed", False):
+                raise Unavailable(
+                    "the server is shutting down",
+                    reason="SHUTTING_DOWN",
+                    retry_after_s=RETRY_AFTER_S,
+                ) from exc
+            log.error(
+                "store failure",
+                extra={"error": type(exc).__name__, "detail": str(exc)[:1000]},
+            )
+            raise error from exc
+
+    return call
+
+
+def failures_translated(cls: type[T]) -> type[T]:
+    """Wrap every public method (of the class and its bases) so that a driver failure
+    reaches callers as the domain error it stands for, on reads and writes alike."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("contextd.adapters.postgres"):
+            for name, member in list(vars(klass).items()):
+                public = not name.startswith("_") and inspect.isfunction(member)
+                if public and not getattr(member, "__wrapped__", None):
+                    setattr(cls, name, _translating(member))
+    return cls
+
+
+class PostgresBase:
+    """The pool, the clock and the transaction runner every aggregate mixin uses."""
+
+    clock: MonotonicClock
+    _pool: psycopg_pool.ConnectionPool[Conn]
+    _closed: bool
+
+    @contextmanager
+    def _reading(self) -> Iterator[Conn]:
+        """A connection for reads (autocommit: each statement sees everything committed)."""
+        if self._closed:
+            raise Unavailable(
+                "the server is shutting down", reason="SHUTTING_DOWN", retry_after_s=RETRY_AFTER_S
+            )
+        with self._pool.connection() as conn:
+            yield conn
+
+    def _write(self, fn: Callable[[Conn], T], record: RequestRecord | None = None) -> T:
+        """Run `fn` in one transaction and return its result; run it again from the
+        start when PostgreSQL aborts it for a conflict.
+
+        With a record, the transaction first looks its request id up (AlreadyDone with
+        the first payload, or REQUEST_ID_REUSED) and records the result before it
+        commits; a concurrent duplicate that commits first makes this one conflict on the
+        record's key, and the rerun finds that record and replays it.
+        """
+        if self._closed:
+            raise Unavailable(
+                "the server is shutting down", reason="SHUTTING_DOWN", retry_after_s=RETRY_AFTER_S
+            )
+        for attempt in range(CONFLICT_ATTEMPTS):
+            try:
+                with self._pool.connection() as conn, conn.transaction():
+                    if record is not None:
+                        found = _remembered(conn, record.tenant, record.request_id)
+                        if found is not None:
+                            raise AlreadyDone(replay(record, found))
+                    value = fn(conn)
+                    if record is not None:
+                        conn.execute(
+                            "INSERT INTO request_records (tenant, request_id, method, "
+                            "fingerprint, payload, create_time_us) "
+                            "VALUES (%s, %s, %s, %s, %s, %s)",
+                            [
+                                record.tenant,
+                                record.request_id,
+                                record.method,
+                                record.fingerprint,
+                                record.encode(value),
+                                self.clock.tick(),
+                            ],
+                        )
+                return value
+            except (
+                pg_errors.DeadlockDetected,
+                pg_errors.SerializationFailure,
+                pg_errors.UniqueViolation,
+            ) as exc:
+                if isinstance(exc, pg_errors.UniqueViolation) and record is None:
+                    raise
+                if attempt == CONFLICT_ATTEMPTS - 1:
+                    raise
+                log.debug("write conflicted; running it again", extra={"attempt": attempt + 1})
+        raise AssertionError("unreachable")
+
+
+def _remembered(conn: Conn, tenant: str, request_id: str) -> Remembered | None:
+    row = conn.execute(
+        "SELECT method, fingerprint, payload FROM request_records "
+        "WHERE tenant = %s AND request_id = %s",
+        [tenant, request_id],
+    ).fetchone()
+    return Remembered(row[0], row[1], bytes(row[2])) if row else None
+
+
+def first(conn: Conn, sql: str, params: list[Any] | dict[str, Any]) -> Any:
+    """The first row of a query, or None."""
+    return conn.execute(sql, params).fetchone()
+
+
+def agent_missing(name: str) -> NotFound:
+    return NotFound(f"agent {name!r} does not exist", reason="AGENT_NOT_FOUND")
+
+
+def thread_gone(agent: str, thread: str) -> NotFound:
+    return NotFound(
+        f"thread {thread!r} of agent {agent!r} no longer exists", reason="THREAD_NOT_FOUND"
+    )

@@ -1,0 +1,176 @@
+"""The PostgreSQL schema, by version; `migrate` brings a database to the newest.
+
+Each migration moves the schema from version N-1 to N in one transaction. Replicas that
+start together take a transaction-scoped advisory lock first, so one migrates and the
+others find the work done. Never edit a released migration; append a new one.
+
+Every table leads with `tenant` in its primary key and its indexes (distributable by
+tenant); times are integers of microseconds since the epoch, as in the domain.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+# pg_advisory_xact_lock key of migrations: "ctxd" in ASCII.
+MIGRATION_LOCK = 0x63747864
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """
+            CREATE TABLE agents (
+                tenant text NOT NULL,
+                name text NOT NULL,
+                system_prompt text NOT NULL,
+                docs_json text NOT NULL,
+                rolling_window_us bigint NOT NULL,
+                create_time_us bigint NOT NULL,
+                update_time_us bigint NOT NULL,
+                last_clear_us bigint NOT NULL,
+                model text NOT NULL,
+                settings_json text NOT NULL,
+                PRIMARY KEY (tenant, name)
+            )
+            """,
+            # One row per (tenant, agent, scope, thread). An append locks it: it numbers
+            # the thread's messages (last_sequence) and carries the counters, so every
+            # replica reads them current.
+            """
+            CREATE TABLE threads (
+                tenant text NOT NULL,
+                context_id bigint NOT NULL,
+                agent text NOT NULL,
+                scope text NOT NULL,
+                thread text NOT NULL,
+                create_time_us bigint NOT NULL,
+                last_message_time_us bigint NOT NULL,
+                message_count bigint NOT NULL,
+                token_estimate bigint NOT NULL,
+                last_clear_us bigint,
+                last_sequence bigint NOT NULL,
+                min_source_time_us bigint,
+                latest_summary_id bigint NOT NULL DEFAULT 0,
+                PRIMARY KEY (tenant, context_id),
+                UNIQUE (tenant, agent, scope, thread)
+            )
+            """,
+            # Keyed by (tenant, context_id, sequence): a thread's window is one index
+            # range, read newest first when a build stops at its budget.
+            """
+            CREATE TABLE messages (
+                tenant text NOT NULL,
+                context_id bigint NOT NULL,
+                sequence bigint NOT NULL,
+                id bigint NOT NULL,
+                role smallint NOT NULL,
+                content text NOT NULL,
+                tool_calls text NOT NULL,
+                tool_call_id text NOT NULL,
+                external_id text NOT NULL,
+                metadata text NOT NULL,
+                token_estimate integer NOT NULL,
+                create_time_us bigint NOT NULL,
+                source_time_us bigint,
+                token_count integer NOT NULL,
+                tokenizer text NOT NULL,
+                chars integer NOT NULL,
+                group_id bigint NOT NULL,
+                tool_call_ids text NOT NULL,
+                is_summary boolean NOT NULL,
+                first_summarized_id bigint NOT NULL,
+                last_summarized_id bigint NOT NULL,
+                PRIMARY KEY (tenant, context_id, sequence)
+            )
+            """,
+            "CREATE UNIQUE INDEX messages_by_id ON messages (tenant, id)",
+            # The tool_use message that declared each call id in a thread: a tool result
+            # finds its group by one index lookup.
+            """
+            CREATE TABLE tool_calls (
+                tenant text NOT NULL,
+                context_id bigint NOT NULL,
+                call_id text NOT NULL,
+                message_id bigint NOT NULL,
+                PRIMARY KEY (tenant, context_id, call_id)
+            )
+            """,
+            """
+            CREATE TABLE status_entries (
+                tenant text NOT NULL,
+                agent text NOT NULL,
+                scope text NOT NULL,
+                key text NOT NULL,
+                kind smallint NOT NULL,
+                state text NOT NULL,
+                summary text NOT NULL,
+                update_time_us bigint NOT NULL,
+                expire_time_us bigint,
+                PRIMARY KEY (tenant, agent, scope, key)
+            )
+            """,
+            """
+            CREATE TABLE events (
+                tenant text NOT NULL,
+                id bigint NOT NULL,
+                agent text NOT NULL,
+                scope text NOT NULL,
+                thread text NOT NULL,
+                type text NOT NULL,
+                create_time_us bigint NOT NULL,
+                data text NOT NULL,
+                PRIMARY KEY (tenant, id)
+            )
+            """,
+            "CREATE INDEX events_by_scope ON events (tenant, agent, scope, id)",
+            """
+            CREATE TABLE request_records (
+                tenant text NOT NULL,
+                request_id text NOT NULL,
+                method text NOT NULL,
+                fingerprint text NOT NULL,
+                payload bytea NOT NULL,
+                create_time_us bigint NOT NULL,
+                PRIMARY KEY (tenant, request_id)
+            )
+            """,
+            "CREATE INDEX request_records_by_time ON request_records (tenant, create_time_us)",
+            # Ids are unique in the store and never reused (sequences never go back).
+            "CREATE SEQUENCE message_ids",
+            "CREATE SEQUENCE context_ids",
+            "CREATE SEQUENCE event_ids",
+        ],
+    ),
+]
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    """Bring the database to the newest schema; returns its version. Safe when several
+    replicas start at once (one advisory lock, one transaction per migration)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", [MIGRATION_LOCK])
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations "
+            "(version integer PRIMARY KEY, applied_time_us bigint NOT NULL)"
+        )
+        row = conn.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchone()
+        current = int(row[0]) if row else 0
+        for version, statements in MIGRATIONS:
+            if version <= current:
+                continue
+            with conn.transaction():
+                for statement in statements:
+                    conn.execute(statement)  # type: ignore[arg-type]
+                conn.execute(
+                    "INSERT INTO schema_migrations VALUES "
+                    "(%s, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)",
+                    [version],
+                )
+            log.info("migrated schema", extra={"schema_version": version})
+            current = version
+    return current

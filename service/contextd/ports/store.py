@@ -1,0 +1,258 @@
+"""The store, as the use cases see it: one Protocol per aggregate, and `Store` for all.
+
+Every engine (`contextd.adapters.duckdb`, `contextd.adapters.postgres`) implements `Store`
+and passes the same suite (tests/contract/). What the contract asks of every engine:
+
+- Times: every commit time, clear marker and update time comes from the store's `clock`
+  (one per server, injectable); within a thread, commit times never go back.
+- Order: a thread's messages are numbered 1, 2, 3, ... in append order (`sequence`);
+  numbers are never taken twice, whichever process appended.
+- Ids: message and event ids are unique within the store and never reused, also after a
+  delete.
+- Retries: a write given a `RequestRecord` is recorded in its own transaction; the same
+  request again raises `AlreadyDone` with the first payload and writes nothing; another
+  request under the same id raises REQUEST_ID_REUSED.
+- Scope: every read names its full context (tenant, agent, scope and thread, or a
+  `ThreadFilter`); nothing is read across tenants, agents or scopes.
+- Failures of the engine reach callers as domain errors (StoreUnavailable,
+  StoreExhausted, StoreBusy, Unavailable while shutting down), never as driver errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pyarrow as pa
+
+from contextd.domain.clock import MonotonicClock
+from contextd.domain.context import StatusEntry, ThreadActivity
+from contextd.domain.idempotency import Remembered, RequestRecord
+from contextd.domain.model import (
+    Agent,
+    AgentSettings,
+    ContextKey,
+    Event,
+    MessageBatch,
+    MessageReceipt,
+    StoredMessage,
+    Thread,
+)
+from contextd.domain.window import WindowSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadFilter:
+    """Which messages of an agent in a scope a read covers."""
+
+    tenant: str
+    agent: str
+    scope: str
+    thread: str | None  # None: every thread of the agent in the scope
+
+
+@dataclass(frozen=True, slots=True)
+class ContextRef:
+    """A thread as the store addresses it: what a build resolves once, then reads by."""
+
+    context_id: int
+    last_clear_time_us: int | None
+    latest_summary_id: int  # 0: the thread has no stored summary
+
+
+class AgentStore(Protocol):
+    """Agents and their settings."""
+
+    def create_agent(
+        self, tenant: str, name: str, settings: AgentSettings, record: RequestRecord | None = None
+    ) -> Agent:
+        """AGENT_EXISTS when the name is taken."""
+
+    def get_agent(self, tenant: str, name: str) -> Agent:
+        """AGENT_NOT_FOUND when there is none."""
+
+    def find_agent(self, tenant: str, name: str) -> Agent | None: ...
+
+    def update_agent(
+        self,
+        tenant: str,
+        name: str,
+        settings: AgentSettings,
+        fields: frozenset[str],
+        etag: str = "",
+        record: RequestRecord | None = None,
+    ) -> Agent:
+        """Set the named fields ("build_options.<option>" for one option) in one
+        transaction; with an etag, only while it is still current (ETAG_MISMATCH)."""
+
+    def list_agents(self, tenant: str, after_name: str | None, limit: int) -> list[Agent]:
+        """By name, strictly after `after_name`."""
+
+    def delete_agent(
+        self, tenant: str, name: str, etag: str = "", record: RequestRecord | None = None
+    ) -> int:
+        """Delete the agent and all it holds (final: nothing lands under it afterwards);
+        returns how many messages it had."""
+
+
+class MessageStore(Protocol):
+    """Appends and the reads of messages, by filter or by id."""
+
+    def append(
+        self,
+        key: ContextKey,
+        batch: MessageBatch,
+        default_settings: AgentSettings | None,
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        """Append durably (acknowledged means committed). A missing agent is created
+        with `default_settings`, or is AGENT_NOT_FOUND when they are None. The batch was
+        counted under the model `batch.tokenizer` names; an engine shared by several
+        processes raises StaleModel when the agent's model changed meanwhile."""
+
+    def list_messages(
+        self,
+        where: ThreadFilter,
+        window: WindowSpec | None,
+        after: tuple[int, int] | None,
+        limit: int,
+    ) -> list[StoredMessage]:
+        """One thread in sequence order, after (sequence, id); or every thread of the
+        scope by (create_time, id), after that pair. With a window, only its messages
+        (each thread's own clear marker applies)."""
+
+    def messages_by_ids(self, key: ContextKey, ids: Sequence[int]) -> list[StoredMessage]:
+        """Whole messages of this one context, by (create_time, id); ids of any other
+        context are never returned."""
+
+
+class ContextReader(Protocol):
+    """What a build reads of one thread."""
+
+    def context_ref(self, key: ContextKey) -> ContextRef | None:
+        """None while the thread has no messages."""
+
+    def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
+        """The window without content, summaries left out, in sequence order: columns
+        id (int64), role (uint8), token_count (uint64), chars (uint64), group_id (int64),
+        sequence (int64), one chunk each."""
+
+    def window_messages_from(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        from_sequence: int,
+        id_range: tuple[int, int],
+    ) -> list[StoredMessage]:
+        """The window's messages from `from_sequence` on whose ids are in `id_range`
+        (what `window_columns` planned), summaries left out, in sequence order."""
+
+    def latest_summary(self, context: ContextRef) -> StoredMessage | None: ...
+
+
+class ThreadStore(Protocol):
+    """Threads, their counters and clear markers."""
+
+    def get_thread(self, key: ContextKey) -> Thread | None: ...
+
+    def list_threads(
+        self, tenant: str, agent: str, scope: str, after_thread: str | None, limit: int
+    ) -> list[Thread]: ...
+
+    def thread_activity(
+        self, tenant: str, agent: str, scope: str, window: WindowSpec, limit: int
+    ) -> list[ThreadActivity]:
+        """Threads with messages in their windows, most recently active first."""
+
+    def context_counts(self, where: ThreadFilter, window: WindowSpec) -> tuple[int, ...]:
+        """(window count, window tokens, total count, total tokens, oldest commit time,
+        newest commit time, threads)."""
+
+    def clear_agent(self, tenant: str, agent: str, record: RequestRecord | None = None) -> int:
+        """Move the agent's clear marker to now; returns it."""
+
+    def clear_scope(
+        self, tenant: str, agent: str, scope: str, record: RequestRecord | None = None
+    ) -> int:
+        """Move the clear marker of every thread of the scope to now; returns it."""
+
+    def clear_thread(self, key: ContextKey, record: RequestRecord | None = None) -> int:
+        """THREAD_NOT_FOUND when the thread has no messages."""
+
+
+class StatusStore(Protocol):
+    def set_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        entry: StatusEntry,
+        record: RequestRecord | None = None,
+    ) -> StatusEntry: ...
+
+    def list_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        after_key: str | None,
+        limit: int,
+        live_at_us: int | None,
+    ) -> list[StatusEntry]: ...
+
+    def clear_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        key: str | None,
+        record: RequestRecord | None = None,
+    ) -> int: ...
+
+
+class EventStore(Protocol):
+    def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
+        """THREAD_NOT_FOUND when the thread is gone (its agent was deleted)."""
+
+    def list_events(
+        self,
+        where: ThreadFilter,
+        event_type: str,
+        start_us: int | None,
+        end_us: int | None,
+        after_id: int,
+        limit: int,
+    ) -> list[Event]: ...
+
+
+class RequestLog(Protocol):
+    def remembered(self, tenant: str, request_id: str) -> Remembered | None:
+        """The recorded request of this id (the fast path of a retry)."""
+
+
+class Store(
+    AgentStore,
+    MessageStore,
+    ContextReader,
+    ThreadStore,
+    StatusStore,
+    EventStore,
+    RequestLog,
+    Protocol,
+):
+    """Every aggregate of one engine, plus its life cycle and health."""
+
+    clock: MonotonicClock
+
+    def schema_version(self) -> int: ...
+
+    def watch(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(serving)` when the store turns unable to serve and back."""
+
+    def serving(self) -> bool: ...
+
+    def stop_background_work(self) -> None:
+        """Stop long background work (removals) after the current step: shutting down."""
+
+    def close(self) -> None: ...
