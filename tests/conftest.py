@@ -144,9 +144,30 @@ def clock() -> ManualClock:
     return ManualClock(wall_clock_us())
 
 
+ENGINES = ("duckdb", "postgres")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every test that uses a server (or the `engine` fixture) runs on each engine, unless
+    it is marked `duckdb_only` (it inspects the embedded file itself)."""
+    if "engine" in metafunc.fixturenames:
+        only = metafunc.definition.get_closest_marker("duckdb_only")
+        metafunc.parametrize("engine", ["duckdb"] if only else list(ENGINES), scope="function")
+
+
 @pytest.fixture
-def server(tmp_path: Path, clock: ManualClock) -> Iterator[InProcessServer]:
-    settings = Settings(addr="127.0.0.1:0", data_dir=tmp_path / "data")
+def store_url(engine: str, request: pytest.FixtureRequest) -> str:
+    """The server's --store: "" for the embedded DuckDB file, or a fresh PostgreSQL
+    database of the session's PostgreSQL server."""
+    if engine == "duckdb":
+        return ""
+    dsn: str = request.getfixturevalue("postgres_dsn")
+    return dsn
+
+
+@pytest.fixture
+def server(tmp_path: Path, clock: ManualClock, store_url: str) -> Iterator[InProcessServer]:
+    settings = Settings(addr="127.0.0.1:0", data_dir=tmp_path / "data", store=store_url)
     running = create_server(settings, clock=clock)
     client = connect(f"127.0.0.1:{running.port}")
     yield InProcessServer(running, client, settings.data_dir)
@@ -236,3 +257,17 @@ def spawn_server(tmp_path: Path) -> Iterator[SpawnServer]:
         if proc.proc is not None and proc.proc.poll() is None:
             proc.proc.kill()
             proc.proc.wait()
+
+
+@pytest.fixture
+def postgres_dsn() -> Iterator[str]:
+    """TEMPORARY: a fresh database on the server CONTEXTD_TEST_PG names."""
+    import uuid
+
+    import psycopg
+
+    base = os.environ["CONTEXTD_TEST_PG"]
+    name = "t_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield base.rsplit("/", 1)[0] + "/" + name

@@ -5,6 +5,7 @@ several clears, thread versus agent clears, history outside the window)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from google.protobuf import field_mask_pb2
 
@@ -17,10 +18,15 @@ DAY = 86_400 * 1_000_000
 
 
 def _db_rows(server: InProcessServer, sql: str) -> list[tuple[object, ...]]:
-    """Read the DuckDB file through the server's own connection (the file is locked)."""
-    cur = server.running.store._con.cursor()  # reading only, to prove what is on disk
+    """Read the database through the server's own store (the DuckDB file is locked), to
+    prove what is stored, on either engine."""
+    store: Any = server.running.store
+    if hasattr(store, "_pool"):  # PostgreSQL
+        with store._pool.connection() as conn:
+            return [tuple(r) for r in conn.execute(sql).fetchall()]
+    cur = store._con.cursor()  # reading only
     try:
-        return cur.execute(sql).fetchall()
+        return [tuple(r) for r in cur.execute(sql).fetchall()]
     finally:
         cur.close()
 

@@ -20,8 +20,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import USER, Client, InProcessServer, connect
+from contextd.adapters.duckdb.keys import KEY_FILE
 from contextd.api.errors import ErrorMappingInterceptor
-from contextd.app.paging import KEY_FILE, PageToken, PageTokens
+from contextd.app.paging import PageToken, PageTokens
 from contextd.domain.errors import InvalidArgument
 from contextd.domain.validation import MAX_JSON_DEPTH
 from contextd.v1 import context_service_pb2 as pb
@@ -182,8 +183,12 @@ def test_page_tokens_are_signed(server: InProcessServer) -> None:
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert _details(error)["reason"] == "INVALID_PAGE_TOKEN"
-    # The key lives in the data directory, so tokens survive a restart.
-    assert (server.data_dir / KEY_FILE).stat().st_mode & 0o777 == 0o600
+    # The key is the store's: a file of the data directory on the embedded engine (tokens
+    # survive a restart), a row of the database on PostgreSQL (every replica honours them).
+    key = server.running.store.page_token_key()
+    assert len(key) == 32 and key == server.running.store.page_token_key()
+    if (server.data_dir / KEY_FILE).exists():
+        assert (server.data_dir / KEY_FILE).stat().st_mode & 0o777 == 0o600
 
 
 def test_signed_tokens_out_of_range_are_invalid_argument(server: InProcessServer) -> None:
@@ -191,7 +196,7 @@ def test_signed_tokens_out_of_range_are_invalid_argument(server: InProcessServer
     client = server.client
     client.append("a1", "m0", "m1")
     first = client.stub.ListMessages(pb.ListMessagesRequest(agent="a1", thread="t1", page_size=1))
-    ours = PageTokens((server.data_dir / KEY_FILE).read_bytes())
+    ours = PageTokens(server.running.store.page_token_key())
     import base64
 
     raw, _, _ = base64.urlsafe_b64decode(first.next_page_token).rpartition(b".")

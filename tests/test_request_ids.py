@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, SpawnServer, connect
 from contextd.adapters.duckdb import store as storage
+from contextd.adapters.postgres import store as postgres_store
 from contextd.api.server import create_server
 from contextd.config import Settings
 from contextd.domain.batches import prepare_batch
@@ -359,6 +360,7 @@ def test_a_cleanup_pass_removes_a_bounded_chunk_and_a_backlog_drains_sooner(
     server: InProcessServer, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(storage, "CLEANUP_CHUNK", 3)
+    monkeypatch.setattr(postgres_store, "CLEANUP_CHUNK", 3)
     client = server.client
     early = [f"r-{i}" for i in range(7)]
     for request_id in early:  # the first write ran a pass: the next is due in a minute

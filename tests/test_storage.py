@@ -10,11 +10,12 @@ import duckdb
 import pytest
 
 from contextd.adapters.duckdb import store as storage
-from contextd.adapters.duckdb.store import Store, ThreadFilter
+from contextd.adapters.duckdb.store import Store
 from contextd.domain.batches import prepare_batch
 from contextd.domain.errors import Unavailable
 from contextd.domain.model import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
 from contextd.domain.window import WindowSpec
+from contextd.ports.store import ThreadFilter
 
 
 def _batch(*texts: str) -> MessageBatch:

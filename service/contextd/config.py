@@ -18,6 +18,7 @@ from pathlib import Path
 DEFAULT_ADDR = "127.0.0.1:50051"
 DEFAULT_DATA_DIR = "./data"
 DATABASE_FILE = "contextd.duckdb"
+POSTGRES_SCHEMES = ("postgres://", "postgresql://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +39,14 @@ class Settings:
     summary_max_tokens: int = 2048
     summary_timeout_seconds: float = 30.0
     anthropic_base_url: str | None = None
+    # "" (or "duckdb"): the embedded DuckDB file in data_dir; a postgres:// or
+    # postgresql:// URL: a PostgreSQL database shared by any number of replicas.
+    store: str = ""
+    store_pool_size: int = 16
+
+    @property
+    def uses_postgres(self) -> bool:
+        return self.store.startswith(POSTGRES_SCHEMES)
 
     @property
     def database_path(self) -> Path:
@@ -48,6 +57,9 @@ class Settings:
 # variable CONTEXTD_NAME, the type and default those of the Settings field.
 _SERVE_OPTIONS: dict[str, str] = {
     "addr": "host:port to listen on",
+    "store": "where contexts are kept: unset (or duckdb) for the embedded DuckDB file in "
+    "--data-dir, or a postgresql://user@host:port/db URL shared by several replicas",
+    "store_pool_size": "most PostgreSQL connections this server opens (PostgreSQL only)",
     "data_dir": "directory of the DuckDB file",
     "max_message_bytes": "largest message accepted, content + tool_calls + metadata",
     "max_batch_messages": "most messages in one AppendMessages call",
@@ -100,6 +112,20 @@ def _memory_size(text: str) -> str:
 _memory_size.__name__ = "size"
 
 
+def _store_url(text: str) -> str:
+    """argparse type of --store: the embedded engine or a PostgreSQL URL, checked at
+    start-up so a typo is one line, not a driver traceback."""
+    text = text.strip()
+    if text in ("", "duckdb"):
+        return ""
+    if not text.startswith(POSTGRES_SCHEMES):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is neither duckdb nor a postgresql:// URL")
+    return text
+
+
+_store_url.__name__ = "store"
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Settings()
     for name, help_text in _SERVE_OPTIONS.items():
@@ -110,6 +136,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kind = str.upper
         elif name == "store_memory_limit":
             kind = _memory_size
+        elif name == "store":
+            kind = _store_url
         elif isinstance(default, int | float):
             kind = _number(type(default), name)
         # A string default goes through `type`, so a bad environment value is reported

@@ -28,15 +28,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from contextd.adapters.duckdb.store import Store
+from contextd.adapters.open import open_store
 from contextd.api.errors import ErrorMappingInterceptor
 from contextd.api.servicer import ContextServicer
 from contextd.app.build.summarizer import AnthropicConfig, AnthropicSummarizer
-from contextd.app.paging import PageTokens, load_or_create_key
+from contextd.app.paging import PageTokens
 from contextd.app.service import ContextService, Limits
 from contextd.config import Settings
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import Unavailable
+from contextd.ports.store import Store
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 
@@ -152,14 +153,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
     `clock` is the server's one clock (commit times, clear markers, window ages, expiry);
     the default follows the wall clock and never goes back. Tests pass a ManualClock.
     """
-    store = Store.open(
-        settings.database_path,
-        max_group_rows=settings.max_group_rows,
-        clock=clock,
-        write_timeout_s=settings.write_timeout_seconds,
-        memory_limit=settings.store_memory_limit,
-        delete_chunk_rows=settings.delete_chunk_rows,
-    )
+    store = open_store(settings, clock)
     try:
         summarizer = AnthropicSummarizer(
             AnthropicConfig(
@@ -176,7 +170,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
                 max_message_bytes=settings.max_message_bytes,
                 max_batch_messages=settings.max_batch_messages,
             ),
-            PageTokens(load_or_create_key(settings.data_dir)),
+            PageTokens(store.page_token_key()),
         )
         workers = futures.ThreadPoolExecutor(
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"
@@ -246,7 +240,7 @@ def serve(settings: Settings) -> None:
         extra={
             "addr": settings.addr,
             "port": running.port,
-            "database": str(settings.database_path),
+            "store": "postgresql" if settings.uses_postgres else str(settings.database_path),
             "schema_version": running.store.schema_version(),
         },
     )

@@ -17,11 +17,8 @@ import base64
 import hashlib
 import hmac
 import json
-import os
-import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 from contextd.domain.errors import InvalidArgument
@@ -33,7 +30,6 @@ MAX_PAGE_SIZE = 1000
 # A page stops once its items hold this many bytes (the last one may cross it).
 # Below gRPC clients' default 4 MiB receive limit even with one 1 MiB message over it.
 MAX_PAGE_BYTES = 2 << 20
-KEY_FILE = "page_token.key"
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _MAX_POSITION_CHARS = 512
 _NOT_OURS = "page_token is not a token this server issued"
@@ -55,30 +51,6 @@ def page_size(requested: int) -> int:
     if requested == 0:
         return DEFAULT_PAGE_SIZE
     return min(requested, MAX_PAGE_SIZE)
-
-
-def load_or_create_key(data_dir: Path) -> bytes:
-    """The signing key of this data directory, created on first use (0600, atomic)."""
-    path = data_dir / KEY_FILE
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        pass
-    data_dir.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, secrets.token_bytes(32))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(temporary, path)  # fails if another process created the key first
-    except FileExistsError:
-        pass
-    finally:
-        temporary.unlink()
-    return path.read_bytes()
 
 
 def _fingerprint(params: tuple[Any, ...]) -> str:

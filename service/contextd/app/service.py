@@ -24,7 +24,14 @@ from contextd.app.build.summarizer import Summarizer
 from contextd.app.paging import PageTokens, page_size
 from contextd.domain.batches import prepare_batch
 from contextd.domain.context import StatusEntry
-from contextd.domain.errors import Aborted, InvalidArgument, NotFound, ResourceExhausted
+from contextd.domain.errors import (
+    Aborted,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StaleModel,
+    Unavailable,
+)
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
 from contextd.domain.model import (
     DEFAULT_THREAD,
@@ -91,8 +98,9 @@ class ContextService:
         # process only (fine for a service object that lives and dies with its caller).
         self._pages = page_tokens or PageTokens(secrets.token_bytes(32))
         self._builder = ContextBuilder(store, summarizer)
-        # The model of each agent, read on every append to count its tokens. This process
-        # is the file's only writer, so invalidating on update and delete keeps it true.
+        # The model of each agent, read on every append to count its tokens. Invalidated on
+        # update and delete here; an engine shared by replicas checks it in the append
+        # transaction (StaleModel), so a stale entry costs a recount, never a wrong count.
         self._models: dict[tuple[str, str], str] = {}
 
     def _model_of(self, tenant: str, agent: str) -> str:
@@ -194,8 +202,21 @@ class ContextService:
             _check_message(m, i, self._limits.max_message_bytes, latest_allowed)
             for i, m in enumerate(messages)
         ]
-        batch = prepare_batch(messages, self._model_of(tenant, key.agent), call_ids)
-        return self._store.append(key, batch, AgentSettings() if create_agent else None, record)
+        model = self._model_of(tenant, key.agent)
+        for _ in range(3):
+            batch = prepare_batch(messages, model, call_ids)
+            try:
+                return self._store.append(
+                    key, batch, AgentSettings() if create_agent else None, record
+                )
+            except StaleModel as changed:
+                # Another replica changed the agent's model since this one cached it.
+                model = changed.model
+                self._models[(tenant, key.agent)] = model
+        raise Unavailable(
+            "the agent's model kept changing during this append; retry",
+            retry_after_s=0.1,
+        )
 
     def list_messages(
         self,

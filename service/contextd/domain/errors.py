@@ -103,5 +103,14 @@ class StoreExhausted(ResourceExhausted):
     default_reason = "STORE_RESOURCE_EXHAUSTED"
 
 
+class StaleModel(Exception):
+    """An append was counted under a model the agent no longer has (another replica
+    changed it): the caller counts again under `model` and retries. Never reaches a client."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the agent's model is now {model!r}")
+        self.model = model
+
+
 class StoreLocked(Exception):
     """The DuckDB file is held by another process; raised at start-up only."""

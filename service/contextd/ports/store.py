@@ -59,6 +59,8 @@ class ContextRef:
     context_id: int
     last_clear_time_us: int | None
     latest_summary_id: int  # 0: the thread has no stored summary
+    # The thread's key, for engines that address rows by tenant (None: not needed).
+    key: ContextKey | None = None
 
 
 class AgentStore(Protocol):
@@ -246,6 +248,9 @@ class Store(
     clock: MonotonicClock
 
     def schema_version(self) -> int: ...
+
+    def page_token_key(self) -> bytes:
+        """The key that signs page tokens, the same for every process of this store."""
 
     def watch(self, listener: Callable[[bool], None]) -> None:
         """Call `listener(serving)` when the store turns unable to serve and back."""

@@ -34,6 +34,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from contextd.adapters.duckdb.keys import load_or_create_key
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -596,6 +597,7 @@ class Store:
         delete_chunk_rows: int = 5_000,
     ) -> None:
         self._con = con
+        self._data_dir = Path(".")
         self._max_group_rows = max_group_rows
         self._write_timeout_s = write_timeout_s
         self._delete_chunk_rows = delete_chunk_rows
@@ -690,13 +692,20 @@ class Store:
                     f"{text.splitlines()[0]}"
                 ) from exc
             raise
-        return cls(
+        store = cls(
             con,
             max_group_rows,
             clock,
             write_timeout_s=write_timeout_s,
             delete_chunk_rows=delete_chunk_rows,
         )
+        store._data_dir = path.parent
+        return store
+
+    def page_token_key(self) -> bytes:
+        """The key that signs page tokens: a file beside the database, so tokens outlive
+        a restart (created on first use)."""
+        return load_or_create_key(self._data_dir)
 
     def stop_background_work(self) -> None:
         """Stop removing deleted agents' messages after the chunk in progress: a shutdown

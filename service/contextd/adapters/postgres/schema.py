@@ -11,6 +11,7 @@ tenant); times are integers of microseconds since the epoch, as in the domain.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 
@@ -141,6 +142,16 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
             "CREATE INDEX request_records_by_time ON request_records (tenant, create_time_us)",
             # Ids are unique in the store and never reused (sequences never go back).
+            # Keys the replicas share (e.g. the one that signs page tokens), under the
+            # tenant "" (service-wide).
+            """
+            CREATE TABLE service_keys (
+                tenant text NOT NULL,
+                name text NOT NULL,
+                value bytea NOT NULL,
+                PRIMARY KEY (tenant, name)
+            )
+            """,
             "CREATE SEQUENCE message_ids",
             "CREATE SEQUENCE context_ids",
             "CREATE SEQUENCE event_ids",
@@ -149,7 +160,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
 ]
 
 
-def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+def migrate(conn: psycopg.Connection[Any]) -> int:
     """Bring the database to the newest schema; returns its version. Safe when several
     replicas start at once (one advisory lock, one transaction per migration)."""
     with conn.transaction():
@@ -165,7 +176,7 @@ def migrate(conn: psycopg.Connection[tuple[object, ...]]) -> int:
                 continue
             with conn.transaction():
                 for statement in statements:
-                    conn.execute(statement)  # type: ignore[arg-type]
+                    conn.execute(statement)
                 conn.execute(
                     "INSERT INTO schema_migrations VALUES "
                     "(%s, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint)",

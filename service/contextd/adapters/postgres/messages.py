@@ -1,0 +1,370 @@
+"""Messages on PostgreSQL: the append transaction and the reads of messages.
+
+An append is one transaction: lock the agent's row (FOR KEY SHARE; create the agent if
+asked), check that the batch was counted under the agent's current model, lock the
+thread's row (creating it), take the next sequence numbers and ids, stamp the commit time
+(never before the thread's newest message or any clear marker that applies to it), COPY
+the rows in, move the thread's counters, and record the request id. Nothing of it lives
+in the process: any replica can append to any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from contextd.adapters.postgres.agents import INSERT_AGENT, find_agent
+from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
+from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
+from contextd.domain.batches import stored_tokenizer
+from contextd.domain.errors import StaleModel
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.model import (
+    AgentSettings,
+    ContextKey,
+    MessageBatch,
+    MessageReceipt,
+    Role,
+    StoredMessage,
+)
+from contextd.domain.window import WindowSpec
+from contextd.ports.store import ContextRef, ThreadFilter
+
+_COPY_COLUMNS = (
+    "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
+    "metadata, token_estimate, create_time_us, source_time_us, token_count, tokenizer, chars, "
+    "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id"
+)
+_M_COLUMNS = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
+# MESSAGE_COLUMNS names agent, scope and thread, which live in the thread's row here.
+_SELECT_MESSAGES = (
+    _M_COLUMNS.replace("m.agent", "t.agent")
+    .replace("m.scope", "t.scope")
+    .replace("m.thread", "t.thread")
+)
+
+
+def window_predicate(window: WindowSpec, thread_alias: str | None = "t") -> tuple[str, list[int]]:
+    """The SQL of "message m is in the window": the same definition as the embedded
+    engine's (see contextd.domain.window). With a threads alias, each thread's own clear
+    marker applies where it is later than the window's."""
+    if thread_alias:
+        clear = f"greatest(%s::bigint, coalesce({thread_alias}.last_clear_us, %s::bigint))"
+        params = [window.clear_after_us, window.clear_after_us]
+    else:
+        clear, params = "%s::bigint", [window.clear_after_us]
+    sql = f"(m.create_time_us > {clear} AND coalesce(m.source_time_us, m.create_time_us) > %s)"
+    return sql, [*params, window.age_after_us]
+
+
+_LOCK_THREAD = (
+    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
+    "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
+)
+
+
+def _model_label(model: str) -> str:
+    return stored_tokenizer(model) if model else "estimate"
+
+
+class MessagesMixin(PostgresBase):
+    def append(
+        self,
+        key: ContextKey,
+        batch: MessageBatch,
+        default_settings: AgentSettings | None,
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        return self._write(lambda conn: self._append(conn, key, batch, default_settings), record)
+
+    def _append(
+        self,
+        conn: Conn,
+        key: ContextKey,
+        batch: MessageBatch,
+        default_settings: AgentSettings | None,
+    ) -> list[MessageReceipt]:
+        tenant = key.tenant
+        agent = find_agent(conn, tenant, key.agent, "FOR KEY SHARE")
+        if agent is None:
+            if default_settings is None:
+                raise agent_missing(key.agent)
+            conn.execute(
+                INSERT_AGENT + " ON CONFLICT (tenant, name) DO NOTHING",
+                agent_row(tenant, key.agent, default_settings, self.clock.tick()),
+            )
+            agent = find_agent(conn, tenant, key.agent, "FOR KEY SHARE")
+            if agent is None:  # deleted between the insert and the read: let the caller retry
+                raise agent_missing(key.agent)
+        if batch.tokenizer != _model_label(agent.model) and batch.summarized_ids is None:
+            raise StaleModel(agent.model)
+        row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
+        n = len(batch)
+        commit_time = 0  # stamped below, or here when this append creates the thread
+        if row is None:
+            if batch.summarized_ids is not None:
+                # A summary stands for messages of an existing thread: if the thread is
+                # gone, it must not bring the context back.
+                raise thread_gone(key.agent, key.thread)
+            # The thread begins with this append: its create time is this commit's.
+            self.clock.advance_to(agent.last_clear_time_us)
+            commit_time = self.clock.tick()
+            created = first(
+                conn,
+                "INSERT INTO threads (tenant, context_id, agent, scope, thread, create_time_us, "
+                "last_message_time_us, message_count, token_estimate, last_sequence) "
+                "VALUES (%s, nextval('context_ids'), %s, %s, %s, %s, %s, 0, 0, 0) "
+                "ON CONFLICT (tenant, agent, scope, thread) DO NOTHING "
+                "RETURNING context_id",
+                [tenant, key.agent, key.scope, key.thread, commit_time, commit_time],
+            )
+            if created is not None:
+                row = (int(created[0]), 0, 0, None)
+            else:
+                # Another replica created the thread meanwhile: lock and use it.
+                row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
+                assert row is not None
+        context_id, last_sequence, last_time, last_clear = row
+        # Commit times of a thread never go back, nor fall at or before a clear that
+        # applies to it, whatever this replica's clock says.
+        self.clock.advance_to(max(last_time, agent.last_clear_time_us, last_clear or 0))
+        if last_time or not commit_time:
+            commit_time = self.clock.tick()
+        ids = [
+            int(r[0])
+            for r in conn.execute(
+                "SELECT nextval('message_ids') FROM generate_series(1, %s)", [n]
+            ).fetchall()
+        ]
+        sequences = range(last_sequence + 1, last_sequence + 1 + n)
+        groups = self._groups(conn, tenant, context_id, ids, batch)
+        summary = batch.summarized_ids
+        with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
+            for i, message in enumerate(batch.messages):
+                copy.write_row(
+                    (
+                        tenant,
+                        context_id,
+                        sequences[i],
+                        ids[i],
+                        int(message.role),
+                        message.content,
+                        message.tool_calls,
+                        message.tool_call_id,
+                        message.external_id,
+                        message.metadata,
+                        batch.token_estimates[i],
+                        commit_time,
+                        message.source_time_us,
+                        batch.token_counts[i],
+                        batch.tokenizer,
+                        batch.chars[i],
+                        groups[i],
+                        ",".join(batch.tool_call_ids[i]),
+                        summary is not None,
+                        summary[0] if summary else 0,
+                        summary[1] if summary else 0,
+                    )
+                )
+        sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]
+        conn.execute(
+            "UPDATE threads SET last_sequence = last_sequence + %s, "
+            "message_count = message_count + %s, token_estimate = token_estimate + %s, "
+            "last_message_time_us = %s, "
+            "min_source_time_us = least(min_source_time_us, %s::bigint), "
+            "latest_summary_id = CASE WHEN %s THEN %s ELSE latest_summary_id END "
+            "WHERE tenant = %s AND context_id = %s",
+            [
+                n,
+                n,
+                sum(batch.token_estimates),
+                commit_time,
+                min(sources) if sources else None,
+                summary is not None,
+                ids[-1],
+                tenant,
+                context_id,
+            ],
+        )
+        return [
+            MessageReceipt(i, commit_time, e, c, q)
+            for i, e, c, q in zip(
+                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+            )
+        ]
+
+    @staticmethod
+    def _groups(
+        conn: Conn, tenant: str, context_id: int, ids: list[int], batch: MessageBatch
+    ) -> list[int]:
+        """The tool group of each message (the id of the tool_use it belongs to, or -1),
+        recording the call ids this batch declares."""
+        declared: dict[str, int] = {}
+        groups: list[int] = []
+        wanted = {
+            m.tool_call_id
+            for m, calls in zip(batch.messages, batch.tool_call_ids, strict=True)
+            if not calls and m.role == Role.TOOL_RESULT and m.tool_call_id
+        }
+        known: dict[str, int] = {}
+        if wanted:
+            known = dict(
+                conn.execute(
+                    "SELECT call_id, message_id FROM tool_calls WHERE tenant = %s "
+                    "AND context_id = %s AND call_id = ANY(%s)",
+                    [tenant, context_id, list(wanted)],
+                ).fetchall()
+            )
+        for message_id, message, calls in zip(
+            ids, batch.messages, batch.tool_call_ids, strict=True
+        ):
+            if calls:
+                for call_id in calls:
+                    declared[call_id] = message_id
+                groups.append(message_id)
+            elif message.role == Role.TOOL_RESULT and message.tool_call_id:
+                call = message.tool_call_id
+                groups.append(declared.get(call, known.get(call, -1)))
+            else:
+                groups.append(-1)
+        if declared:
+            with conn.cursor() as cur:
+                cur.executemany(
+                    "INSERT INTO tool_calls (tenant, context_id, call_id, message_id) "
+                    "VALUES (%s, %s, %s, %s) ON CONFLICT (tenant, context_id, call_id) "
+                    "DO UPDATE SET message_id = excluded.message_id",
+                    [(tenant, context_id, c, i) for c, i in declared.items()],
+                )
+        return groups
+
+    def list_messages(
+        self,
+        where: ThreadFilter,
+        window: WindowSpec | None,
+        after: tuple[int, int] | None,
+        limit: int,
+    ) -> list[StoredMessage]:
+        params: list[Any] = [where.tenant, where.agent, where.scope]
+        thread_clause = ""
+        if where.thread is not None:
+            thread_clause = "AND t.thread = %s"
+            params.append(where.thread)
+        window_clause = ""
+        if window is not None:
+            predicate, window_params = window_predicate(window)
+            window_clause = f"AND {predicate}"
+            params += window_params
+        if where.thread is not None:
+            after_clause = "AND m.sequence > %s"
+            params.append(after[0] if after is not None else 0)
+            order = "m.sequence"
+        else:
+            after_time, after_id = after if after is not None else (-(2**63), -(2**63))
+            after_clause = "AND (m.create_time_us, m.id) > (%s, %s)"
+            params += [after_time, after_id]
+            order = "m.create_time_us, m.id"
+        params.append(limit)
+        sql = f"""
+            SELECT {_SELECT_MESSAGES}
+            FROM threads t JOIN messages m ON m.tenant = t.tenant AND m.context_id = t.context_id
+            WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s {thread_clause}
+              {window_clause} {after_clause}
+            ORDER BY {order}
+            LIMIT %s
+        """
+        with self._reading() as conn:
+            rows = conn.execute(sql, params).fetchall()
+        return [message_from_row(r) for r in rows]
+
+    def messages_by_ids(self, key: ContextKey, ids: Sequence[int]) -> list[StoredMessage]:
+        if not ids:
+            return []
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_SELECT_MESSAGES} FROM threads t JOIN messages m "
+                "ON m.tenant = t.tenant AND m.context_id = t.context_id "
+                "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s "
+                "AND m.id = ANY(%s) ORDER BY m.create_time_us, m.id",
+                [key.tenant, key.agent, key.scope, key.thread, list(ids)],
+            ).fetchall()
+        return [message_from_row(r) for r in rows]
+
+    # ----------------------------------------------------------------- what a build reads
+
+    def context_ref(self, key: ContextKey) -> ContextRef | None:
+        with self._reading() as conn:
+            row = first(
+                conn,
+                "SELECT context_id, last_clear_us, latest_summary_id FROM threads "
+                "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+        return ContextRef(int(row[0]), row[1], int(row[2]), key) if row else None
+
+    def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
+        predicate, params = window_predicate(window, None)
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT id, role, token_count, chars, group_id, sequence FROM messages m "
+                f"WHERE tenant = %s AND context_id = %s AND {predicate} AND NOT is_summary "
+                "ORDER BY sequence",
+                [_tenant(context), context.context_id, *params],
+            ).fetchall()
+        columns = list(zip(*rows, strict=True)) if rows else [()] * 6
+        return pa.table(
+            {
+                "id": pa.array(np.asarray(columns[0], dtype=np.int64)),
+                "role": pa.array(np.asarray(columns[1], dtype=np.uint8)),
+                "token_count": pa.array(np.asarray(columns[2], dtype=np.uint64)),
+                "chars": pa.array(np.asarray(columns[3], dtype=np.uint64)),
+                "group_id": pa.array(np.asarray(columns[4], dtype=np.int64)),
+                "sequence": pa.array(np.asarray(columns[5], dtype=np.int64)),
+            }
+        )
+
+    def window_messages_from(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        from_sequence: int,
+        id_range: tuple[int, int],
+    ) -> list[StoredMessage]:
+        predicate, params = window_predicate(window, None)
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
+                "ON t.tenant = m.tenant AND t.context_id = m.context_id "
+                "WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
+                f"AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
+                "ORDER BY m.sequence",
+                [
+                    _tenant(context),
+                    context.context_id,
+                    from_sequence,
+                    id_range[0],
+                    id_range[1],
+                    *params,
+                ],
+            ).fetchall()
+        return [message_from_row(r) for r in rows]
+
+    def latest_summary(self, context: ContextRef) -> StoredMessage | None:
+        if not context.latest_summary_id:
+            return None
+        with self._reading() as conn:
+            row = first(
+                conn,
+                f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
+                "ON t.tenant = m.tenant AND t.context_id = m.context_id "
+                "WHERE m.tenant = %s AND m.id = %s AND m.context_id = %s",
+                [_tenant(context), context.latest_summary_id, context.context_id],
+            )
+        return message_from_row(row) if row else None
+
+
+def _tenant(context: ContextRef) -> str:
+    assert context.key is not None, "a PostgreSQL ContextRef carries its key"
+    return context.key.tenant

@@ -1,0 +1,152 @@
+"""Status entries and events on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from contextd.adapters.postgres.agents import require_agent
+from contextd.adapters.postgres.base import Conn, PostgresBase, first, thread_gone
+from contextd.adapters.rows import status_from_row, status_kind_code
+from contextd.domain.context import StatusEntry
+from contextd.domain.errors import NotFound
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.model import ContextKey, Event
+from contextd.domain.validation import quote
+from contextd.ports.store import ThreadFilter
+
+
+class StatusMixin(PostgresBase):
+    def set_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        entry: StatusEntry,
+        record: RequestRecord | None = None,
+    ) -> StatusEntry:
+        def upsert(conn: Conn) -> StatusEntry:
+            require_agent(conn, tenant, agent, "FOR KEY SHARE")
+            now = self.clock.tick()
+            conn.execute(
+                "INSERT INTO status_entries VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (tenant, agent, scope, key) DO UPDATE SET kind = excluded.kind, "
+                "state = excluded.state, summary = excluded.summary, "
+                "update_time_us = excluded.update_time_us, "
+                "expire_time_us = excluded.expire_time_us",
+                [
+                    tenant,
+                    agent,
+                    scope,
+                    entry.key,
+                    status_kind_code(entry.kind),
+                    entry.state,
+                    entry.summary,
+                    now,
+                    entry.expire_time_us,
+                ],
+            )
+            return replace(entry, update_time_us=now)
+
+        return self._write(upsert, record)
+
+    def list_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        after_key: str | None,
+        limit: int,
+        live_at_us: int | None,
+    ) -> list[StatusEntry]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT key, kind, state, summary, update_time_us, expire_time_us "
+                "FROM status_entries WHERE tenant = %s AND agent = %s AND scope = %s "
+                "AND key > %s AND (%s::bigint IS NULL OR expire_time_us IS NULL "
+                "OR expire_time_us > %s) ORDER BY key LIMIT %s",
+                [tenant, agent, scope, after_key or "", live_at_us, live_at_us, limit],
+            ).fetchall()
+        return [status_from_row(r) for r in rows]
+
+    def clear_status(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        key: str | None,
+        record: RequestRecord | None = None,
+    ) -> int:
+        def clear(conn: Conn) -> int:
+            require_agent(conn, tenant, agent, "FOR KEY SHARE")
+            where = "tenant = %s AND agent = %s AND scope = %s"
+            params: list[Any] = [tenant, agent, scope]
+            if key is not None:
+                where += " AND key = %s"
+                params.append(key)
+            deleted = conn.execute(f"DELETE FROM status_entries WHERE {where}", params).rowcount
+            if key is not None and deleted == 0:
+                raise NotFound(
+                    f"agent {agent!r} has no status entry {quote(key)} in scope {scope!r}",
+                    reason="STATUS_NOT_FOUND",
+                )
+            return deleted
+
+        return self._write(clear, record)
+
+    def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
+        def insert(conn: Conn) -> Event:
+            # The thread's row is locked FOR KEY SHARE: a delete of its agent waits for
+            # this event, or this event finds the thread gone.
+            exists = first(
+                conn,
+                "SELECT 1 FROM threads WHERE tenant = %s AND agent = %s AND scope = %s "
+                "AND thread = %s FOR KEY SHARE",
+                [key.tenant, key.agent, key.scope, key.thread],
+            )
+            if exists is None:
+                raise thread_gone(key.agent, key.thread)
+            now = self.clock.tick()
+            text = json.dumps(data, separators=(",", ":"))
+            row = first(
+                conn,
+                "INSERT INTO events (tenant, id, agent, scope, thread, type, create_time_us, "
+                "data) VALUES (%s, nextval('event_ids'), %s, %s, %s, %s, %s, %s) RETURNING id",
+                [key.tenant, key.agent, key.scope, key.thread, event_type, now, text],
+            )
+            return Event(int(row[0]), event_type, key.agent, key.scope, key.thread, now, text)
+
+        return self._write(insert)
+
+    def list_events(
+        self,
+        where: ThreadFilter,
+        event_type: str,
+        start_us: int | None,
+        end_us: int | None,
+        after_id: int,
+        limit: int,
+    ) -> list[Event]:
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT id, type, agent, scope, thread, create_time_us, data FROM events "
+                "WHERE tenant = %(tenant)s AND agent = %(agent)s AND scope = %(scope)s "
+                "AND (%(thread)s::text IS NULL OR thread = %(thread)s) "
+                "AND (%(type)s = '' OR type = %(type)s) "
+                "AND (%(start)s::bigint IS NULL OR create_time_us >= %(start)s) "
+                "AND (%(end)s::bigint IS NULL OR create_time_us < %(end)s) "
+                "AND id > %(after)s ORDER BY id LIMIT %(limit)s",
+                {
+                    "tenant": where.tenant,
+                    "agent": where.agent,
+                    "scope": where.scope,
+                    "thread": where.thread,
+                    "type": event_type,
+                    "start": start_us,
+                    "end": end_us,
+                    "after": after_id,
+                    "limit": limit,
+                },
+            ).fetchall()
+        return [Event(*r) for r in rows]
