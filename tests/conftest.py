@@ -116,6 +116,19 @@ def connect(address: str) -> Client:
     return Client(pb_grpc.ContextServiceStub(channel), channel, address)  # type: ignore[no-untyped-call]
 
 
+def db_rows(store: Any, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of `sql` read through a running server's own store (the DuckDB file is locked
+    by it), on either engine: to prove what is stored, not what the API says."""
+    if hasattr(store, "_pool"):  # PostgreSQL
+        with store._pool.connection() as conn:
+            return [tuple(r) for r in conn.execute(sql).fetchall()]
+    cur = store._con.cursor()  # reading only
+    try:
+        return [tuple(r) for r in cur.execute(sql).fetchall()]
+    finally:
+        cur.close()
+
+
 @dataclass
 class InProcessServer:
     running: RunningServer

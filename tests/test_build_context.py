@@ -16,7 +16,17 @@ import pytest
 from fake_anthropic import FakeAnthropic
 from google.protobuf import duration_pb2, field_mask_pb2
 
-from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, connect, rendering, ts
+from conftest import (
+    ASSISTANT,
+    TOOL_RESULT,
+    TOOL_USE,
+    USER,
+    Client,
+    connect,
+    db_rows,
+    rendering,
+    ts,
+)
 from contextd import core
 from contextd.api.server import RunningServer, create_server
 from contextd.config import Settings
@@ -32,12 +42,17 @@ def fake() -> Iterator[FakeAnthropic]:
 
 @pytest.fixture
 def running(
-    tmp_path: Path, fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, clock: ManualClock
+    tmp_path: Path,
+    fake: FakeAnthropic,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: ManualClock,
+    store_url: str,
 ) -> Iterator[tuple[RunningServer, Client]]:
     monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
     settings = Settings(
         addr="127.0.0.1:0",
         data_dir=tmp_path / "data",
+        store=store_url,
         anthropic_base_url=fake.base_url,
         summary_timeout_seconds=2.0,
     )
@@ -628,10 +643,8 @@ def test_delete_is_final_while_a_summary_is_in_flight(
     with pytest.raises(grpc.RpcError) as info:
         client.stub.GetAgent(pb.GetAgentRequest(name="a1"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    rows = server.store._cursor().execute("SELECT count(*) FROM messages").fetchone()
-    assert rows == (0,)
-    events = server.store._cursor().execute("SELECT count(*) FROM events").fetchone()
-    assert events == (0,)
+    assert db_rows(server.store, "SELECT count(*) FROM messages") == [(0,)]
+    assert db_rows(server.store, "SELECT count(*) FROM events") == [(0,)]
 
 
 def test_append_to_an_unknown_agent_is_not_found_unless_asked(client: Client) -> None:

@@ -5,30 +5,25 @@ several clears, thread versus agent clears, history outside the window)."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from google.protobuf import field_mask_pb2
 
-from conftest import ASSISTANT, TOOL_RESULT, TOOL_USE, USER, Client, InProcessServer, span, ts
+from conftest import (
+    ASSISTANT,
+    TOOL_RESULT,
+    TOOL_USE,
+    USER,
+    Client,
+    InProcessServer,
+    db_rows,
+    span,
+    ts,
+)
 from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
 MINUTE = 60 * 1_000_000
 DAY = 86_400 * 1_000_000
-
-
-def _db_rows(server: InProcessServer, sql: str) -> list[tuple[object, ...]]:
-    """Read the database through the server's own store (the DuckDB file is locked), to
-    prove what is stored, on either engine."""
-    store: Any = server.running.store
-    if hasattr(store, "_pool"):  # PostgreSQL
-        with store._pool.connection() as conn:
-            return [tuple(r) for r in conn.execute(sql).fetchall()]
-    cur = store._con.cursor()  # reading only
-    try:
-        return [tuple(r) for r in cur.execute(sql).fetchall()]
-    finally:
-        cur.close()
 
 
 # ----------------------------------------------------------------- message persistence
@@ -37,7 +32,7 @@ def _db_rows(server: InProcessServer, sql: str) -> list[tuple[object, ...]]:
 def test_message_persisted_to_sqlite(server: InProcessServer) -> None:
     # The seed says SQLite; contextd persists to DuckDB. The row must be in the file.
     server.client.append("a1", "remember me")
-    rows = _db_rows(server, "SELECT content FROM messages")
+    rows = db_rows(server.running.store, "SELECT content FROM messages")
     assert rows == [("remember me",)]
 
 
@@ -232,7 +227,7 @@ def test_clear_excludes_messages_before_clear_time(client: Client) -> None:
 def test_clear_does_not_delete_messages_from_db(server: InProcessServer) -> None:
     server.client.append("a1", "a", "b")
     server.client.stub.ClearContext(pb.ClearContextRequest(agent="a1"))
-    assert _db_rows(server, "SELECT count(*) FROM messages") == [(2,)]
+    assert db_rows(server.running.store, "SELECT count(*) FROM messages") == [(2,)]
 
 
 def test_messages_after_clear_are_included(client: Client) -> None:

@@ -252,13 +252,18 @@ def fake() -> Iterator[FakeAnthropic]:
 
 @pytest.fixture
 def llm_client(
-    tmp_path: Path, fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch, clock: ManualClock
+    tmp_path: Path,
+    fake: FakeAnthropic,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: ManualClock,
+    store_url: str,
 ) -> Iterator[Client]:
     """A server whose summaries come from the fake Anthropic API, which counts them."""
     monkeypatch.setenv("ANTHROPIC_API_KEY", "test-key")
     settings = Settings(
         addr="127.0.0.1:0",
         data_dir=tmp_path / "data",
+        store=store_url,
         anthropic_base_url=fake.base_url,
         summary_timeout_seconds=30.0,
     )

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import duckdb
 import grpc
@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, ServerProcess, SpawnServer, connect
-from contextd.adapters.duckdb.store import store_error
+from contextd.adapters.duckdb.store import Store, store_error
 from contextd.api.server import SERVICE_NAME, create_server
 from contextd.config import Settings
 from contextd.domain.errors import StoreBusy, StoreExhausted, StoreUnavailable
@@ -47,6 +47,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 Failure = tuple[grpc.StatusCode, str, float | None]
+
+# Failure modes of the embedded engine: its files, its writer thread, its memory limit.
+pytestmark = pytest.mark.duckdb_only
 
 
 def _failure(call: Callable[[], Any]) -> Failure:
@@ -273,7 +276,7 @@ def test_a_stuck_writer_is_store_busy_and_not_serving_until_it_recovers(
     tmp_path: Path,
 ) -> None:
     with _server(tmp_path, write_timeout_seconds=1.0) as server:
-        client, store = server.client, server.running.store
+        client, store = server.client, cast(Store, server.running.store)
         client.append("a1", "before")
         started, release = threading.Event(), threading.Event()
 
@@ -342,7 +345,7 @@ def test_deleting_a_large_agent_lets_other_appends_through(tmp_path: Path) -> No
             client.stub.GetAgent(pb.GetAgentRequest(name="big"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert len(client.history("small")) == events.count("ack")
-        store = server.running.store
+        store = cast(Store, server.running.store)
         assert store._cursor().execute("SELECT count(*) FROM messages").fetchall() == [
             (events.count("ack"),)
         ]
@@ -378,7 +381,7 @@ def test_an_agent_recreated_while_its_old_messages_remain_sees_none_of_them(
         assert not client.stub.ListStatus(pb.ListStatusRequest(agent="a1")).entries
         stats = client.stub.GetContextStats(pb.GetContextStatsRequest(agent="a1")).stats
         assert stats.total_message_count == 1
-        rows = server.running.store._cursor().execute("SELECT count(*) FROM messages")
+        rows = cast(Store, server.running.store)._cursor().execute("SELECT count(*) FROM messages")
         assert rows.fetchall() == [(4,)]  # the old ones are still there, invisible
 
     with _server(tmp_path) as server:  # the same data directory

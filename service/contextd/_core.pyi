@@ -1,15 +1,17 @@
 """Type stub for the Rust extension ``contextd._core`` (built from rust_core/ by maturin).
 
 Hand-written; ``python -m mypy.stubtest contextd._core`` checks it against the module.
-Import from :mod:`contextd.core`, the documented facade, rather than from here.
+The one set of docstrings of the core's functions is here (editors and type checkers read
+it); :mod:`contextd.core` re-exports them and adds the Python-side names.
 """
 
-from typing import Any, Final, final
+from typing import Any, Final, Literal, final
 
 from numpy.typing import NDArray
 from typing_extensions import Buffer
 
 _Column = Buffer | NDArray[Any]
+_EncodingName = Literal["o200k_base", "cl100k_base", "estimate", "chars_div4"]
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -46,11 +48,32 @@ class UnknownModelError(KeyError): ...
 class InternalError(RuntimeError):
     """A bug in the Rust core (a caught panic), never a verdict on the input."""
 
-def estimate_tokens(text: str) -> int: ...
-def estimate_tokens_batch(texts: list[str]) -> list[int]: ...
-def count_tokens(text: str, encoding: str) -> int: ...
-def count_tokens_batch(texts: list[str], encoding: str) -> list[int]: ...
-def count_tokens_for_model_batch(texts: list[str], model: str) -> list[int]: ...
+def estimate_tokens(text: str) -> int:
+    """The character estimate, ``(code points + 3) // 4``: cheap and model-independent."""
+
+def estimate_tokens_batch(texts: list[str]) -> list[int]:
+    """:func:`estimate_tokens` for each text, in one call (one crossing into Rust)."""
+
+def count_tokens(text: str, encoding: _EncodingName) -> int:
+    """Token count of ``text`` with ``encoding``.
+
+    Raises ``ValueError`` naming the accepted encodings when ``encoding`` is unknown.
+    """
+
+def count_tokens_batch(texts: list[str], encoding: _EncodingName) -> list[int]:
+    """Token count of each text, in order.
+
+    The strings are borrowed, not copied. Batches of 64 KiB of text or more are counted
+    without the GIL and split over all cores; smaller ones are counted holding it. Raises
+    ``ValueError`` for an unknown encoding.
+    """
+
+def count_tokens_for_model_batch(texts: list[str], model: str) -> list[int]:
+    """What each text costs against ``model``'s window: its tokenizer's count times the
+    registry's safety margin, rounded up (exact for OpenAI models, conservative for Claude).
+
+    Raises :class:`UnknownModelError` (a ``KeyError``) for a model the registry lacks.
+    """
 
 @final
 class ModelInfo:
@@ -70,8 +93,18 @@ class ModelInfo:
     def prompt_budget(self) -> int: ...
     def apply_margin(self, count: int) -> int: ...
 
-def model_info(model: str) -> ModelInfo: ...
-def list_models() -> list[str]: ...
+def model_info(model: str) -> ModelInfo:
+    """Registry entry for ``model``.
+
+    Exact name first, then the longest ``-``-separated registry prefix, so dated ids
+    resolve (``claude-sonnet-4-5-20250929`` -> ``claude-sonnet-4-5``); case-insensitive,
+    a leading ``provider/`` is ignored. Unknown names raise :class:`UnknownModelError`
+    rather than silently using ``"default"``: a typo should not shrink or overflow a
+    context. Pass ``"default"`` explicitly for an unlisted model.
+    """
+
+def list_models() -> list[str]:
+    """Every registry name, sorted (dated ids are resolved by prefix, not listed)."""
 
 @final
 class TrimResult:
@@ -94,7 +127,30 @@ def trim_to_budget(
     budget: int,
     max_chars_per_message: int = ...,  # DEFAULT_MAX_CHARS (a Rust constant: no literal)
     truncated_tokens: list[int] | None = None,
-) -> TrimResult: ...
+) -> TrimResult:
+    """Choose the newest messages that fit ``budget`` tokens.
+
+    One entry per message in each column, oldest first: ``roles`` (``ROLE_*`` codes),
+    ``tokens`` (the message's token count), ``chars`` (its length in code points) and
+    ``groups`` (a tool group id >= 0 shared by a tool_use message and all of its
+    tool_results, derived by the caller from tool_call ids; ``-1`` for none). A group's
+    tool_use must come before its results.
+
+    Rules: a message longer than ``max_chars_per_message`` is truncated to it and then
+    costs ``truncated_tokens[i]`` if given, else ``(max_chars_per_message + 3) // 4``;
+    the kept messages are one contiguous newest suffix; it never splits a tool group
+    (parallel results included) and never starts with a tool_result; its total never
+    exceeds ``budget``. If not even the newest message fits alone (and it may stand
+    alone), it is kept, listed in ``truncated`` with the character count to cut it to,
+    in proportion to its own tokens per character.
+
+    The walk stops at the first message that breaks the budget, so it costs what fits
+    the budget, not the history's length; converting the lists into Rust still costs one
+    pass over each (use :func:`trim_columns_to_budget` to avoid that on long histories).
+    ``kept_start`` is ``kept[0]`` (``None`` when nothing is kept) without building the list.
+    Raises ``ValueError`` when the columns differ in length or a walked role is invalid.
+    """
+
 def trim_columns_to_budget(
     roles: _Column,
     tokens: _Column,
@@ -102,10 +158,38 @@ def trim_columns_to_budget(
     groups: _Column,
     budget: int,
     max_chars_per_message: int = ...,  # DEFAULT_MAX_CHARS
-) -> TrimResult: ...
-def tokenize(text: str, stop_words: bool = False) -> list[str]: ...
-def keyword_scores(query: str, texts: list[str], stop_words: bool = False) -> list[int]: ...
-def keyword_select(query: str, texts: list[str], stop_words: bool = False) -> list[int]: ...
+) -> TrimResult:
+    """:func:`trim_to_budget` over buffers (uint8 roles, uint64 tokens and chars, int64
+    groups; NumPy arrays of a query result qualify), for windows too long to turn into
+    Python lists on every build.
+
+    The buffers are read in place, not copied, so a call costs what fits the budget
+    whatever the window's length. Each must be one-dimensional, C-contiguous and of exactly
+    that item type (``numpy.ascontiguousarray(x, dtype=...)`` makes one), else
+    ``BufferError`` (``TypeError`` for an object that is not a buffer); columns of
+    different lengths raise ``ValueError``."""
+
+def tokenize(text: str, stop_words: bool = False) -> list[str]:
+    """The words relevance scoring sees: ``text`` lower-cased, split into maximal runs of
+    letters, combining marks and digits (Unicode categories L, M, N), runs of three or
+    more characters kept, English :data:`STOP_WORDS` dropped if asked.
+
+    Marks count as letters so Devanagari or decomposed accents stay one word; lower-casing
+    comes first because it can change the text (``İ`` -> ``i`` + U+0307).
+    """
+
+def keyword_scores(query: str, texts: list[str], stop_words: bool = False) -> list[int]:
+    """Keyword relevance: for each text, how many distinct query words it contains.
+
+    No corpus statistics, so it behaves the same on three messages as on three thousand.
+    """
+
+def keyword_select(query: str, texts: list[str], stop_words: bool = False) -> list[int]:
+    """Indices of the texts sharing at least one word with the query, in original order.
+
+    When none does (or the query has no words) every index is returned: an empty context
+    because the wording missed is worse than an unfiltered one.
+    """
 
 @final
 class Bm25Index:
@@ -125,4 +209,13 @@ class Bm25Index:
     @property
     def vocabulary_size(self) -> int: ...
 
-def extract_specifics(text: str) -> list[str]: ...
+def extract_specifics(text: str) -> list[str]:
+    """Details a summary must keep verbatim, in order of first appearance, deduplicated.
+
+    URLs, inline code in backticks (usually shell commands), file paths, numbers with
+    units (``350 ms``, ``1.5 GB``), identifiers (CamelCase, camelCase, snake_case, words
+    with digits such as ``sha256``) and whole error lines (containing ``Error``,
+    ``Exception``, ``Traceback`` or ``failed``; cut at 300 characters). A match inside a
+    more specific one (an identifier inside a path) is not repeated. Summaries tend to keep
+    the gist and lose exactly these, which an agent needs to carry on.
+    """

@@ -1,0 +1,431 @@
+"""Proto <-> domain: every conversion between the wire's messages and the domain's types.
+
+Decoding checks what only the wire can get wrong (a Timestamp out of range, an enum value
+the proto lacks, a scope of no kind) and raises InvalidArgument naming the field; the
+domain's own rules are checked by the use cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from contextd.app.build.builder import BuildResult
+from contextd.domain import scopes
+from contextd.domain.context import HistoryItem, StatusEntry, StatusKind
+from contextd.domain.errors import InvalidArgument
+from contextd.domain.model import (
+    DEFAULT_ROLLING_WINDOW_US,
+    Agent,
+    AgentDoc,
+    AgentSettings,
+    BuildOverrides,
+    ContextStats,
+    Event,
+    MessageRange,
+    MessageReceipt,
+    MessageStamp,
+    NewMessage,
+    Role,
+    StoredMessage,
+    Thread,
+)
+from contextd.v1 import context_service_pb2 as pb
+
+
+def timestamp_pb(us: int | None) -> timestamp_pb2.Timestamp | None:
+    if us is None:
+        return None
+    seconds, micros = divmod(us, 1_000_000)  # micros >= 0, as Timestamp requires
+    return timestamp_pb2.Timestamp(seconds=seconds, nanos=micros * 1_000)
+
+
+# google.protobuf.Duration's documented range, which keeps every time sum within int64.
+_MAX_DURATION_S = 315_576_000_000
+
+
+def micros(value: timestamp_pb2.Timestamp | duration_pb2.Duration, field: str) -> int:
+    """A Timestamp or Duration in microseconds; INVALID_ARGUMENT when it is outside what
+    protobuf allows or what the store can hold (a signed 64-bit count of microseconds)."""
+    try:
+        micros = value.ToMicroseconds()  # checks a Timestamp's range, not a Duration's
+    except ValueError as exc:
+        raise InvalidArgument(f"{field} is out of range: {exc}", field=field) from exc
+    if isinstance(value, duration_pb2.Duration) and abs(value.seconds) > _MAX_DURATION_S:
+        raise InvalidArgument(
+            f"{field} is out of range: at most {_MAX_DURATION_S:,} seconds (10,000 years)",
+            field=field,
+        )
+    return micros
+
+
+def duration_pb(us: int) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromMicroseconds(us)
+    return d
+
+
+_OPTION_FIELDS = BuildOverrides.__slots__  # the proto's BuildOptions fields, same names
+
+
+def overrides_of(options: pb.BuildOptions) -> BuildOverrides:
+    values = {f: getattr(options, f) for f in _OPTION_FIELDS if options.HasField(f)}
+    return BuildOverrides(**values)
+
+
+def options_pb(overrides: BuildOverrides | None) -> pb.BuildOptions:
+    return pb.BuildOptions(**(overrides.as_dict() if overrides else {}))  # type: ignore[arg-type]
+
+
+_FORMAT_NAMES: dict[str, int] = {
+    "anthropic": pb.CONTEXT_FORMAT_ANTHROPIC,
+    "openai": pb.CONTEXT_FORMAT_OPENAI,
+    "text": pb.CONTEXT_FORMAT_TEXT,
+}
+_FORMATS: dict[int, str] = {
+    pb.CONTEXT_FORMAT_ANTHROPIC: "anthropic",
+    pb.CONTEXT_FORMAT_OPENAI: "openai",
+    pb.CONTEXT_FORMAT_TEXT: "text",
+}
+
+
+def formats_of(values: Sequence[int]) -> tuple[str, ...]:
+    out: list[str] = []
+    for i, value in enumerate(values):
+        if value not in _FORMATS:
+            raise InvalidArgument(
+                f"formats[{i}] is {value}; use CONTEXT_FORMAT_ANTHROPIC, CONTEXT_FORMAT_OPENAI "
+                "or CONTEXT_FORMAT_TEXT",
+                field=f"formats[{i}]",
+            )
+        if _FORMATS[value] in out:
+            raise InvalidArgument(
+                f"formats[{i}] repeats {pb.ContextFormat.Name(value)}", field=f"formats[{i}]"
+            )
+        out.append(_FORMATS[value])
+    return tuple(out)
+
+
+def view_of(value: int) -> bool:
+    """Whether the response carries the structured context (True) or renderings only."""
+    if value in (pb.CONTEXT_VIEW_UNSPECIFIED, pb.CONTEXT_VIEW_FULL):
+        return True
+    if value == pb.CONTEXT_VIEW_RENDERINGS:
+        return False
+    raise InvalidArgument(
+        f"view {value} is not a known view; use CONTEXT_VIEW_FULL or CONTEXT_VIEW_RENDERINGS",
+        field="view",
+    )
+
+
+def status_pb(entry: StatusEntry) -> pb.StatusEntry:
+    return pb.StatusEntry(
+        key=entry.key,
+        kind=pb.STATUS_KIND_THREAD if entry.kind == StatusKind.THREAD else pb.STATUS_KIND_PROCESS,
+        state=entry.state,
+        summary=entry.summary,
+        update_time=timestamp_pb(entry.update_time_us or None),
+        expire_time=timestamp_pb(entry.expire_time_us),
+    )
+
+
+def status_entry_of(entry: pb.StatusEntry) -> StatusEntry:
+    if entry.kind == pb.STATUS_KIND_THREAD:
+        kind = StatusKind.THREAD
+    elif entry.kind == pb.STATUS_KIND_PROCESS:
+        kind = StatusKind.PROCESS
+    else:
+        raise InvalidArgument(
+            "entry.kind is required (STATUS_KIND_THREAD or STATUS_KIND_PROCESS)",
+            field="entry.kind",
+        )
+    return StatusEntry(
+        key=entry.key,
+        kind=kind,
+        state=entry.state,
+        summary=entry.summary,
+        update_time_us=0,
+        expire_time_us=(
+            micros(entry.expire_time, "entry.expire_time")
+            if entry.HasField("expire_time")
+            else None
+        ),
+    )
+
+
+def scope_of(scope: pb.Scope, field: str = "scope") -> str:
+    """The canonical scope string of a request's typed scope ("" when unset)."""
+    kind = scope.WhichOneof("kind")
+    if kind is None:
+        return scopes.DEFAULT_SCOPE
+    if kind == "key":
+        return scopes.key_scope(scope.key, field)
+    if kind == "channel":
+        c = scope.channel
+        return scopes.channel_scope(c.guild_id, c.channel_id, c.user_id, field)
+    return scopes.direct_message_scope(scope.direct_message.user_id, field)
+
+
+def scope_pb(scope: str) -> pb.Scope:
+    kind = scopes.parse(scope)
+    if isinstance(kind, scopes.ChannelScope):
+        return pb.Scope(
+            channel=pb.ChannelScope(
+                guild_id=kind.guild_id, channel_id=kind.channel_id, user_id=kind.user_id
+            )
+        )
+    if isinstance(kind, scopes.DirectMessageScope):
+        return pb.Scope(direct_message=pb.DirectMessageScope(user_id=kind.user_id))
+    if isinstance(kind, scopes.KeyScope):
+        return pb.Scope(key=kind.key)
+    return pb.Scope()
+
+
+def event_pb(event: Event) -> pb.Event:
+    return pb.Event(
+        id=event.id,
+        type=event.type,
+        agent=event.agent,
+        scope=scope_pb(event.scope),
+        thread=event.thread,
+        create_time=timestamp_pb(event.create_time_us),
+        data=event.data,
+    )
+
+
+# A build over a million-message window may drop nearly all of it; listing every id would
+# make the response larger than a default client accepts.
+MAX_LISTED_DROPPED_IDS = 10_000
+
+
+def context_message(
+    item: HistoryItem, stamp: MessageStamp | None, truncated: set[int], elided: set[int]
+) -> pb.ContextMessage:
+    return pb.ContextMessage(
+        id=item.id,
+        role=int(item.role),  # type: ignore[arg-type]
+        content=item.content,
+        tool_calls=item.tool_calls,
+        tool_call_id=item.tool_call_id,
+        token_count=item.token_count,
+        truncated=item.id in truncated,
+        elided=item.id in elided,
+        is_summary=item.is_summary,
+        create_time=timestamp_pb(stamp.create_time_us if stamp else None),
+        source_time=timestamp_pb(stamp.source_time_us if stamp else None),
+        sequence=stamp.sequence if stamp else 0,
+    )
+
+
+def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
+    ctx = result.context
+    s = ctx.stats
+    renderings = [
+        pb.Rendering(format=_FORMAT_NAMES[name], content=content)  # type: ignore[arg-type]
+        for name, content in result.renderings.items()
+    ]
+    truncated, elided = set(s.truncated_ids), set(s.elided_ids)
+    messages = (
+        [
+            context_message(item, result.stamps.get(item.id), truncated, elided)
+            for item in ctx.history
+        ]
+        if full
+        else []
+    )
+    if full and ctx.new_message is not None:
+        messages.append(
+            pb.ContextMessage(
+                role=pb.ROLE_USER,
+                content=ctx.new_message,
+                token_count=s.new_message_tokens,
+                truncated=s.new_message_truncated,
+            )
+        )
+    first, last = s.summarized_range or (0, 0)
+    stats = pb.BuildStats(
+        budget_tokens=s.budget,
+        total_tokens=s.total_tokens,
+        system_tokens=s.system_tokens,
+        docs_tokens=s.docs_tokens,
+        status_tokens=s.status_tokens,
+        history_tokens=s.history_tokens,
+        user_message_tokens=s.new_message_tokens,
+        messages_before=s.messages_before,
+        messages_after=s.messages_after,
+        dropped_ids=s.dropped_ids[-MAX_LISTED_DROPPED_IDS:],
+        dropped_count=len(s.dropped_ids),
+        truncated_ids=s.truncated_ids,
+        elided_ids=s.elided_ids,
+        first_summarized_id=first,
+        last_summarized_id=last,
+        summarizer_path=s.summarizer_path or "",
+        summarizer_error=s.summarizer_error or "",
+        tokenizer=result.tokenizer,
+        strategy=result.strategy,
+        user_message_truncated=s.new_message_truncated,
+        messages_loaded=result.messages_loaded,
+        orphaned_ids=result.orphaned_ids,
+    )
+    if not full:
+        return pb.BuildContextResponse(stats=stats, renderings=renderings)
+    return pb.BuildContextResponse(
+        system_prompt=ctx.system_prompt,
+        docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
+        status=ctx.status,
+        messages=messages,
+        stats=stats,
+        renderings=renderings,
+    )
+
+
+def agent_pb(agent: Agent) -> pb.Agent:
+    return pb.Agent(
+        name=agent.name,
+        tenant=agent.tenant,
+        system_prompt=agent.system_prompt,
+        docs=[pb.AgentDoc(name=d.name, content=d.content) for d in agent.docs],
+        rolling_window=duration_pb(agent.rolling_window_us),
+        create_time=timestamp_pb(agent.create_time_us),
+        update_time=timestamp_pb(agent.update_time_us),
+        last_clear_time=timestamp_pb(agent.last_clear_time_us),
+        model=agent.model,
+        build_options=options_pb(agent.build_options),
+        etag=agent.etag,
+    )
+
+
+def present_fields(agent: pb.Agent) -> list[str]:
+    """The update paths of an UpdateAgent without a mask: the fields the request sets
+    (AIP-134), each build option on its own, so an update of `model` alone leaves the
+    system prompt, docs, window and every other option as they were."""
+    paths = [f for f in ("system_prompt", "model") if getattr(agent, f)]
+    if agent.docs:
+        paths.append("docs")
+    if agent.HasField("rolling_window"):
+        paths.append("rolling_window")
+    paths += [f"build_options.{f}" for f in _OPTION_FIELDS if agent.build_options.HasField(f)]
+    return paths
+
+
+def settings_of(agent: pb.Agent) -> AgentSettings:
+    window = (
+        micros(agent.rolling_window, "agent.rolling_window")
+        if agent.HasField("rolling_window")
+        else DEFAULT_ROLLING_WINDOW_US
+    )
+    return AgentSettings(
+        system_prompt=agent.system_prompt,
+        docs=tuple(AgentDoc(d.name, d.content) for d in agent.docs),
+        rolling_window_us=window,
+        model=agent.model,
+        build_options=overrides_of(agent.build_options),
+    )
+
+
+def role_of(value: int, index: int) -> Role:
+    if value == pb.ROLE_UNSPECIFIED:
+        raise InvalidArgument(
+            f"messages[{index}].role is required (ROLE_USER, ROLE_ASSISTANT, ROLE_TOOL_USE "
+            "or ROLE_TOOL_RESULT)",
+            field=f"messages[{index}].role",
+        )
+    try:
+        return Role(value)
+    except ValueError as exc:
+        raise InvalidArgument(
+            f"messages[{index}].role {value} is not a known role", field=f"messages[{index}].role"
+        ) from exc
+
+
+def new_message_of(message: pb.Message, index: int) -> NewMessage:
+    return NewMessage(
+        role=role_of(message.role, index),
+        content=message.content,
+        tool_calls=message.tool_calls,
+        tool_call_id=message.tool_call_id,
+        external_id=message.external_id,
+        metadata=message.metadata,
+        source_time_us=(
+            micros(message.source_time, f"messages[{index}].source_time")
+            if message.HasField("source_time")
+            else None
+        ),
+    )
+
+
+def message_pb(m: StoredMessage) -> pb.Message:
+    return pb.Message(
+        id=m.id,
+        tenant=m.tenant,
+        agent=m.agent,
+        scope=scope_pb(m.scope),
+        thread=m.thread,
+        role=int(m.role),  # type: ignore[arg-type]
+        content=m.content,
+        tool_calls=m.tool_calls,
+        tool_call_id=m.tool_call_id,
+        external_id=m.external_id,
+        metadata=m.metadata,
+        token_estimate=m.token_estimate,
+        create_time=timestamp_pb(m.create_time_us),
+        token_count=m.token_count,
+        is_summary=m.is_summary,
+        first_summarized_id=m.summarized_ids[0] if m.summarized_ids else 0,
+        last_summarized_id=m.summarized_ids[1] if m.summarized_ids else 0,
+        source_time=timestamp_pb(m.source_time_us),
+        sequence=m.sequence,
+    )
+
+
+def thread_pb(t: Thread) -> pb.Thread:
+    return pb.Thread(
+        agent=t.agent,
+        scope=scope_pb(t.scope),
+        thread=t.thread,
+        create_time=timestamp_pb(t.create_time_us),
+        last_message_time=timestamp_pb(t.last_message_time_us),
+        message_count=t.message_count,
+        token_estimate=t.token_estimate,
+        last_clear_time=timestamp_pb(t.last_clear_time_us),
+        last_sequence=t.last_sequence,
+    )
+
+
+def stats_pb(s: ContextStats) -> pb.ContextStats:
+    return pb.ContextStats(
+        window_start_time=timestamp_pb(s.window_start_time_us),
+        last_clear_time=timestamp_pb(s.last_clear_time_us),
+        window_message_count=s.window_message_count,
+        window_token_estimate=s.window_token_estimate,
+        total_message_count=s.total_message_count,
+        total_token_estimate=s.total_token_estimate,
+        oldest_message_time=timestamp_pb(s.oldest_message_time_us),
+        newest_message_time=timestamp_pb(s.newest_message_time_us),
+        rolling_window=duration_pb(s.rolling_window_us),
+        thread_count=s.thread_count,
+    )
+
+
+def range_of(value: int) -> MessageRange:
+    if value in (pb.MESSAGE_RANGE_UNSPECIFIED, pb.MESSAGE_RANGE_WINDOW):
+        return MessageRange.WINDOW
+    if value == pb.MESSAGE_RANGE_ALL:
+        return MessageRange.ALL
+    raise InvalidArgument(f"range {value} is not a known message range", field="range")
+
+
+def receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesResponse:
+    return pb.AppendMessagesResponse(
+        receipts=[
+            pb.MessageReceipt(
+                id=r.id,
+                create_time=timestamp_pb(r.create_time_us),
+                token_estimate=r.token_estimate,
+                token_count=r.token_count,
+                sequence=r.sequence,
+            )
+            for r in receipts
+        ]
+    )

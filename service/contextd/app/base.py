@@ -1,0 +1,66 @@
+"""What every use case shares: the store (a port), the clock, limits, page tokens."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from contextd.app.build.builder import (
+    ContextBuilder,
+)
+from contextd.app.build.summarizer import Summarizer
+from contextd.app.paging import PageTokens
+from contextd.domain.idempotency import Remembered
+from contextd.domain.limits import (
+    Limits,
+)
+from contextd.domain.model import (
+    StoredMessage,
+)
+from contextd.domain.window import WindowSpec
+from contextd.ports.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePage:
+    messages: list[StoredMessage]
+    next_page_token: str
+    window: WindowSpec | None
+
+
+class UseCases:
+    """The state the use cases share; each group of calls is a mixin over it."""
+
+    def __init__(
+        self,
+        store: Store,
+        summarizer: Summarizer,
+        limits: Limits | None = None,
+        page_tokens: PageTokens | None = None,
+    ) -> None:
+        self._store = store
+        # The server's one clock, owned by the store (see clock.py).
+        self._clock = store.clock
+        self._limits = limits or Limits()
+        # Without a key from the data directory, tokens are signed with a key of this
+        # process only (fine for a service object that lives and dies with its caller).
+        self._pages = page_tokens or PageTokens(secrets.token_bytes(32))
+        self._builder = ContextBuilder(store, summarizer)
+        # The model of each agent, read on every append to count its tokens. Invalidated on
+        # update and delete here; an engine shared by replicas checks it in the append
+        # transaction (StaleModel), so a stale entry costs a recount, never a wrong count.
+        self._models: dict[tuple[str, str], str] = {}
+
+    def _model_of(self, tenant: str, agent: str) -> str:
+        key = (tenant, agent)
+        model = self._models.get(key)
+        if model is None:
+            found = self._store.find_agent(tenant, agent)
+            model = found.model if found else ""
+            if found:
+                self._models[key] = model
+        return model
+
+    def remembered(self, tenant: str, request_id: str) -> Remembered | None:
+        """A write recorded under this request id, if any (see idempotency.py)."""
+        return self._store.remembered(tenant, request_id)

@@ -1,0 +1,118 @@
+"""Messages: append (counted under the agent's model, retried if it changed) and list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from contextd.app.base import MessagePage, UseCases
+from contextd.app.paging import page_size
+from contextd.domain.batches import prepare_batch
+from contextd.domain.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+    StaleModel,
+    Unavailable,
+)
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.limits import (
+    check_message,
+    context_key,
+    message_bytes,
+)
+from contextd.domain.model import (
+    DEFAULT_THREAD,
+    AgentSettings,
+    MessageRange,
+    MessageReceipt,
+    NewMessage,
+)
+from contextd.domain.validation import (
+    check_name,
+)
+from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
+from contextd.ports.store import ThreadFilter
+
+
+class MessageCalls(UseCases):
+    def append_messages(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        messages: Sequence[NewMessage],
+        create_agent: bool = False,
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        """Validate the whole batch, estimate its tokens in one Rust call, append durably."""
+        key = context_key(tenant, agent, scope, thread or DEFAULT_THREAD)
+        if not messages:
+            raise InvalidArgument("messages must hold at least one message", field="messages")
+        if len(messages) > self._limits.max_batch_messages:
+            raise ResourceExhausted(
+                f"a batch holds at most {self._limits.max_batch_messages:,} messages; "
+                f"got {len(messages):,}",
+                reason="BATCH_TOO_LARGE",
+                field="messages",
+            )
+        latest_allowed = self._clock.now_us() + MAX_SOURCE_LEAD_US
+        call_ids = [
+            check_message(m, i, self._limits.max_message_bytes, latest_allowed)
+            for i, m in enumerate(messages)
+        ]
+        model = self._model_of(tenant, key.agent)
+        for _ in range(3):
+            batch = prepare_batch(messages, model, call_ids)
+            try:
+                return self._store.append(
+                    key, batch, AgentSettings() if create_agent else None, record
+                )
+            except StaleModel as changed:
+                # Another replica changed the agent's model since this one cached it.
+                model = changed.model
+                self._models[(tenant, key.agent)] = model
+        raise Unavailable(
+            "the agent's model kept changing during this append; retry",
+            retry_after_s=0.1,
+        )
+
+    def list_messages(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        thread: str,
+        message_range: MessageRange,
+        requested_size: int,
+        token: str,
+    ) -> MessagePage:
+        check_name(agent, "agent")
+        check_name(scope, "scope", allow_empty=True)
+        check_name(thread, "thread", allow_empty=True)
+        size = page_size(requested_size)
+        # "messages/2": positions became (sequence, id) for one thread; older tokens are
+        # rejected as issued for other parameters rather than misread.
+        params = ("messages/2", tenant, agent, scope, thread, int(message_range))
+        position = self._pages.decode(token, params, (int, int))
+        found = self._store.get_agent(tenant, agent)
+        window: WindowSpec | None = None
+        if message_range == MessageRange.WINDOW:
+            if position is not None and position.window is not None:
+                window = WindowSpec(*position.window)  # the first page's window
+            else:
+                window = window_spec(
+                    self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
+                )
+        after = (int(position.position[0]), int(position.position[1])) if position else None
+        where = ThreadFilter(tenant, agent, scope, thread or None)
+        rows = self._store.list_messages(where, window, after, size + 1)
+        # One thread pages by sequence, all threads by (create_time, id): the store's order.
+        page, next_token = self._pages.cut(
+            rows,
+            size,
+            params,
+            (lambda m: (m.sequence, m.id)) if thread else (lambda m: (m.create_time_us, m.id)),
+            None if window is None else (window.clear_after_us, window.age_after_us),
+            message_bytes,
+        )
+        return MessagePage(page, next_token, window)

@@ -1,0 +1,218 @@
+"""The rules every call's input must meet: sizes, names, options, update masks.
+
+Checked by the use cases before anything is stored; each failure is INVALID_ARGUMENT (or
+RESOURCE_EXHAUSTED for a size) naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from contextd import core
+from contextd.domain.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+)
+from contextd.domain.model import (
+    Agent,
+    AgentDoc,
+    AgentSettings,
+    BuildOverrides,
+    ContextKey,
+    NewMessage,
+    StoredMessage,
+)
+from contextd.domain.validation import (
+    MAX_DOC_NAME_CHARS,
+    MAX_EXTERNAL_ID_CHARS,
+    check_json,
+    check_name,
+    check_size,
+    quote,
+    tool_call_ids,
+)
+
+UPDATABLE_AGENT_FIELDS = frozenset(
+    {"system_prompt", "docs", "rolling_window", "model", "build_options"}
+)
+MAX_STATUS_KEY_CHARS = 256
+MAX_STATUS_STATE_CHARS = 64
+MAX_STATUS_SUMMARY_CHARS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_message_bytes: int = 1 << 20
+    max_batch_messages: int = 10_000
+
+
+OPTION_PATHS = frozenset(f"build_options.{name}" for name in BuildOverrides.__slots__)
+
+
+def mask_fields(paths: Sequence[str]) -> frozenset[str]:
+    """The fields an update_mask names; INVALID_ARGUMENT naming any it cannot update."""
+    if "*" in paths:
+        if len(paths) > 1:
+            raise InvalidArgument(
+                "update_mask '*' names every field; give it alone", field="update_mask"
+            )
+        return UPDATABLE_AGENT_FIELDS
+    unknown = sorted(set(paths) - UPDATABLE_AGENT_FIELDS - OPTION_PATHS)
+    if unknown:
+        raise InvalidArgument(
+            f"update_mask names fields that cannot be updated: "
+            f"{', '.join(quote(u) for u in unknown[:5])} (updatable: "
+            f"{', '.join(sorted(UPDATABLE_AGENT_FIELDS))}, build_options.<option>, or *)",
+            field="update_mask",
+        )
+    return frozenset(paths)
+
+
+def message_bytes(m: StoredMessage) -> int:
+    """About a message's size on the wire (characters; what a page's byte cap counts)."""
+    return len(m.content) + len(m.tool_calls) + len(m.metadata) + 128
+
+
+def agent_bytes(a: Agent) -> int:
+    return len(a.system_prompt) + sum(len(d.name) + len(d.content) for d in a.docs) + 128
+
+
+def check_overrides(options: BuildOverrides) -> None:
+    """Reject option values no build could honour, naming the field."""
+    positive = {
+        "max_chars_per_message": options.max_chars_per_message,
+        "budget_tokens": options.budget_tokens,
+    }
+    for name, value in positive.items():
+        if value is not None and value <= 0:
+            raise InvalidArgument(f"options.{name} must be positive", field=f"options.{name}")
+    non_negative = {
+        "keep_recent_tokens": options.keep_recent_tokens,
+        "elide_threshold_chars": options.elide_threshold_chars,
+        "output_reserve_tokens": options.output_reserve_tokens,
+    }
+    for name, value in non_negative.items():
+        if value is not None and value < 0:
+            raise InvalidArgument(f"options.{name} must not be negative", field=f"options.{name}")
+    if options.safety_margin is not None and not 0.0 <= options.safety_margin < 1.0:
+        raise InvalidArgument(
+            "options.safety_margin must be at least 0 and below 1", field="options.safety_margin"
+        )
+
+
+def context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey:
+    return ContextKey(
+        tenant=tenant,
+        agent=check_name(agent, "agent"),
+        scope=check_name(scope, "scope", allow_empty=True),
+        thread=check_name(thread, "thread"),
+    )
+
+
+# Settings are parsed on every GetAgent, ListAgents page and build, so their size is
+# bounded like a message's.
+MAX_SYSTEM_PROMPT_BYTES = 256 << 10
+MAX_DOCS = 32
+MAX_DOCS_BYTES = 1 << 20
+MAX_USER_MESSAGE_BYTES = 1 << 20
+
+
+def check_field_size(size: int, limit: int, field: str, what: str) -> None:
+    if size > limit:
+        raise ResourceExhausted(
+            f"{what} is {size:,} bytes; the limit is {limit:,} bytes",
+            reason="FIELD_TOO_LARGE",
+            field=field,
+        )
+
+
+def checked_settings(settings: AgentSettings) -> AgentSettings:
+    check_overrides(settings.build_options)
+    check_field_size(
+        _utf8_len(settings.system_prompt),
+        MAX_SYSTEM_PROMPT_BYTES,
+        "agent.system_prompt",
+        "agent.system_prompt",
+    )
+    if len(settings.docs) > MAX_DOCS:
+        raise ResourceExhausted(
+            f"agent.docs holds {len(settings.docs)} docs; the limit is {MAX_DOCS}",
+            reason="FIELD_TOO_LARGE",
+            field="agent.docs",
+        )
+    check_field_size(
+        sum(_utf8_len(d.name) + _utf8_len(d.content) for d in settings.docs),
+        MAX_DOCS_BYTES,
+        "agent.docs",
+        "agent.docs together",
+    )
+    if settings.model:
+        try:
+            core.model_info(settings.model)
+        except core.UnknownModelError as exc:
+            raise InvalidArgument(
+                f"agent.model {quote(settings.model)} is not in the model registry; known models: "
+                f"{', '.join(core.list_models())}",
+                field="agent.model",
+            ) from exc
+    if settings.rolling_window_us <= 0:
+        raise InvalidArgument(
+            "agent.rolling_window must be positive (e.g. 86400s for one day)",
+            field="agent.rolling_window",
+        )
+    seen: set[str] = set()
+    for i, doc in enumerate(settings.docs):
+        check_doc(doc, i, seen)
+    return settings
+
+
+def check_doc(doc: AgentDoc, index: int, seen: set[str]) -> None:
+    field = f"agent.docs[{index}].name"
+    if not doc.name or len(doc.name) > MAX_DOC_NAME_CHARS:
+        raise InvalidArgument(
+            f"{field} must be 1 to {MAX_DOC_NAME_CHARS} characters long", field=field
+        )
+    if doc.name in seen:
+        raise InvalidArgument(f"{field}: two docs are named {doc.name!r}", field=field)
+    seen.add(doc.name)
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_message(
+    message: NewMessage, index: int, max_bytes: int, latest_us: int
+) -> tuple[str, ...]:
+    """Reject what cannot be stored; return the tool-call ids the message declares.
+
+    Runs once per message of every append, so the field names of error messages are
+    built only when there is an error, and sizes are measured in UTF-8 only when the
+    character count alone cannot show the message is under the limit.
+    """
+    tool_calls, metadata = message.tool_calls, message.metadata
+    ids = tool_call_ids(tool_calls, f"messages[{index}].tool_calls") if tool_calls else ()
+    if metadata:
+        check_json(metadata, f"messages[{index}].metadata", object_only=True)
+    for name, value in (
+        ("external_id", message.external_id),
+        ("tool_call_id", message.tool_call_id),
+    ):
+        if len(value) > MAX_EXTERNAL_ID_CHARS:
+            raise InvalidArgument(
+                f"messages[{index}].{name} is longer than {MAX_EXTERNAL_ID_CHARS} characters",
+                field=f"messages[{index}].{name}",
+            )
+    content = message.content
+    # Four bytes per character bounds UTF-8, so most messages skip the encode.
+    if 4 * (len(content) + len(tool_calls) + len(metadata)) > max_bytes:
+        size = _utf8_len(content) + _utf8_len(tool_calls) + _utf8_len(metadata)
+        check_size(size, max_bytes, f"messages[{index}] (content + tool_calls + metadata)")
+    if message.source_time_us is not None and message.source_time_us > latest_us:
+        raise InvalidArgument(
+            f"messages[{index}].source_time is more than 5 minutes ahead of the server's "
+            "clock; leave it unset when the message has no time of its own",
+            field=f"messages[{index}].source_time",
+        )
+    return ids
