@@ -97,7 +97,8 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
 
 
 def run(sz: Sizes) -> Section:
-    from contextd.adapters.duckdb.store import Store, ThreadFilter
+    from contextd.adapters.duckdb.store import Store
+    from contextd.ports.store import ThreadFilter
     from contextd.domain.window import WindowSpec
 
     n = sz.read_thread

@@ -42,7 +42,8 @@ def _check(path: str, got: list[tuple[int, str]], expected: list[corpus.Message]
 def run(sz: Sizes) -> Section:
     from bench.load import populated_stub
     from bench.readpath import populate_thread, service_over
-    from contextd.adapters.duckdb.store import Store, ThreadFilter
+    from contextd.adapters.duckdb.store import Store
+    from contextd.ports.store import ThreadFilter
     from contextd.domain.window import WindowSpec
     from contextd.v1 import context_service_pb2 as pb
 

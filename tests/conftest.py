@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
+from postgres_server import PostgresServer
 
 USER = pb.ROLE_USER
 ASSISTANT = pb.ROLE_ASSISTANT
@@ -272,15 +275,19 @@ def spawn_server(tmp_path: Path) -> Iterator[SpawnServer]:
             proc.proc.wait()
 
 
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the session (started on first use, about 1 s). Do not
+    stop or kill it: crash tests make a `PostgresServer` of their own."""
+    with PostgresServer() as server:
+        yield server
+
+
 @pytest.fixture
-def postgres_dsn() -> Iterator[str]:
-    """TEMPORARY: a fresh database on the server CONTEXTD_TEST_PG names."""
-    import uuid
-
-    import psycopg
-
-    base = os.environ["CONTEXTD_TEST_PG"]
-    name = "t_" + uuid.uuid4().hex[:12]
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    yield base.rsplit("/", 1)[0] + "/" + name
+def postgres_dsn(postgres: PostgresServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The DSN of a fresh empty database for this test alone, dropped afterwards (each
+    costs a few MB on disk, and the session's server outlives the test)."""
+    stem = re.sub(r"[^a-z0-9_]+", "_", request.node.name.lower())[:40]
+    name = f"t_{stem}_{uuid.uuid4().hex[:8]}"
+    yield postgres.create_database(name)
+    postgres.drop_database(name)
