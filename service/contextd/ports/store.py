@@ -21,6 +21,7 @@ and passes the same suite (tests/contract/). What the contract asks of every eng
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -131,6 +132,11 @@ class MessageStore(Protocol):
 
 class ContextReader(Protocol):
     """What a build reads of one thread."""
+
+    def snapshot(self) -> AbstractContextManager[None]:
+        """Reads of the calling thread inside the block see one consistent state of the
+        store (a read transaction): a build reads its agent, window, summary and status
+        from one snapshot, not from six moments. Never hold it across a slow call."""
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
         """None while the thread has no messages."""

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -803,9 +803,12 @@ class Store:
         assert row is not None
         return int(row[0]) + 1, int(row[1]) + 1
 
-    def _cursor(self) -> duckdb.DuckDBPyConnection:
-        """This thread's own DuckDB cursor, for reads."""
-        cur: duckdb.DuckDBPyConnection | None = getattr(self._local, "cursor", None)
+    def _cursor(self, live: bool = False) -> duckdb.DuckDBPyConnection:
+        """This thread's own DuckDB cursor, for reads: inside `snapshot`, the one in its
+        transaction. `live` gives a second cursor that never is (thread counters are
+        read live, see `_thread_rows`)."""
+        name = "live_cursor" if live else "cursor"
+        cur: duckdb.DuckDBPyConnection | None = getattr(self._local, name, None)
         if cur is None:
             if self._closed:
                 raise Unavailable(
@@ -814,10 +817,32 @@ class Store:
                     retry_after_s=RETRY_AFTER_S,
                 )
             cur = self._con.cursor()
-            self._local.cursor = cur
+            setattr(self._local, name, cur)
             with self._cursors_lock:
                 self._cursors.append(cur)
         return cur
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Reads of this thread inside the block see one consistent state of the store
+        (one DuckDB transaction on its cursor): a build never mixes a summary committed
+        after its window was read with that window. Nested blocks join the outer one."""
+        if getattr(self._local, "in_snapshot", False):
+            yield
+            return
+        cur = self._cursor()
+        cur.execute("BEGIN TRANSACTION")
+        self._local.in_snapshot = True
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(duckdb.Error):
+                cur.execute("ROLLBACK")
+            raise
+        else:
+            cur.execute("COMMIT")
+        finally:
+            self._local.in_snapshot = False
 
     # ----------------------------------------------------------------- health
 
@@ -2093,8 +2118,11 @@ class Store:
 
     def _thread_rows(self, sql: str, params: list[Any]) -> list[Any]:
         """The rows of `sql`, which selects from `live_threads`: the threads table with
-        the counters the writer has not flushed yet added (see thread_counters.py)."""
-        cur = self._cursor()
+        the counters the writer has not flushed yet added (see thread_counters.py).
+
+        Read live, outside any snapshot: the pending counts are of now, so the table they
+        are added to must be too (inside an older snapshot a flush would be missed)."""
+        cur = self._cursor(live=True)
         while True:
             generation, pending = self._pending.snapshot()
             contextd_pending = pending  # noqa: F841 - scanned by the query below

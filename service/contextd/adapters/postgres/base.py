@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -111,18 +112,39 @@ class PostgresBase:
     """The pool, the clock and the transaction runner every aggregate mixin uses."""
 
     clock: MonotonicClock
+    _local: threading.local  # `conn`: the connection of this thread's snapshot, if any
     _pool: psycopg_pool.ConnectionPool[Conn]
     _closed: bool
 
     @contextmanager
     def _reading(self) -> Iterator[Conn]:
-        """A connection for reads (autocommit: each statement sees everything committed)."""
+        """A connection for reads: the snapshot's inside `snapshot`, else one from the pool
+        (its statements see everything committed before each began)."""
+        pinned: Conn | None = getattr(self._local, "conn", None)
+        if pinned is not None:
+            yield pinned
+            return
         if self._closed:
             raise Unavailable(
                 "the server is shutting down", reason="SHUTTING_DOWN", retry_after_s=RETRY_AFTER_S
             )
         with self._pool.connection() as conn:
             yield conn
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Reads of this thread inside the block see one consistent state: one READ ONLY
+        REPEATABLE READ transaction on one connection. Nested blocks join the outer one."""
+        if getattr(self._local, "conn", None) is not None:
+            yield
+            return
+        with self._reading() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            self._local.conn = conn
+            try:
+                yield
+            finally:
+                self._local.conn = None
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""

@@ -158,30 +158,38 @@ class ContextBuilder:
     # ----------------------------------------------------------------- BuildContext
 
     def build(self, request: BuildRequest) -> BuildResult:
-        plan = self._plan(
-            request.tenant,
-            request.agent,
-            request.scope,
-            request.thread,
-            request.model,
-            request.overrides,
-        )
-        window = self._load_history(plan)
-        count = counter_with_known(counter_for_model(plan.model), window.known_counts)
-        status = status_preamble(
-            self._store.list_status(
-                plan.key.tenant, plan.key.agent, plan.key.scope, None, STATUS_ENTRIES, plan.now_us
-            ),
-            self._store.thread_activity(
-                plan.key.tenant,
-                plan.key.agent,
-                plan.key.scope,
-                plan.agent_window,
-                STATUS_THREADS,
-            ),
-            plan.now_us,
-            plan.key.thread,
-        )
+        # One snapshot for every read of the build; the summarizer (a network call) and
+        # any write come after it.
+        with self._store.snapshot():
+            plan = self._plan(
+                request.tenant,
+                request.agent,
+                request.scope,
+                request.thread,
+                request.model,
+                request.overrides,
+            )
+            window = self._load_history(plan)
+            count = counter_with_known(counter_for_model(plan.model), window.known_counts)
+            status = status_preamble(
+                self._store.list_status(
+                    plan.key.tenant,
+                    plan.key.agent,
+                    plan.key.scope,
+                    None,
+                    STATUS_ENTRIES,
+                    plan.now_us,
+                ),
+                self._store.thread_activity(
+                    plan.key.tenant,
+                    plan.key.agent,
+                    plan.key.scope,
+                    plan.agent_window,
+                    STATUS_THREADS,
+                ),
+                plan.now_us,
+                plan.key.thread,
+            )
         try:
             context = assemble(
                 system_prompt=plan.agent.system_prompt,
@@ -255,13 +263,14 @@ class ContextBuilder:
     ) -> CompactResult:
         """Summarize on demand. With a record, the summary is stored with the request id
         in one transaction; a concurrent retry that loses the race gets AlreadyDone."""
-        plan = self._plan(tenant, agent, scope, thread, model, overrides)
-        if plan.context is None:
-            raise NotFound(
-                f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
-                reason="THREAD_NOT_FOUND",
-            )
-        window = self._load_history(plan, everything=True)
+        with self._store.snapshot():
+            plan = self._plan(tenant, agent, scope, thread, model, overrides)
+            if plan.context is None:
+                raise NotFound(
+                    f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
+                    reason="THREAD_NOT_FOUND",
+                )
+            window = self._load_history(plan, everything=True)
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         previous = window.previous_summary
         items, _repaired = repair_tool_pairs(window.items)
