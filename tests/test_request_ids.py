@@ -17,7 +17,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, SpawnServer, connect
+from contextd.adapters.duckdb import base as duckdb_base
+from contextd.adapters.duckdb import schema as duckdb_schema
 from contextd.adapters.duckdb import store as storage
+from contextd.adapters.duckdb import writer as duckdb_writer
 from contextd.adapters.postgres import store as postgres_store
 from contextd.api.server import create_server
 from contextd.config import Settings
@@ -364,7 +367,7 @@ def test_records_are_kept_24_hours_then_removed(
 def test_a_cleanup_pass_removes_a_bounded_chunk_and_a_backlog_drains_sooner(
     server: InProcessServer, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "CLEANUP_CHUNK", 3)
+    monkeypatch.setattr(duckdb_writer, "CLEANUP_CHUNK", 3)
     monkeypatch.setattr(postgres_store, "CLEANUP_CHUNK", 3)
     client = server.client
     early = [f"r-{i}" for i in range(7)]
@@ -398,7 +401,7 @@ def test_records_of_schema_v6_survive_the_move_to_one_column_keys(tmp_path: Path
         "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
         "applied_time_us BIGINT NOT NULL)"
     )
-    for version, statements in storage.MIGRATIONS[:6]:
+    for version, statements in duckdb_schema.MIGRATIONS[:6]:
         for statement in statements:
             con.execute(statement)
         con.execute("INSERT INTO schema_migrations VALUES (?, 0)", [version])
@@ -407,7 +410,7 @@ def test_records_of_schema_v6_survive_the_move_to_one_column_keys(tmp_path: Path
     con.close()
     store = storage.Store.open(path)
     try:
-        assert store.schema_version() == storage.MIGRATIONS[-1][0]
+        assert store.schema_version() == duckdb_schema.MIGRATIONS[-1][0]
         assert store.remembered("default", "r 1") == Remembered("m", "f", b"p")
         assert store.remembered("other", "r 1") == Remembered("m", "g", b"q")
         assert store.remembered("default", "r 2") is None
@@ -432,7 +435,7 @@ def test_a_record_is_found_through_the_index(tmp_path: Path) -> None:
         profiled.execute("SET enable_profiling = 'json'")
         profiled.execute(f"SET profiling_output = '{profile}'")
         keys = [record_key(DEFAULT_TENANT, f"r-{i}") for i in (5, 12_345, 19_999)]
-        assert len(storage._remembered_keys(profiled, keys)) == 3
+        assert len(duckdb_base._remembered_keys(profiled, keys)) == 3
         scans = _table_scans(json.loads(profile.read_text()))
         assert [(s["extra_info"]["Type"], s["rows_scanned"]) for s in scans] == [("Index Scan", 3)]
     finally:

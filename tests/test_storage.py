@@ -9,7 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from contextd.adapters.duckdb import store as storage
+from contextd.adapters.duckdb import schema as duckdb_schema
 from contextd.adapters.duckdb.store import Store
 from contextd.domain.batches import prepare_batch
 from contextd.domain.errors import Unavailable
@@ -33,7 +33,7 @@ def test_migrates_an_older_schema_in_place(tmp_path: Path) -> None:
         "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
         "applied_time_us BIGINT NOT NULL)"
     )
-    for statement in storage.MIGRATIONS[0][1]:
+    for statement in duckdb_schema.MIGRATIONS[0][1]:
         con.execute(statement)
     con.execute("INSERT INTO schema_migrations VALUES (1, 0)")
     con.execute(
@@ -47,7 +47,7 @@ def test_migrates_an_older_schema_in_place(tmp_path: Path) -> None:
     con.close()
     store = Store.open(path)
     try:
-        assert store.schema_version() == storage.MIGRATIONS[-1][0]
+        assert store.schema_version() == duckdb_schema.MIGRATIONS[-1][0]
         [message] = store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)
         assert (message.content, message.is_summary) == ("from v1", False)
         assert store.list_status("default", "a1", "", None, 10, None) == []
@@ -66,7 +66,7 @@ def test_v3_points_each_thread_at_its_newest_summary(tmp_path: Path) -> None:
         "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
         "applied_time_us BIGINT NOT NULL)"
     )
-    for version, statements in storage.MIGRATIONS[:2]:
+    for version, statements in duckdb_schema.MIGRATIONS[:2]:
         for statement in statements:
             con.execute(statement)
         con.execute("INSERT INTO schema_migrations VALUES (?, 0)", [version])
@@ -115,7 +115,7 @@ def test_v4_numbers_existing_messages_in_their_old_order(tmp_path: Path) -> None
         "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, "
         "applied_time_us BIGINT NOT NULL)"
     )
-    for version, statements in storage.MIGRATIONS[:3]:
+    for version, statements in duckdb_schema.MIGRATIONS[:3]:
         for statement in statements:
             con.execute(statement)
         con.execute("INSERT INTO schema_migrations VALUES (?, 0)", [version])
@@ -255,7 +255,7 @@ def test_reopening_does_not_migrate_again(tmp_path: Path) -> None:
     store = Store.open(path)
     try:
         rows = store._cursor().execute("SELECT count(*) FROM schema_migrations").fetchall()
-        assert rows == [(len(storage.MIGRATIONS),)]
+        assert rows == [(len(duckdb_schema.MIGRATIONS),)]
     finally:
         store.close()
 

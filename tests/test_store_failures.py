@@ -33,7 +33,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
 from conftest import ASSISTANT, USER, Client, InProcessServer, ServerProcess, SpawnServer, connect
-from contextd.adapters.duckdb.store import Store, store_error
+from contextd.adapters.duckdb.base import store_error
+from contextd.adapters.duckdb.store import Store
 from contextd.api.server import SERVICE_NAME, create_server
 from contextd.config import Settings
 from contextd.domain.errors import StoreBusy, StoreExhausted, StoreUnavailable

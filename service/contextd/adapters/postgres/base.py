@@ -99,12 +99,15 @@ def _translating(method: Callable[Concatenate[Any, P], T]) -> Callable[Concatena
 def failures_translated(cls: type[T]) -> type[T]:
     """Wrap every public method (of the class and its bases) so that a driver failure
     reaches callers as the domain error it stands for, on reads and writes alike."""
+    wrapped: set[str] = set()
     for klass in cls.__mro__:
-        if klass.__module__.startswith("contextd.adapters.postgres"):
-            for name, member in list(vars(klass).items()):
-                public = not name.startswith("_") and inspect.isfunction(member)
-                if public and not getattr(member, "__wrapped__", None):
-                    setattr(cls, name, _translating(member))
+        if not klass.__module__.startswith("contextd.adapters.postgres"):
+            continue
+        for name, member in list(vars(klass).items()):
+            public = not name.startswith("_") and inspect.isfunction(member)
+            if public and name not in wrapped:
+                wrapped.add(name)
+                setattr(cls, name, _translating(getattr(cls, name)))
     return cls
 
 

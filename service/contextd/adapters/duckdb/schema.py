@@ -1,0 +1,238 @@
+"""The embedded engine's schema, by version (see `Store._migrate`).
+
+Each migration moves the schema from version N-1 to N and runs in one transaction.
+Never edit a released migration; append a new one.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: list[tuple[int, list[str]]] = [
+    (
+        1,
+        [
+            """
+            CREATE TABLE agents (
+                tenant VARCHAR NOT NULL,
+                name VARCHAR NOT NULL,
+                system_prompt VARCHAR NOT NULL,
+                docs_json VARCHAR NOT NULL,
+                rolling_window_us BIGINT NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                update_time_us BIGINT NOT NULL,
+                last_clear_us BIGINT NOT NULL,
+                model VARCHAR NOT NULL DEFAULT '',
+                settings_json VARCHAR NOT NULL DEFAULT '{}',
+                PRIMARY KEY (tenant, name)
+            )
+            """,
+            """
+            CREATE TABLE threads (
+                context_id BIGINT NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                last_message_time_us BIGINT NOT NULL,
+                message_count BIGINT NOT NULL,
+                token_estimate BIGINT NOT NULL,
+                last_clear_us BIGINT,
+                UNIQUE (tenant, agent, scope, thread)
+            )
+            """,
+            """
+            CREATE TABLE messages (
+                id BIGINT NOT NULL,
+                context_id BIGINT NOT NULL,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                role UTINYINT NOT NULL,
+                content VARCHAR NOT NULL,
+                tool_calls VARCHAR NOT NULL,
+                tool_call_id VARCHAR NOT NULL,
+                external_id VARCHAR NOT NULL,
+                metadata VARCHAR NOT NULL,
+                token_estimate INTEGER NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                -- Tokens under the agent's model tokenizer at insert (`tokenizer` names it,
+                -- margin included); equal to token_estimate when the agent has no model.
+                token_count INTEGER NOT NULL,
+                tokenizer VARCHAR NOT NULL,
+                -- Length of content in Unicode scalar values, so trimming needs no content.
+                chars INTEGER NOT NULL,
+                -- The id of the tool_use message a tool_use or tool_result belongs to
+                -- (its own id for the tool_use), -1 otherwise: trimming keeps groups whole.
+                group_id BIGINT NOT NULL,
+                -- For messages that call tools: their call ids, comma-separated.
+                tool_call_ids VARCHAR NOT NULL
+            )
+            """,
+            "CREATE INDEX messages_by_context ON messages (context_id)",
+        ],
+    ),
+    (
+        2,
+        [
+            # Compaction summaries are messages that stand for a range of their thread.
+            "ALTER TABLE messages ADD COLUMN is_summary BOOLEAN DEFAULT false",
+            "ALTER TABLE messages ADD COLUMN first_summarized_id BIGINT DEFAULT 0",
+            "ALTER TABLE messages ADD COLUMN last_summarized_id BIGINT DEFAULT 0",
+            """
+            CREATE TABLE status_entries (
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                key VARCHAR NOT NULL,
+                kind UTINYINT NOT NULL,
+                state VARCHAR NOT NULL,
+                summary VARCHAR NOT NULL,
+                update_time_us BIGINT NOT NULL,
+                expire_time_us BIGINT,
+                PRIMARY KEY (tenant, agent, scope, key)
+            )
+            """,
+            """
+            CREATE TABLE events (
+                id BIGINT NOT NULL,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                type VARCHAR NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                data VARCHAR NOT NULL
+            )
+            """,
+        ],
+    ),
+    (
+        3,
+        [
+            # The newest compaction summary of each thread, so a build finds it by id
+            # instead of scanning the thread's messages; 0 when it has none.
+            "ALTER TABLE threads ADD COLUMN latest_summary_id BIGINT NOT NULL DEFAULT 0",
+            """
+            UPDATE threads SET latest_summary_id = s.id
+            FROM (SELECT context_id, max(id) AS id FROM messages WHERE is_summary
+                  GROUP BY context_id) s
+            WHERE threads.context_id = s.context_id
+            """,
+            # Thread counters are written lazily (see thread_counters.py); this records
+            # the last message id the threads table has counted.
+            "CREATE TABLE store_state (key VARCHAR PRIMARY KEY, value BIGINT NOT NULL)",
+            "INSERT INTO store_state SELECT 'thread_counters_through_id', coalesce(max(id), 0) "
+            "FROM messages",
+        ],
+    ),
+    (
+        4,
+        [
+            # The client's own time of a message, apart from the server's commit time
+            # (create_time_us); NULL when the client gave none.
+            "ALTER TABLE messages ADD COLUMN source_time_us BIGINT",
+            # Append order within a thread: 1, 2, 3, ... Existing messages are numbered in
+            # the order they were read in before, (create time, id).
+            "ALTER TABLE messages ADD COLUMN sequence BIGINT DEFAULT 0",
+            """
+            UPDATE messages SET sequence = s.sequence
+            FROM (SELECT id, row_number() OVER (PARTITION BY context_id
+                                                ORDER BY create_time_us, id) AS sequence
+                  FROM messages) s
+            WHERE messages.id = s.id
+            """,
+            # The thread's newest sequence and its oldest source time are thread counters
+            # (see thread_counters.py): like message_count they include only the messages
+            # up to thread_counters_through_id; opening the store counts the rest.
+            "ALTER TABLE threads ADD COLUMN last_sequence BIGINT DEFAULT 0",
+            "ALTER TABLE threads ADD COLUMN min_source_time_us BIGINT",
+            """
+            UPDATE threads SET last_sequence = s.n
+            FROM (SELECT context_id, count(*) AS n FROM messages
+                  WHERE id <= (SELECT value FROM store_state
+                               WHERE key = 'thread_counters_through_id')
+                  GROUP BY context_id) s
+            WHERE threads.context_id = s.context_id
+            """,
+            # Every message id ever issued is at or below this mark, so ids are never
+            # reused, also after their messages were deleted (see _reserve_ids).
+            "INSERT INTO store_state SELECT 'message_id_high_water', coalesce(max(id), 0) "
+            "FROM messages",
+        ],
+    ),
+    (
+        5,
+        [
+            # Two appends can never take the same number in a thread, whoever numbered
+            # them. (Its own version: DuckDB cannot index a table in the transaction
+            # that updated it.)
+            "CREATE UNIQUE INDEX messages_by_sequence ON messages (context_id, sequence)",
+        ],
+    ),
+    (
+        6,
+        [
+            # Writes made with a request id: a retry finds its first response here. Rows
+            # are written in the transaction of the write they record.
+            """
+            CREATE TABLE request_log (
+                tenant VARCHAR NOT NULL,
+                request_id VARCHAR NOT NULL,
+                method VARCHAR NOT NULL,
+                fingerprint VARCHAR NOT NULL,
+                payload BLOB NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                PRIMARY KEY (tenant, request_id)
+            )
+            """,
+        ],
+    ),
+    (
+        7,
+        [
+            # The request records again, keyed by one column (see idempotency.record_key):
+            # DuckDB finds a row through an index only by a single-column key, so a lookup
+            # by (tenant, request_id) scanned the whole table, on the writer, per write.
+            """
+            CREATE TABLE request_records (
+                id_key VARCHAR NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                request_id VARCHAR NOT NULL,
+                method VARCHAR NOT NULL,
+                fingerprint VARCHAR NOT NULL,
+                payload BLOB NOT NULL,
+                create_time_us BIGINT NOT NULL
+            )
+            """,
+            "INSERT INTO request_records SELECT request_id || chr(9) || tenant, tenant, "
+            "request_id, method, fingerprint, payload, create_time_us FROM request_log",
+            "DROP TABLE request_log",
+        ],
+    ),
+    (
+        8,
+        [
+            # ListEvents reads the events of one scope of one agent: a one-column key of
+            # them, since DuckDB uses an index only for a single-column predicate.
+            "ALTER TABLE events ADD COLUMN scope_key VARCHAR",
+            "UPDATE events SET scope_key = tenant || chr(9) || agent || chr(9) || scope",
+            "CREATE INDEX events_by_scope ON events (scope_key)",
+        ],
+    ),
+    (
+        9,
+        [
+            # The contexts of deleted agents whose messages are still being removed, a
+            # chunk at a time (see Store.delete_agent); a start resumes what a stop left.
+            """
+            CREATE TABLE deleted_contexts (
+                context_id BIGINT NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                delete_time_us BIGINT NOT NULL
+            )
+            """,
+        ],
+    ),
+]

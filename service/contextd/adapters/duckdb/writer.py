@@ -1,0 +1,711 @@
+"""The writer thread: one transaction per group of queued writes, group-committed appends,
+bounded waits, request records, and the lazy thread counters."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from queue import Empty
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from contextd.adapters.duckdb.base import (
+    _ADD_TO_THREAD_COUNTERS,
+    _ARROW_COLUMNS,
+    _ARROW_SCHEMA,
+    _INSERT_AGENT,
+    _INSERT_REQUESTS,
+    _REMEMBERED_CALLS,
+    _STOP,
+    ID_BLOCK,
+    RETRY_AFTER_S,
+    DuckDBBase,
+    T,
+    _AppendJob,
+    _CallJob,
+    _context_row,
+    _first,
+    _remembered,
+    _remembered_keys,
+    _request_rows,
+    _save_records,
+    log,
+    store_error,
+)
+from contextd.adapters.duckdb.thread_counters import (
+    FLUSH_INTERVAL_S,
+    IDLE_FLUSH_S,
+    NO_SOURCE_TIME,
+)
+from contextd.adapters.rows import (
+    agent_row,
+)
+from contextd.domain.errors import (
+    ContextdError,
+    InvalidArgument,
+    NotFound,
+    StoreBusy,
+    Unavailable,
+)
+from contextd.domain.idempotency import (
+    CLEANUP_BACKLOG_EVERY_US,
+    CLEANUP_CHUNK,
+    CLEANUP_EVERY_US,
+    RETENTION_US,
+    AlreadyDone,
+    Remembered,
+    RequestRecord,
+    replay,
+)
+from contextd.domain.model import (
+    AgentSettings,
+    ContextKey,
+    MessageReceipt,
+    NewMessage,
+    Role,
+)
+
+
+class WriterMixin(DuckDBBase):
+    def _submit(self, job: _AppendJob | _CallJob) -> Any:
+        """Queue `job` for the writer and wait for its result, at most the write timeout.
+
+        A caller must never hang on a stuck writer. When the wait times out, a job the
+        writer has not taken yet is withdrawn (it is never written); one it has taken may
+        still commit after its caller was answered STORE_BUSY. That is acceptable only
+        because client-chosen request ids make the retry safe: an append retried with its
+        request id after its first attempt committed is not written twice.
+        """
+        with self._submit_lock:
+            if self._closed:
+                raise Unavailable(
+                    "the server is shutting down",
+                    reason="SHUTTING_DOWN",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+            submitted = time.monotonic()
+            self._queue.put(job)
+        try:
+            return job.future.result(timeout=self._write_timeout_s)
+        except TimeoutError:
+            if job.future.done():
+                raise  # the job's own error, not the wait's
+        withdrawn = job.future.cancel()
+        if not withdrawn and job.future.done():
+            return job.future.result()  # it finished as the wait ended
+        self._wait_timed_out(submitted)
+        timeout = f"{self._write_timeout_s:g}"
+        if withdrawn:
+            raise StoreBusy(
+                f"the store did not take this write within {timeout}s; it was not written; "
+                "retry later",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        raise StoreBusy(
+            f"the store did not finish this write within {timeout}s; it may still be "
+            "written: retry with the same request id",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+    def _write(
+        self, fn: Callable[[duckdb.DuckDBPyConnection], T], record: RequestRecord | None = None
+    ) -> T:
+        """Run `fn` in its own transaction on the writer thread and return its result.
+
+        With a record, the transaction first looks the request id up (AlreadyDone with
+        the first payload, or REQUEST_ID_REUSED) and, after `fn`, records its result.
+        """
+        if record is None:
+            result: T = self._submit(_CallJob(fn=fn, future=Future()))
+            return result
+
+        def recorded(cur: duckdb.DuckDBPyConnection) -> T:
+            found = _remembered(cur, record.tenant, record.request_id)
+            if found is not None:
+                raise AlreadyDone(replay(record, found))
+            value = fn(cur)
+            _save_records(cur, [(record, record.encode(value))], self.clock.tick())
+            return value
+
+        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Future()))
+        return recorded_result
+
+    def remembered(self, tenant: str, request_id: str) -> Remembered | None:
+        """The recorded request of this id, if any (a read: the fast path of retries)."""
+        return _remembered(self._cursor(), tenant, request_id)
+
+    def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Remove request records past their retention, at most CLEANUP_CHUNK per pass
+        (a few milliseconds), once a minute by the store's clock; a pass that found a
+        full chunk brings the next one to a second later, so a backlog drains without
+        any pass holding the writer for long."""
+        now = self.clock.now_us()
+        if now < self._next_request_cleanup_us:
+            return
+        self._next_request_cleanup_us = now + CLEANUP_EVERY_US
+        try:
+            row = _first(
+                writer.execute(
+                    "DELETE FROM request_records WHERE rowid IN (SELECT rowid FROM "
+                    "request_records WHERE create_time_us < ? LIMIT ?)",
+                    [now - RETENTION_US, CLEANUP_CHUNK],
+                )
+            )
+        except duckdb.Error:
+            self._rollback(writer)
+            log.exception("removing old request records failed; the next pass retries")
+            return
+        if row and int(row[0]) >= CLEANUP_CHUNK:
+            self._next_request_cleanup_us = now + CLEANUP_BACKLOG_EVERY_US
+
+    def _write_loop(self) -> None:
+        writer = self._con.cursor()
+        try:
+            while True:
+                job, self._held = self._held, None
+                if job is None:
+                    try:
+                        # With counters pending, wait only so long for work: a writer that
+                        # stays idle that long writes them while no caller is waiting.
+                        # After a failed flush (a full disk, say) retry less eagerly.
+                        wait = FLUSH_INTERVAL_S if self._flush_failed else IDLE_FLUSH_S
+                        flush = len(self._pending) and self._fatal is None
+                        job = self._queue.get(timeout=wait if flush else None)
+                    except Empty:
+                        self._busy_since = time.monotonic()
+                        self._flush_counters(writer)
+                        self._forget_old_requests(writer)
+                        self._writer_waiting()
+                        continue
+                self._busy_since = time.monotonic()
+                if job is _STOP:
+                    self._flush_counters(writer)
+                    return
+                # Before the group, so a write answered after the clock passed a due
+                # pass was preceded by it (also on a writer that is never idle).
+                self._forget_old_requests(writer)
+                appends: list[_AppendJob] = []
+                calls: list[_CallJob] = []
+                stop = self._gather(job, appends, calls)
+                try:
+                    if appends:
+                        self._commit_appends(writer, appends)
+                    for call in calls:
+                        self._run_call(writer, call)
+                except BaseException as exc:
+                    # The writer must outlive any failure, or every later caller would
+                    # wait forever: fail what is unanswered and go on.
+                    log.exception("writer failed a group; its unanswered calls get the error")
+                    futures: list[Future[Any]] = [j.future for j in appends]
+                    futures += [c.future for c in calls]
+                    for future in futures:
+                        if not future.done():
+                            future.set_exception(exc)
+                    self._rollback(writer)
+                if stop:
+                    self._flush_counters(writer)
+                    return
+                if self._pending.flush_due():
+                    self._flush_counters(writer)
+                self._writer_waiting()
+        finally:
+            writer.close()
+
+    def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Write the pending thread counters and the id they count through, in one
+        transaction; on failure they stay pending and the next flush retries."""
+        if self._fatal is not None:
+            return  # DuckDB refuses every statement now; the next start recounts
+        through_id = self._next_message_id - 1  # every id below it is committed
+        try:
+            with self._pending.flushing() as contextd_flush:  # noqa: F841 - scanned by the script
+                writer.execute(
+                    "BEGIN TRANSACTION;\n"
+                    + _ADD_TO_THREAD_COUNTERS.format(counts="contextd_flush")
+                    + f";\nUPDATE store_state SET value = {int(through_id)} "
+                    "WHERE key = 'thread_counters_through_id';\n"
+                    "COMMIT"
+                )
+            self._flush_failed = False
+        except Exception as exc:  # the writer must survive: every later write depends on it
+            self._rollback(writer)
+            self._flush_failed = True
+            if isinstance(exc, duckdb.Error) and self._failed(exc) is not None:
+                # Logged (and, if fatal, reported to the server) by _failed.
+                log.warning("writing thread counters failed; they stay pending")
+            else:
+                log.exception("writing thread counters failed; they stay pending")
+
+    def _recount_threads(self) -> None:
+        """Add the messages after the counted id to their threads' counters: the counts
+        that were pending when the process last stopped without flushing them."""
+        uncounted = """(
+            SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
+                   min(create_time_us) AS first_us, max(create_time_us) AS last_us,
+                   min(source_time_us) AS min_source_us
+            FROM messages
+            WHERE id > (SELECT value FROM store_state WHERE key = 'thread_counters_through_id')
+            GROUP BY context_id)"""
+        self._con.execute(
+            "BEGIN TRANSACTION;\n"
+            + _ADD_TO_THREAD_COUNTERS.format(counts=uncounted)
+            + ";\nUPDATE store_state SET value = (SELECT coalesce(max(id), 0) FROM messages) "
+            "WHERE key = 'thread_counters_through_id';\n"
+            "COMMIT"
+        )
+
+    def _gather(self, first: Any, appends: list[_AppendJob], calls: list[_CallJob]) -> bool:
+        """Take `first` and whatever of the same kind is queued right behind it, up to the
+        group limit: a run of appends (committed together) or a run of calls.
+
+        A job of the other kind ends the group and is held for the next one, so writes
+        commit in the order they arrived: an append queued after a DeleteAgent must not be
+        committed before the delete (it would be acknowledged, then deleted).
+        """
+        rows = 0
+        job = first
+        while True:
+            if job is _STOP:
+                return True  # finish this group, then stop
+            # A job whose caller gave up waiting (and withdrew it) is dropped unwritten.
+            if isinstance(job, _AppendJob) and not calls:
+                if job.future.set_running_or_notify_cancel():
+                    appends.append(job)
+                    rows += len(job.batch)
+            elif isinstance(job, _CallJob) and not appends:
+                if job.future.set_running_or_notify_cancel():
+                    calls.append(job)
+            else:
+                self._held = job
+                return False
+            if rows >= self._max_group_rows:
+                return False
+            try:
+                job = self._queue.get_nowait()
+            except Empty:
+                return False
+
+    def _run_call(self, writer: duckdb.DuckDBPyConnection, call: _CallJob) -> None:
+        try:
+            writer.execute("BEGIN TRANSACTION")
+            result = call.fn(writer)
+            writer.execute("COMMIT")
+        except BaseException as exc:
+            self._rollback(writer)
+            call.future.set_exception(exc)
+        else:
+            call.future.set_result(result)
+
+    @staticmethod
+    def _rollback(writer: duckdb.DuckDBPyConnection) -> None:
+        with contextlib.suppress(duckdb.Error):  # no transaction was open
+            writer.execute("ROLLBACK")
+
+    def _without_replays(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> tuple[list[_AppendJob], list[tuple[_AppendJob, _AppendJob]]]:
+        """The jobs to write: those whose request id was recorded before are answered
+        here (their first payload, or REQUEST_ID_REUSED); a job repeating the id of an
+        earlier job of this group waits for that one (returned as (job, first) pairs)."""
+        recorded = [j for j in jobs if j.record is not None]
+        if not recorded:
+            return jobs, []
+        keep: list[_AppendJob] = []
+        repeats: list[tuple[_AppendJob, _AppendJob]] = []
+        first_of: dict[str, _AppendJob] = {}
+        stored = _remembered_keys(writer, [j.record.key for j in recorded if j.record])
+        for job in jobs:
+            record = job.record
+            if record is None:
+                keep.append(job)
+                continue
+            id_key = record.key
+            if id_key in first_of:
+                repeats.append((job, first_of[id_key]))
+                continue
+            found = stored.get(id_key)
+            if found is None:
+                first_of[id_key] = job
+                keep.append(job)
+                continue
+            try:
+                job.future.set_exception(AlreadyDone(replay(record, found)))
+            except InvalidArgument as exc:
+                job.future.set_exception(exc)
+        return keep, repeats
+
+    def _answer_repeats(self, repeats: list[tuple[_AppendJob, _AppendJob]]) -> None:
+        for job, first in repeats:
+            assert job.record is not None and first.record is not None
+            exc = first.future.exception()
+            if exc is not None:
+                job.future.set_exception(exc)
+                continue
+            remembered = Remembered(
+                first.record.method,
+                first.record.fingerprint,
+                first.record.encode(first.future.result()),
+            )
+            try:
+                job.future.set_exception(AlreadyDone(replay(job.record, remembered)))
+            except InvalidArgument as error:
+                job.future.set_exception(error)
+
+    def _commit_appends(self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]) -> None:
+        """Commit a group of appends in one transaction; isolate a failing job on error."""
+        jobs, repeats = self._without_replays(writer, jobs)
+        try:
+            if jobs:
+                self._commit_new_appends(writer, jobs)
+        finally:
+            self._answer_repeats(repeats)
+
+    def _commit_new_appends(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> None:
+        # New context ids enter the cache only after their commit, so it needs no restore.
+        saved = (self._next_message_id, self._next_context_id)
+        try:
+            receipts, counted = self._insert_appends(writer, jobs)  # commits
+        except BaseException as exc:
+            self._rollback(writer)
+            self._next_message_id, self._next_context_id = saved
+            self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
+            self._known_agents.clear()  # may name agents whose insert was rolled back
+            self._last_sequence.clear()  # re-read from the rows, whoever numbered them
+            if len(jobs) == 1:
+                jobs[0].future.set_exception(exc)
+                return
+            log.warning("group commit failed; retrying its %d calls one by one", len(jobs))
+            for job in jobs:
+                self._commit_new_appends(writer, [job])
+            return
+        for context_id, (n, tokens, first_us, last_us, min_source_us) in counted.items():
+            self._pending.add(context_id, n, tokens, first_us, last_us, min_source_us)
+        for job, job_receipts in zip(jobs, receipts, strict=True):
+            job.future.set_result(job_receipts)
+
+    def _context_id(self, writer: duckdb.DuckDBPyConnection, key: ContextKey) -> int | None:
+        cached = self._context_ids.get(key)
+        if cached is not None:
+            return cached
+        row = _context_row(writer, key)
+        if row is None:
+            return None
+        self._context_ids[key] = int(row[0])
+        return int(row[0])
+
+    def _sequence_of(self, writer: duckdb.DuckDBPyConnection, context_id: int) -> int:
+        """The last sequence of a stored thread: its row's, plus the messages not yet
+        counted there (see thread_counters.py), cached while the writer numbers it."""
+        cached = self._last_sequence.get(context_id)
+        if cached is not None:
+            return cached
+        row = _first(
+            writer.execute("SELECT last_sequence FROM threads WHERE context_id = ?", [context_id])
+        )
+        return (int(row[0]) if row else 0) + self._pending.count_of(context_id)
+
+    def _insert_appends(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
+        """Insert and commit the group; return its receipts and, per context id, the
+        counts it adds to its thread ([messages, tokens, first time, last time, oldest
+        source time]), which the caller leaves pending (see thread_counters.py).
+
+        Each call gets one commit time from the server's clock (client times never move
+        it) and its thread's next sequence numbers. Sequences are numbered here from the
+        thread's row, and the unique index on (context_id, sequence) checks them in the
+        transaction: a number taken by any other writer fails the commit instead of
+        being stored twice. (Numbering in SQL with an UPDATE of the thread's row would
+        check the same but costs about 2 ms a commit, as much as the insert itself.)
+        """
+        columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
+        all_receipts: list[list[MessageReceipt]] = []
+        # per context: [count, tokens, first commit, last commit, oldest source time]
+        thread_deltas: dict[ContextKey, list[int]] = {}
+        numbered: dict[int, int] = {}  # context id -> its last sequence in this group
+        new_contexts: dict[ContextKey, int] = {}
+        agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
+        summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
+
+        for job in jobs:
+            agent_key = (job.key.tenant, job.key.agent)
+            if agents_seen.get(agent_key) is None:
+                agents_seen[agent_key] = job.default_settings
+        # Ticked before any message time: an auto-created agent's clear marker (its create
+        # time) must precede the messages that created it, or they would start outside.
+        now_us = self.clock.tick()
+        in_transaction = False  # opened early only when an agent must be created
+        for (tenant, name), settings in agents_seen.items():
+            # Known agents skip the lookup: a statement costs more than a commit's rows.
+            if (tenant, name) in self._known_agents:
+                continue
+            exists = _first(
+                writer.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
+            )
+            if not exists:
+                if settings is None:
+                    # Raised before anything is written; the group is then retried call by
+                    # call, so only the calls for this agent fail.
+                    raise NotFound(f"agent {name!r} does not exist", reason="AGENT_NOT_FOUND")
+                if not in_transaction:
+                    writer.execute("BEGIN TRANSACTION")
+                    in_transaction = True
+                writer.execute(_INSERT_AGENT, agent_row(tenant, name, settings, now_us))
+            self._known_agents.add((tenant, name))
+
+        for job in jobs:
+            key = job.key
+            context_id = new_contexts.get(key) or self._context_id(writer, key)
+            if context_id is None:
+                if job.batch.summarized_ids is not None:
+                    # A summary stands for messages of an existing thread; if the thread
+                    # is gone (its agent deleted meanwhile) the summary has nothing to
+                    # stand for and must not bring the context back.
+                    raise NotFound(
+                        f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
+                        reason="THREAD_NOT_FOUND",
+                    )
+                context_id = self._next_context_id
+                self._next_context_id += 1
+                new_contexts[key] = context_id
+            commit_time = self.clock.tick()
+            batch = job.batch
+            messages = batch.messages
+            n = len(messages)
+            first_id = self._next_message_id
+            self._next_message_id += n
+            ids = range(first_id, first_id + n)
+            last = numbered.get(context_id)
+            if last is None:
+                last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
+            sequences = range(last + 1, last + 1 + n)
+            numbered[context_id] = last + n
+            sources = [m.source_time_us for m in messages]
+            columns["id"].extend(ids)
+            columns["context_id"].extend([context_id] * n)
+            columns["tenant"].extend([key.tenant] * n)
+            columns["agent"].extend([key.agent] * n)
+            columns["scope"].extend([key.scope] * n)
+            columns["thread"].extend([key.thread] * n)
+            columns["role"].extend([int(m.role) for m in messages])
+            columns["content"].extend([m.content for m in messages])
+            columns["tool_calls"].extend([m.tool_calls for m in messages])
+            columns["tool_call_id"].extend([m.tool_call_id for m in messages])
+            columns["external_id"].extend([m.external_id for m in messages])
+            columns["metadata"].extend([m.metadata for m in messages])
+            columns["token_estimate"].extend(batch.token_estimates)
+            columns["create_time_us"].extend([commit_time] * n)
+            columns["source_time_us"].extend(sources)
+            columns["sequence"].extend(sequences)
+            columns["token_count"].extend(batch.token_counts)
+            columns["tokenizer"].extend([batch.tokenizer] * n)
+            columns["chars"].extend(batch.chars)
+            columns["group_id"].extend(
+                [
+                    self._group_of(writer, context_id, i, m, calls)
+                    for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
+                ]
+            )
+            columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+            summary = batch.summarized_ids
+            if summary is not None:
+                summaries[context_id] = ids[-1]
+            columns["is_summary"].extend([summary is not None] * n)
+            columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
+            columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
+            all_receipts.append(
+                [
+                    MessageReceipt(i, commit_time, e, c, q)
+                    for i, e, c, q in zip(
+                        ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+                    )
+                ]
+            )
+            delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
+            delta[0] += n
+            delta[1] += sum(batch.token_estimates)
+            delta[3] = commit_time
+            given = [t for t in sources if t is not None]
+            if given:
+                delta[4] = min(delta[4], *given)
+
+        # The whole group is written by one client call: a script of BEGIN, the inserts
+        # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
+        # the GIL and must win it back, and with dozens of handler threads waiting that
+        # costs more than the statements themselves, so a group makes one call. The
+        # scripts read their rows from the Arrow tables below through DuckDB's replacement
+        # scans (the names of this frame's local variables); they carry no parameters.
+        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)  # noqa: F841 - scanned by the script
+        script = [] if in_transaction else ["BEGIN TRANSACTION"]
+        script.append(
+            f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
+        )
+        high_water = self._id_high_water
+        if self._next_message_id - 1 > high_water:
+            # Reserve the next block of ids in this transaction: no id this group commits
+            # is ever above the stored mark, so none is issued again after a restart.
+            high_water = self._next_message_id - 1 + ID_BLOCK
+            script.append(
+                f"UPDATE store_state SET value = {int(high_water)} "
+                "WHERE key = 'message_id_high_water'"
+            )
+        counted = {
+            new_contexts.get(key) or self._context_ids[key]: delta
+            for key, delta in thread_deltas.items()
+        }
+        if new_contexts:
+            # New threads start with zero counters: like every other append, theirs are
+            # added by the next counter flush (or by the recount after a crash), so no
+            # message is ever counted twice.
+            contextd_new_threads = pa.table(  # noqa: F841 - scanned by the script
+                {
+                    "context_id": list(new_contexts.values()),
+                    "first_us": [thread_deltas[k][2] for k in new_contexts],
+                    "last_us": [thread_deltas[k][3] for k in new_contexts],
+                }
+            )
+            script.append(
+                "INSERT INTO threads (context_id, tenant, agent, scope, thread, create_time_us, "
+                "last_message_time_us, message_count, token_estimate) "
+                "SELECT d.context_id, b.tenant, b.agent, b.scope, b.thread, d.first_us, "
+                "d.last_us, 0, 0 FROM contextd_new_threads d JOIN (SELECT DISTINCT "
+                "context_id, tenant, agent, scope, thread FROM contextd_batch) b "
+                "ON b.context_id = d.context_id"
+            )
+        if summaries:
+            contextd_summaries = pa.table(  # noqa: F841 - scanned by the script
+                {"context_id": list(summaries), "summary_id": list(summaries.values())}
+            )
+            script.append(
+                "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
+                "WHERE threads.context_id = d.context_id"
+            )
+        requests = [
+            (job.record, job.record.encode(receipts))
+            for job, receipts in zip(jobs, all_receipts, strict=True)
+            if job.record is not None
+        ]
+        if requests:
+            contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned
+            script.append(_INSERT_REQUESTS)
+        script.append("COMMIT")
+        writer.execute(";\n".join(script))
+        self._context_ids.update(new_contexts)
+        self._last_sequence.update(numbered)
+        self._id_high_water = high_water
+        return all_receipts, counted
+
+    def _group_of(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        context_id: int,
+        message_id: int,
+        message: NewMessage,
+        call_ids: tuple[str, ...],
+    ) -> int:
+        """The tool group of a message: the id of the tool_use it belongs to, or -1.
+
+        Computed once at insert so that trimming reads integers, never JSON.
+        """
+        if call_ids:
+            for call_id in call_ids:
+                self._calls[(context_id, call_id)] = message_id
+                self._calls.move_to_end((context_id, call_id))
+            while len(self._calls) > _REMEMBERED_CALLS:
+                self._calls.popitem(last=False)
+            return message_id
+        if message.role != Role.TOOL_RESULT or not message.tool_call_id:
+            return -1
+        known = self._calls.get((context_id, message.tool_call_id))
+        if known is not None:
+            return known
+        row = _first(
+            writer.execute(
+                "SELECT id FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
+                "AND list_contains(string_split(tool_call_ids, ','), ?) "
+                "ORDER BY sequence DESC LIMIT 1",
+                [context_id, message.tool_call_id],
+            )
+        )
+        return int(row[0]) if row else -1
+
+    # ----------------------------------------------------------------- health
+
+    def watch(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(serving)` whenever the store turns unable to serve (a fatal
+        DuckDB error, for good; the writer stuck on one job for longer than the write
+        timeout) or able again (the stuck writer finished its job). Listeners are called
+        in order, under a lock: they must be quick and must not call the store."""
+        with self._health_lock:
+            self._listeners.append(listener)
+            if not self._serving():
+                listener(False)
+
+    def serving(self) -> bool:
+        """Whether the store can serve: no fatal error and no writer stuck on a job."""
+        with self._health_lock:
+            return self._serving()
+
+    def _serving(self) -> bool:
+        return self._fatal is None and not self._wedged
+
+    def _update_health(self, *, wedged: bool | None = None, fatal: str | None = None) -> None:
+        """Record a change (the caller holds `_health_lock`); tell listeners if serving
+        changed."""
+        before = self._serving()
+        if wedged is not None:
+            self._wedged = wedged
+        if fatal is not None and self._fatal is None:
+            self._fatal = fatal
+        after = self._serving()
+        if after != before:
+            for listener in self._listeners:
+                listener(after)
+
+    def _failed(self, exc: duckdb.Error) -> ContextdError | None:
+        """The domain error for a DuckDB failure (None: not a store failure, a bug); logs
+        it with DuckDB's own text, and a fatal one makes the store stop serving."""
+        error = store_error(exc)
+        if error is None or isinstance(exc, duckdb.ConnectionException):
+            return error
+        detail = {"error": type(exc).__name__, "detail": str(exc)[:1000]}
+        if isinstance(exc, duckdb.FatalException | duckdb.InternalException):
+            with self._health_lock:
+                if self._fatal is None:
+                    log.error(
+                        "the store failed fatally; every call is answered UNAVAILABLE until "
+                        "the server is restarted",
+                        extra=detail,
+                    )
+                self._update_health(fatal=detail["detail"])
+        else:
+            log.error("store failure", extra=detail)
+        return error
+
+    def _writer_waiting(self) -> None:
+        """The writer finished what it was doing: a stuck writer, if one was reported,
+        is taking work again."""
+        with self._health_lock:
+            self._busy_since = None
+            if self._wedged:
+                log.warning("the store's writer is taking calls again")
+                self._update_health(wedged=False)
+
+    def _wait_timed_out(self, submitted: float) -> None:
+        """A caller waited the whole write timeout. If the writer has been on the same
+        job since before the call was queued, it is stuck, not merely busy: report it."""
+        with self._health_lock:
+            since = self._busy_since
+            if since is not None and since <= submitted and not self._wedged:
+                log.error(
+                    "the store's writer has been on one job for longer than the write "
+                    "timeout; calls that wait for it are answered STORE_BUSY",
+                    extra={"write_timeout_s": self._write_timeout_s},
+                )
+                self._update_health(wedged=True)
