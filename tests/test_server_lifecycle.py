@@ -240,7 +240,11 @@ def test_taken_address_fails_clearly(spawn_server: SpawnServer, tmp_path: Path) 
 
 @pytest.mark.parametrize(
     ("flag", "says"),
-    [(["--workers", "0"], "must be above zero"), (["--log-level", "loud"], "invalid choice")],
+    [
+        (["--workers", "0"], "must be above zero"),
+        (["--log-level", "loud"], "invalid choice"),
+        (["--store", "mysql://db/contextd"], "neither duckdb nor a postgresql:// URL"),
+    ],
 )
 def test_bad_serve_options_are_one_line_errors(flag: list[str], says: str) -> None:
     done = subprocess.run(
@@ -251,3 +255,26 @@ def test_bad_serve_options_are_one_line_errors(flag: list[str], says: str) -> No
     )
     assert done.returncode == 2
     assert says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unreachable_postgresql_fails_clearly_without_its_password(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "contextd",
+            "serve",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--store",
+            "postgresql://contextd:s3cret-pw@127.0.0.1:1/contextd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "cannot connect to the PostgreSQL database 127.0.0.1:1/contextd" in done.stderr
+    assert "s3cret-pw" not in done.stderr and "Traceback" not in done.stderr

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from contextd import __version__
 from contextd.config import add_serve_arguments, settings_from_args
-from contextd.domain.errors import StoreLocked
+from contextd.domain.errors import StoreLocked, StoreUnavailable
 from contextd.logs import configure
 
 
@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             serve(settings)
-        except (StoreLocked, OSError) as exc:  # a held file, a taken address
+        except (StoreLocked, StoreUnavailable, OSError) as exc:
+            # a held file, an unreachable database, a taken address
             print(f"contextd: cannot start: {exc}", file=sys.stderr)
             return 2
         exit_now(0)

@@ -62,6 +62,13 @@ class PostgresStore(AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin):
         """Connect (waiting at most `connect_timeout_s` for the database) and migrate.
         Raises StoreUnavailable, naming the database without its password, when it cannot
         be reached."""
+        try:  # one plain connection first: a wrong address or password fails at once
+            psycopg.connect(dsn, connect_timeout=max(1, int(connect_timeout_s))).close()
+        except psycopg.Error as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StoreUnavailable(
+                f"cannot connect to the PostgreSQL database {_safe(dsn)}: {reason[:300]}"
+            ) from exc
         pool: psycopg_pool.ConnectionPool[Conn] = psycopg_pool.ConnectionPool(
             dsn,
             min_size=1,
