@@ -6,20 +6,36 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 
 from contextd.adapters.duckdb.base import (
+    _ARROW_COLUMNS,
+    _ARROW_SCHEMA,
+    _INSERT_AGENT,
+    _INSERT_REQUESTS,
+    _REMEMBERED_CALLS,
+    ID_BLOCK,
     DuckDBBase,
     _AppendJob,
+    _context_row,
     _first,
     _in_sequence_order,
+    _request_rows,
     window_predicate,
+)
+from contextd.adapters.duckdb.thread_counters import (
+    NO_SOURCE_TIME,
 )
 from contextd.adapters.rows import (
     MESSAGE_COLUMNS,
+    agent_row,
     message_from_row,
 )
 from contextd.domain.context import ThreadActivity
+from contextd.domain.errors import (
+    NotFound,
+)
 from contextd.domain.idempotency import (
     RequestRecord,
 )
@@ -28,6 +44,8 @@ from contextd.domain.model import (
     ContextKey,
     MessageBatch,
     MessageReceipt,
+    NewMessage,
+    Role,
     StoredMessage,
 )
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
@@ -257,3 +275,251 @@ class MessagesMixin(DuckDBBase):
             for thread, last_us, count, context_id, _clear, _whole in rows
         ]
         return [a for a in activity if a.window_message_count > 0]
+
+    # ----------------------------------------------------------------- the append, on the writer
+
+    def _context_id(self, writer: duckdb.DuckDBPyConnection, key: ContextKey) -> int | None:
+        cached = self._context_ids.get(key)
+        if cached is not None:
+            return cached
+        row = _context_row(writer, key)
+        if row is None:
+            return None
+        self._context_ids[key] = int(row[0])
+        return int(row[0])
+
+    def _sequence_of(self, writer: duckdb.DuckDBPyConnection, context_id: int) -> int:
+        """The last sequence of a stored thread: its row's, plus the messages not yet
+        counted there (see thread_counters.py), cached while the writer numbers it."""
+        cached = self._last_sequence.get(context_id)
+        if cached is not None:
+            return cached
+        row = _first(
+            writer.execute("SELECT last_sequence FROM threads WHERE context_id = ?", [context_id])
+        )
+        return (int(row[0]) if row else 0) + self._pending.count_of(context_id)
+
+    def _insert_appends(
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+    ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
+        """Insert and commit the group; return its receipts and, per context id, the
+        counts it adds to its thread ([messages, tokens, first time, last time, oldest
+        source time]), which the caller leaves pending (see thread_counters.py).
+
+        Each call gets one commit time from the server's clock (client times never move
+        it) and its thread's next sequence numbers. Sequences are numbered here from the
+        thread's row, and the unique index on (context_id, sequence) checks them in the
+        transaction: a number taken by any other writer fails the commit instead of
+        being stored twice. (Numbering in SQL with an UPDATE of the thread's row would
+        check the same but costs about 2 ms a commit, as much as the insert itself.)
+        """
+        columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
+        all_receipts: list[list[MessageReceipt]] = []
+        # per context: [count, tokens, first commit, last commit, oldest source time]
+        thread_deltas: dict[ContextKey, list[int]] = {}
+        numbered: dict[int, int] = {}  # context id -> its last sequence in this group
+        new_contexts: dict[ContextKey, int] = {}
+        agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
+        summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
+
+        for job in jobs:
+            agent_key = (job.key.tenant, job.key.agent)
+            if agents_seen.get(agent_key) is None:
+                agents_seen[agent_key] = job.default_settings
+        # Ticked before any message time: an auto-created agent's clear marker (its create
+        # time) must precede the messages that created it, or they would start outside.
+        now_us = self.clock.tick()
+        in_transaction = False  # opened early only when an agent must be created
+        for (tenant, name), settings in agents_seen.items():
+            # Known agents skip the lookup: a statement costs more than a commit's rows.
+            if (tenant, name) in self._known_agents:
+                continue
+            exists = _first(
+                writer.execute("SELECT 1 FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
+            )
+            if not exists:
+                if settings is None:
+                    # Raised before anything is written; the group is then retried call by
+                    # call, so only the calls for this agent fail.
+                    raise NotFound(f"agent {name!r} does not exist", reason="AGENT_NOT_FOUND")
+                if not in_transaction:
+                    writer.execute("BEGIN TRANSACTION")
+                    in_transaction = True
+                writer.execute(_INSERT_AGENT, agent_row(tenant, name, settings, now_us))
+            self._known_agents.add((tenant, name))
+
+        for job in jobs:
+            key = job.key
+            context_id = new_contexts.get(key) or self._context_id(writer, key)
+            if context_id is None:
+                if job.batch.summarized_ids is not None:
+                    # A summary stands for messages of an existing thread; if the thread
+                    # is gone (its agent deleted meanwhile) the summary has nothing to
+                    # stand for and must not bring the context back.
+                    raise NotFound(
+                        f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
+                        reason="THREAD_NOT_FOUND",
+                    )
+                context_id = self._next_context_id
+                self._next_context_id += 1
+                new_contexts[key] = context_id
+            commit_time = self.clock.tick()
+            batch = job.batch
+            messages = batch.messages
+            n = len(messages)
+            first_id = self._next_message_id
+            self._next_message_id += n
+            ids = range(first_id, first_id + n)
+            last = numbered.get(context_id)
+            if last is None:
+                last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
+            sequences = range(last + 1, last + 1 + n)
+            numbered[context_id] = last + n
+            sources = [m.source_time_us for m in messages]
+            columns["id"].extend(ids)
+            columns["context_id"].extend([context_id] * n)
+            columns["tenant"].extend([key.tenant] * n)
+            columns["agent"].extend([key.agent] * n)
+            columns["scope"].extend([key.scope] * n)
+            columns["thread"].extend([key.thread] * n)
+            columns["role"].extend([int(m.role) for m in messages])
+            columns["content"].extend([m.content for m in messages])
+            columns["tool_calls"].extend([m.tool_calls for m in messages])
+            columns["tool_call_id"].extend([m.tool_call_id for m in messages])
+            columns["external_id"].extend([m.external_id for m in messages])
+            columns["metadata"].extend([m.metadata for m in messages])
+            columns["token_estimate"].extend(batch.token_estimates)
+            columns["create_time_us"].extend([commit_time] * n)
+            columns["source_time_us"].extend(sources)
+            columns["sequence"].extend(sequences)
+            columns["token_count"].extend(batch.token_counts)
+            columns["tokenizer"].extend([batch.tokenizer] * n)
+            columns["chars"].extend(batch.chars)
+            columns["group_id"].extend(
+                [
+                    self._group_of(writer, context_id, i, m, calls)
+                    for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
+                ]
+            )
+            columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+            summary = batch.summarized_ids
+            if summary is not None:
+                summaries[context_id] = ids[-1]
+            columns["is_summary"].extend([summary is not None] * n)
+            columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
+            columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
+            all_receipts.append(
+                [
+                    MessageReceipt(i, commit_time, e, c, q)
+                    for i, e, c, q in zip(
+                        ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+                    )
+                ]
+            )
+            delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
+            delta[0] += n
+            delta[1] += sum(batch.token_estimates)
+            delta[3] = commit_time
+            given = [t for t in sources if t is not None]
+            if given:
+                delta[4] = min(delta[4], *given)
+
+        # The whole group is written by one client call: a script of BEGIN, the inserts
+        # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
+        # the GIL and must win it back, and with dozens of handler threads waiting that
+        # costs more than the statements themselves, so a group makes one call. The
+        # scripts read their rows from the Arrow tables below through DuckDB's replacement
+        # scans (the names of this frame's local variables); they carry no parameters.
+        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)  # noqa: F841 - scanned by the script
+        script = [] if in_transaction else ["BEGIN TRANSACTION"]
+        script.append(
+            f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
+        )
+        high_water = self._id_high_water
+        if self._next_message_id - 1 > high_water:
+            # Reserve the next block of ids in this transaction: no id this group commits
+            # is ever above the stored mark, so none is issued again after a restart.
+            high_water = self._next_message_id - 1 + ID_BLOCK
+            script.append(
+                f"UPDATE store_state SET value = {int(high_water)} "
+                "WHERE key = 'message_id_high_water'"
+            )
+        counted = {
+            new_contexts.get(key) or self._context_ids[key]: delta
+            for key, delta in thread_deltas.items()
+        }
+        if new_contexts:
+            # New threads start with zero counters: like every other append, theirs are
+            # added by the next counter flush (or by the recount after a crash), so no
+            # message is ever counted twice.
+            contextd_new_threads = pa.table(  # noqa: F841 - scanned by the script
+                {
+                    "context_id": list(new_contexts.values()),
+                    "first_us": [thread_deltas[k][2] for k in new_contexts],
+                    "last_us": [thread_deltas[k][3] for k in new_contexts],
+                }
+            )
+            script.append(
+                "INSERT INTO threads (context_id, tenant, agent, scope, thread, create_time_us, "
+                "last_message_time_us, message_count, token_estimate) "
+                "SELECT d.context_id, b.tenant, b.agent, b.scope, b.thread, d.first_us, "
+                "d.last_us, 0, 0 FROM contextd_new_threads d JOIN (SELECT DISTINCT "
+                "context_id, tenant, agent, scope, thread FROM contextd_batch) b "
+                "ON b.context_id = d.context_id"
+            )
+        if summaries:
+            contextd_summaries = pa.table(  # noqa: F841 - scanned by the script
+                {"context_id": list(summaries), "summary_id": list(summaries.values())}
+            )
+            script.append(
+                "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
+                "WHERE threads.context_id = d.context_id"
+            )
+        requests = [
+            (job.record, job.record.encode(receipts))
+            for job, receipts in zip(jobs, all_receipts, strict=True)
+            if job.record is not None
+        ]
+        if requests:
+            contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned
+            script.append(_INSERT_REQUESTS)
+        script.append("COMMIT")
+        writer.execute(";\n".join(script))
+        self._context_ids.update(new_contexts)
+        self._last_sequence.update(numbered)
+        self._id_high_water = high_water
+        return all_receipts, counted
+
+    def _group_of(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        context_id: int,
+        message_id: int,
+        message: NewMessage,
+        call_ids: tuple[str, ...],
+    ) -> int:
+        """The tool group of a message: the id of the tool_use it belongs to, or -1.
+
+        Computed once at insert so that trimming reads integers, never JSON.
+        """
+        if call_ids:
+            for call_id in call_ids:
+                self._calls[(context_id, call_id)] = message_id
+                self._calls.move_to_end((context_id, call_id))
+            while len(self._calls) > _REMEMBERED_CALLS:
+                self._calls.popitem(last=False)
+            return message_id
+        if message.role != Role.TOOL_RESULT or not message.tool_call_id:
+            return -1
+        known = self._calls.get((context_id, message.tool_call_id))
+        if known is not None:
+            return known
+        row = _first(
+            writer.execute(
+                "SELECT id FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
+                "AND list_contains(string_split(tool_call_ids, ','), ?) "
+                "ORDER BY sequence DESC LIMIT 1",
+                [context_id, message.tool_call_id],
+            )
+        )
+        return int(row[0]) if row else -1
