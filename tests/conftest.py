@@ -167,8 +167,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Every test that uses a server (or the `engine` fixture) runs on each engine, unless
     it is marked `duckdb_only` (it inspects the embedded file itself)."""
     if "engine" in metafunc.fixturenames:
-        only = metafunc.definition.get_closest_marker("duckdb_only")
-        metafunc.parametrize("engine", ["duckdb"] if only else list(ENGINES), scope="function")
+        if metafunc.definition.get_closest_marker("duckdb_only"):
+            engines = ["duckdb"]
+        elif "postgres_dsn" in metafunc.definition.fixturenames:
+            engines = ["postgres"]  # the test is about PostgreSQL itself (e.g. replicas)
+        else:
+            engines = list(ENGINES)
+        metafunc.parametrize("engine", engines, scope="function")
 
 
 @pytest.fixture
@@ -260,12 +265,17 @@ SpawnServer = Callable[..., ServerProcess]
 
 
 @pytest.fixture
-def spawn_server(tmp_path: Path) -> Iterator[SpawnServer]:
+def spawn_server(tmp_path: Path, store_url: str) -> Iterator[SpawnServer]:
+    """`contextd serve` processes on the test's engine (CONTEXTD_STORE unless the test
+    sets its own), killed at the end if still running."""
     started: list[ServerProcess] = []
 
     class Tracked(ServerProcess):
         def __init__(self, data_dir: Path | None = None, **kwargs: Any) -> None:
-            super().__init__(data_dir or tmp_path / "data", **kwargs)
+            env = dict(kwargs.pop("extra_env", {}))
+            if store_url:
+                env.setdefault("CONTEXTD_STORE", store_url)
+            super().__init__(data_dir or tmp_path / "data", extra_env=env, **kwargs)
             started.append(self)
 
     yield Tracked
