@@ -111,11 +111,13 @@ class ThreadsMixin(PostgresBase):
 
     def _clear_time(self, conn: Conn, where: str, params: list[Any]) -> int:
         """Lock the threads `where` selects and return a time after their newest message
-        (and after every time this replica issued)."""
+        and their own clear markers (and after every time this replica issued): with
+        another replica's clock ahead, a marker must still never go back."""
         row = first(
             conn,
-            f"SELECT coalesce(max(last_message_time_us), 0) FROM "
-            f"(SELECT last_message_time_us FROM threads WHERE {where} FOR UPDATE) t",
+            "SELECT coalesce(max(greatest(last_message_time_us, last_clear_us)), 0) FROM "
+            f"(SELECT last_message_time_us, last_clear_us FROM threads WHERE {where} "
+            "FOR UPDATE) t",
             params,
         )
         self.clock.advance_to(int(row[0]) if row else 0)
@@ -138,7 +140,7 @@ class ThreadsMixin(PostgresBase):
         self, tenant: str, agent: str, scope: str, record: RequestRecord | None = None
     ) -> int:
         def clear(conn: Conn) -> int:
-            require_agent(conn, tenant, agent)
+            self.clock.advance_to(require_agent(conn, tenant, agent).last_clear_time_us)
             where = "tenant = %s AND agent = %s AND scope = %s"
             now = self._clear_time(conn, where, [tenant, agent, scope])
             conn.execute(
@@ -150,7 +152,7 @@ class ThreadsMixin(PostgresBase):
 
     def clear_thread(self, key: ContextKey, record: RequestRecord | None = None) -> int:
         def clear(conn: Conn) -> int:
-            require_agent(conn, key.tenant, key.agent)
+            self.clock.advance_to(require_agent(conn, key.tenant, key.agent).last_clear_time_us)
             where = "tenant = %s AND agent = %s AND scope = %s AND thread = %s"
             params = [key.tenant, key.agent, key.scope, key.thread]
             exists = first(conn, f"SELECT 1 FROM threads WHERE {where}", params)
