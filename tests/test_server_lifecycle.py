@@ -151,6 +151,7 @@ def test_kill9_loses_no_acknowledged_write(spawn_server: SpawnServer) -> None:
     assert {t.thread: t.message_count for t in threads} == per_thread
 
 
+@pytest.mark.duckdb_only  # the DuckDB file itself
 def test_second_server_on_held_file_fails_clearly(
     spawn_server: SpawnServer, tmp_path: Path
 ) -> None:
@@ -182,6 +183,7 @@ def test_health_is_serving(client: Client) -> None:
         assert response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.duckdb_only  # the DuckDB file itself
 def test_flags_override_environment(spawn_server: SpawnServer, tmp_path: Path) -> None:
     # CONTEXTD_DATA_DIR points at one directory, --data-dir at another: the flag wins.
     proc = subprocess.Popen(
