@@ -88,6 +88,8 @@ bench-quick: build $(STAMPS)/bench-deps ## Run a small benchmark to keep the sui
 # clean, the baseline is HEAD~1: the check is on the change the last commit made. Set
 # BUF_AGAINST to another ref to check more, e.g. `make lint BUF_AGAINST=main` for a branch.
 BUF_AGAINST ?= $(shell if [ -n "$$(git status --porcelain -- proto)" ]; then echo HEAD; else echo HEAD~1; fi)
+# Every change since the contract was decided (tag v1-contract) must be additive, too.
+BUF_BASELINE ?= v1-contract
 
 .PHONY: lint
 lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), buf lint and breaking, cargo fmt/clippy
@@ -100,6 +102,8 @@ lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), bu
 	$(PY) -m mypy.stubtest contextd._core --mypy-config-file pyproject.toml
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against '.git#ref=$(BUF_AGAINST),subdir=proto'
+	if git rev-parse -q --verify 'refs/tags/$(BUF_BASELINE)' >/dev/null; then \
+	  $(VENV)/bin/buf breaking --against '.git#tag=$(BUF_BASELINE),subdir=proto'; fi
 	cd rust_core && cargo fmt --check
 	cd rust_core && cargo clippy --all-targets -- -D warnings
 	cd rust_core && cargo clippy --all-targets --features python -- -D warnings

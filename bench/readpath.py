@@ -98,8 +98,8 @@ def _build_rpc(history: list[corpus.Message], budget: int, repeat: int) -> dict[
 
 def run(sz: Sizes) -> Section:
     from contextd.adapters.duckdb.store import Store
-    from contextd.ports.store import ThreadFilter
     from contextd.domain.window import WindowSpec
+    from contextd.ports.store import ThreadFilter
 
     n = sz.read_thread
     budget = sz.budget
