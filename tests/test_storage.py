@@ -1,4 +1,5 @@
-"""The store on its own: versioned migrations and concurrent group-committed appends."""
+"""The DuckDB store on its own: versioned migrations, group-committed appends, thread
+counters and the writer. What every engine must do is in tests/contract/."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from contextd.adapters.duckdb import schema as duckdb_schema
 from contextd.adapters.duckdb.store import Store
 from contextd.domain.batches import prepare_batch
-from contextd.domain.errors import Unavailable
 from contextd.domain.model import AgentSettings, ContextKey, MessageBatch, NewMessage, Role
 from contextd.domain.window import WindowSpec
 from contextd.ports.store import ThreadFilter
@@ -180,24 +180,6 @@ def test_a_sequence_taken_by_another_writer_fails_the_append(tmp_path: Path) -> 
         store.close()
 
 
-def test_a_stored_summary_becomes_the_threads_latest(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "db.duckdb")
-    try:
-        key = ContextKey("default", "a1", "", "t1")
-        store.append(key, _batch("one", "two"), AgentSettings())
-        summary = prepare_batch(
-            [NewMessage(role=Role.USER, content="so far")], "", [()], summarized_ids=(1, 2)
-        )
-        [receipt] = store.append(key, summary, AgentSettings())
-        store.append(key, _batch("three"), AgentSettings())
-        ref = store.context_ref(key)
-        assert ref is not None and ref.latest_summary_id == receipt.id
-        found = store.latest_summary(ref)
-        assert found is not None and found.summarized_ids == (1, 2)
-    finally:
-        store.close()
-
-
 def test_thread_counters_are_exact_while_appends_race_reads(tmp_path: Path) -> None:
     """Readers add the writer's pending counters to the table's; under concurrent appends
     (the writer flushes while busy) a read never counts a message twice or misses one
@@ -298,18 +280,3 @@ def test_concurrent_appends_are_all_committed_in_order(tmp_path: Path) -> None:
         assert ids == [(total,)]
     finally:
         store.close()
-
-
-def test_writes_after_close_are_unavailable_not_lost_or_hung(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "db.duckdb")
-    key = ContextKey("default", "a1", "", "t1")
-    store.append(key, _batch("before"), AgentSettings())
-    store.close()
-    with pytest.raises(Unavailable):
-        store.append(key, _batch("after"), AgentSettings())
-    reopened = Store.open(tmp_path / "db.duckdb")
-    try:
-        rows = reopened.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)
-        assert [r.content for r in rows] == ["before"]
-    finally:
-        reopened.close()

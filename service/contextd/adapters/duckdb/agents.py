@@ -160,6 +160,12 @@ class AgentsMixin(DuckDBBase):
             )
             cur.execute(f"DELETE FROM threads WHERE {where}", [tenant, name])
             cur.execute(f"DELETE FROM status_entries WHERE {where}", [tenant, name])
+            # Event ids are numbered on from max(id) at start: keep the newest issued one,
+            # or a restart would issue the ids of the events deleted here again.
+            cur.execute(
+                "INSERT OR REPLACE INTO store_state VALUES ('event_id_high_water', ?)",
+                [self._next_event_id - 1],
+            )
             cur.execute(f"DELETE FROM events WHERE {where}", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             # In the same writer job: the next append must not reuse the deleted ids.

@@ -98,7 +98,13 @@ class Store(AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, WriterMixin):
         # The last sequence of each thread the writer has numbered (context id -> it):
         # read from the thread's row (plus its pending count) on first use.
         self._last_sequence: dict[int, int] = {}
-        row = _first(self._con.execute("SELECT coalesce(max(id), 0) FROM events"))
+        # Above every event id ever issued, also those of deleted agents' events.
+        row = _first(
+            self._con.execute(
+                "SELECT greatest((SELECT coalesce(max(id), 0) FROM events), (SELECT "
+                "coalesce(max(value), 0) FROM store_state WHERE key = 'event_id_high_water'))"
+            )
+        )
         self._next_event_id = int(row[0]) + 1
         self._next_request_cleanup_us = 0  # the writer removes old request records then
         self._context_ids: dict[ContextKey, int] = {}
