@@ -135,7 +135,7 @@ class ContextReader(Protocol):
 
     def snapshot(self) -> AbstractContextManager[None]:
         """Reads of the calling thread inside the block see one consistent state of the
-        store (a read transaction): a build reads its agent, window, summary and status
+        store, the one its first read saw (a read transaction): a build reads its agent, window, summary and status
         from one snapshot, not from six moments. Never hold it across a slow call."""
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
