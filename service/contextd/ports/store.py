@@ -135,8 +135,9 @@ class ContextReader(Protocol):
 
     def snapshot(self) -> AbstractContextManager[None]:
         """Reads of the calling thread inside the block see one consistent state of the
-        store, the one its first read saw (a read transaction): a build reads its agent, window, summary and status
-        from one snapshot, not from six moments. Never hold it across a slow call."""
+        store, the one its first read saw (a read transaction): a build reads its agent,
+        window, summary and status from one snapshot, not from six moments. Nested blocks
+        join the outer one. Never hold it across a slow call."""
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
         """None while the thread has no messages."""
