@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             serve(settings)
-        except (StoreLocked, StoreUnavailable, OSError) as exc:
-            # a held file, an unreachable database, a taken address
+        except (StoreLocked, StoreUnavailable, OSError, ValueError) as exc:
+            # a held file, an unreachable database, a taken address, a bad TLS file
             print(f"contextd: cannot start: {exc}", file=sys.stderr)
             return 2
         exit_now(0)

@@ -43,6 +43,11 @@ class Settings:
     # postgresql:// URL: a PostgreSQL database shared by any number of replicas.
     store: str = ""
     store_pool_size: int = 16
+    # TLS: PEM files of the server's certificate chain and key (both or neither); with a
+    # client CA, clients must present a certificate it signed (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
     @property
     def uses_postgres(self) -> bool:
@@ -60,6 +65,10 @@ _SERVE_OPTIONS: dict[str, str] = {
     "store": "where contexts are kept: unset (or duckdb) for the embedded DuckDB file in "
     "--data-dir, or a postgresql://user@host:port/db URL shared by several replicas",
     "store_pool_size": "most PostgreSQL connections this server opens (PostgreSQL only)",
+    "tls_cert": "PEM file of the server's certificate chain: serve gRPC over TLS (with --tls-key)",
+    "tls_key": "PEM file of the server's private key (with --tls-cert)",
+    "tls_client_ca": "PEM file of the CA that signs client certificates: require them (mutual "
+    "TLS; needs --tls-cert and --tls-key)",
     "data_dir": "directory of the DuckDB file",
     "max_message_bytes": "largest message accepted, content + tool_calls + metadata",
     "max_batch_messages": "most messages in one AppendMessages call",

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -147,12 +148,42 @@ class RunningServer:
         self.store.close()
 
 
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the PEM files the settings name (None: plaintext).
+
+    Raises ValueError with a one-line reason for a half configuration or a file that
+    cannot be read, before anything is opened: a server meant to encrypt must never fall
+    back to plaintext.
+    """
+    if not (settings.tls_cert or settings.tls_key or settings.tls_client_ca):
+        return None
+    if not (settings.tls_cert and settings.tls_key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+
+    def read(path: str, flag: str) -> bytes:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read {flag} {path}: {exc.strerror}") from exc
+        if b"-----BEGIN " not in data:
+            raise ValueError(f"{flag} {path} is not a PEM file")
+        return data
+
+    cert = read(settings.tls_cert, "--tls-cert")
+    key = read(settings.tls_key, "--tls-key")
+    client_ca = read(settings.tls_client_ca, "--tls-client-ca") if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 def create_server(settings: Settings, clock: MonotonicClock | None = None) -> RunningServer:
     """Build and start a server; port 0 in settings.addr binds a free port (for tests).
 
     `clock` is the server's one clock (commit times, clear markers, window ages, expiry);
     the default follows the wall clock and never goes back. Tests pass a ManualClock.
     """
+    server_credentials(settings)  # a bad TLS configuration fails before anything opens
     store = open_store(settings, clock)
     try:
         summarizer = AnthropicSummarizer(
@@ -194,8 +225,12 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        credentials = server_credentials(settings)
         try:
-            port = server.add_insecure_port(settings.addr)
+            if credentials is None:
+                port = server.add_insecure_port(settings.addr)
+            else:
+                port = server.add_secure_port(settings.addr, credentials)
         except RuntimeError as exc:  # grpcio's way of saying the bind failed
             port = 0
             cause: BaseException | None = exc
@@ -242,6 +277,8 @@ def serve(settings: Settings) -> None:
             "port": running.port,
             "store": "postgresql" if settings.uses_postgres else str(settings.database_path),
             "schema_version": running.store.schema_version(),
+            "tls": bool(settings.tls_cert),
+            "client_certificates": bool(settings.tls_client_ca),
         },
     )
     stopping = threading.Event()
