@@ -43,8 +43,8 @@ def run(sz: Sizes) -> Section:
     from bench.load import populated_stub
     from bench.readpath import populate_thread, service_over
     from contextd.adapters.duckdb.store import Store
-    from contextd.ports.store import ThreadFilter
     from contextd.domain.window import WindowSpec
+    from contextd.ports.store import ThreadFilter
     from contextd.v1 import context_service_pb2 as pb
 
     history = corpus.conversation(WINDOW * (NOISE_THREADS + 1), tools=False)
