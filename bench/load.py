@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -64,19 +66,57 @@ def populated_stub(
         yield stub
 
 
+def _cpu(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+def _tree_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds of process ``pid`` and of each of its descendants, by PID (processes that
+    end while being read are left out)."""
+    out: dict[int, float] = {}
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[proc.pid] = float(times.user + times.system)
+    return out
+
+
+def _tree_cpu_since(pid: int, before: dict[int, float]) -> float:
+    """CPU seconds the tree of ``pid`` used since ``before``: a backend started meanwhile
+    counts whole (it is new), one that ended meanwhile is lost (a pool keeps its
+    connections, so that is rare)."""
+    return sum(t - before.get(p, 0.0) for p, t in _tree_cpu(pid).items())
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank; NaN when there are none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@functools.cache
+def _history(n: int) -> list[corpus.Message]:
+    return corpus.conversation(n, tools=False)
+
+
 def _request(pb: Any, caller: int, batch: int, offset: int) -> Any:
-    history = corpus.conversation(offset + batch, tools=False)[offset:]
+    history = _history(5_000 + batch)[offset : offset + batch]
     return pb.AppendMessagesRequest(
         agent=AGENT,
         thread=f"caller-{caller}",
         messages=messages_pb(pb, history),
         create_agent_if_missing=True,
     )
-
-
-def _cpu(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
 
 
 async def _drive(
@@ -87,6 +127,7 @@ async def _drive(
     warmup: float,
     windows: int,
     window_s: float,
+    store_pid: int | None = None,
 ) -> dict[str, Any]:
     import grpc
 
@@ -99,11 +140,16 @@ async def _drive(
         requests = [_request(pb, k, batch, k * batch % 5_000) for k in range(concurrency)]
         calls = 0
         stop = False
+        measuring = False
+        latencies: list[float] = []
 
         async def caller(request: Any) -> None:
             nonlocal calls
             while not stop:
+                sent = time.perf_counter()
                 response = await stub.AppendMessages(request)
+                if measuring:  # calls that end inside the measured windows
+                    latencies.append(time.perf_counter() - sent)
                 if len(response.receipts) != batch:
                     raise AssertionError(f"{len(response.receipts)} receipts for {batch}")
                 calls += 1
@@ -111,17 +157,31 @@ async def _drive(
         tasks = [asyncio.create_task(caller(r)) for r in requests]
         await asyncio.sleep(warmup)
         rates: list[float] = []
+        store0 = _tree_cpu(store_pid) if store_pid else {}
         cpu0, server0, wall0 = time.process_time(), _cpu(server_pid), time.perf_counter()
+        measuring = True
         for _ in range(windows):
             start_calls, start = calls, time.perf_counter()
             await asyncio.sleep(window_s)
             rates.append((calls - start_calls) / (time.perf_counter() - start))
+        measuring = False
         cpu = time.process_time() - cpu0
         server_cpu = _cpu(server_pid) - server0
         wall = time.perf_counter() - wall0
+        store_cpu = _tree_cpu_since(store_pid, store0) / wall if store_pid else None
         stop = True
         await asyncio.gather(*tasks)
-    return {"calls_per_s": rates, "client_cpu": cpu / wall, "server_cpu": server_cpu / wall}
+    return {
+        "calls_per_s": rates,
+        "client_cpu": cpu / wall,
+        "server_cpu": server_cpu / wall,
+        "store_cpu": store_cpu,
+        "latency_ms": {
+            "p50": _percentile(latencies, 0.50) * 1e3,
+            "p99": _percentile(latencies, 0.99) * 1e3,
+            "samples": len(latencies),
+        },
+    }
 
 
 def child_load(
@@ -132,12 +192,26 @@ def child_load(
     seconds: float,
     windows: int = 3,
     warmup: float = 0.5,
+    store_pid: int | None = None,
 ) -> dict[str, Any]:
     """Drive ``concurrency`` callers for ``seconds`` (split into ``windows`` rate samples).
 
-    Returns the calls/s of each window and the CPU use (1.0 = one core) of this client
-    and of the server process ``server_pid`` over the measured windows.
+    Returns the calls/s of each window, the p50 and p99 latency of the calls that ended
+    in them (ms, as the caller sees it, client queueing included), and the CPU use (1.0 =
+    one core) of this client, of the server process ``server_pid`` and, when given, of
+    the process tree of ``store_pid`` (a PostgreSQL postmaster and its backends) over the
+    measured windows.
     """
     return asyncio.run(
-        _drive(address, server_pid, concurrency, batch, warmup, windows, seconds / windows)
+        _drive(
+            address, server_pid, concurrency, batch, warmup, windows, seconds / windows, store_pid
+        )
     )
+
+
+def child_loads(phases: list[dict[str, Any]], seconds: float, warmup: float = 0.5) -> list[Any]:
+    """:func:`child_load` for each of ``phases`` (its keyword arguments but ``seconds`` and
+    ``warmup``), one after another in this one process: a load phase costs its own
+    duration, not a Python start-up and the imports as well, so servers can be taken in
+    turn load by load without making the quick run slower."""
+    return [child_load(**phase, seconds=seconds, warmup=warmup) for phase in phases]

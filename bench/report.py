@@ -14,6 +14,13 @@ from pathlib import Path
 from bench.model import Section, Target
 
 CHART_NAME = "benchmarks.png"
+ENGINES_NOTE = (
+    " Tables with an engine column set contextd's two storage engines side by side: DuckDB "
+    "rows run on the embedded DuckDB file (the default), PostgreSQL rows on the PostgreSQL "
+    "engine (`CONTEXTD_STORE`) over one PostgreSQL server started for the run on this same "
+    "machine (version in the machine table), with a fresh database per benchmark. "
+    "Tables without one measure contextd on DuckDB."
+)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -52,7 +59,8 @@ def markdown(
         "Correctness is checked on every run (equal token counts, identical kept messages); "
         "timings never fail the run. On this two-vCPU VM, repeated full runs moved the "
         "two-core and gRPC figures by up to about 30% and the single-core ones by about 10%, "
-        "so a target within that margin of its threshold could flip either way.",
+        "so a target within that margin of its threshold could flip either way."
+        + (ENGINES_NOTE if any("engine" in s.headers for s in sections) else ""),
         "",
         "## Machine",
         "",

@@ -57,10 +57,14 @@ def _start(
     raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-3000:]}")
 
 
-def start_contextd(data_dir: Path, workers: int = 32) -> ServerProcess:
-    """``python -m contextd serve`` on a free loopback port over ``data_dir``."""
+def start_contextd(data_dir: Path, workers: int = 32, store: str = "") -> ServerProcess:
+    """``python -m contextd serve`` on a free loopback port over ``data_dir`` (its DuckDB
+    file), or over the PostgreSQL database ``store`` names (a postgresql:// URL). The log
+    goes next to ``data_dir``. ``store`` is always set, so that a CONTEXTD_STORE in the
+    caller's environment cannot turn a DuckDB row into a PostgreSQL one."""
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {
+        "CONTEXTD_STORE": store,
         "CONTEXTD_DATA_DIR": str(data_dir),
         "CONTEXTD_ADDR": "127.0.0.1:0",
         "CONTEXTD_LOG_FORMAT": "json",

@@ -40,6 +40,24 @@ def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float
     return statistics.median(samples)
 
 
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds of each of ``fns`` over ``repeat`` rounds that call each once in
+    turn (after ``warmup`` such rounds, discarded): when two engines are compared, a slow
+    spell of a shared machine then falls on both rather than on whichever ran during it."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, repeat)):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
