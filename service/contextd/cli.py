@@ -12,6 +12,7 @@ from typing import NoReturn
 from contextd import __version__
 from contextd.config import add_serve_arguments, settings_from_args
 from contextd.domain.errors import StoreLocked, StoreUnavailable
+from contextd.keys_cli import add_key_commands, run_key_command
 from contextd.logs import configure
 
 
@@ -23,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="run the gRPC server")
     add_serve_arguments(serve_parser)
+    add_key_commands(commands)
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        return run_key_command(args)
 
     if args.command == "serve":
         settings = settings_from_args(args)

@@ -48,6 +48,9 @@ class Settings:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    # Serve without API keys on a non-loopback address (anyone who can reach it is the
+    # tenant "default" with every role): only behind something that authenticates.
+    insecure: bool = False
 
     @property
     def uses_postgres(self) -> bool:
@@ -78,6 +81,8 @@ _SERVE_OPTIONS: dict[str, str] = {
     "answered UNAVAILABLE (STORE_BUSY)",
     "store_memory_limit": "DuckDB's memory limit, e.g. 2GB (unset: DuckDB's default, 80%% of "
     "the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
+    "insecure": "allow serving without API keys on a non-loopback address (every caller is "
+    "the default tenant, with every role)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -141,6 +146,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         env = f"CONTEXTD_{name.upper()}"
         default = getattr(defaults, name)
         kind: Callable[[str], object] = str
+        if isinstance(default, bool):
+            parser.add_argument(
+                f"--{name.replace('_', '-')}",
+                action="store_true",
+                default=os.environ.get(env, "").lower() in ("1", "true", "yes"),
+                help=f"{help_text} (env {env}=1)",
+            )
+            continue
         if name == "log_level":
             kind = str.upper
         elif name == "store_memory_limit":

@@ -14,6 +14,7 @@ and while the store's writer is stuck on one job for longer than the write timeo
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -30,7 +31,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from contextd.adapters.open import open_store
+from contextd.api.auth import AuthInterceptor
 from contextd.api.errors import ErrorMappingInterceptor
+from contextd.api.key_servicer import KeyServicer
 from contextd.api.servicer import ContextServicer
 from contextd.app.build.summarizer import AnthropicConfig, AnthropicSummarizer
 from contextd.app.paging import PageTokens
@@ -41,10 +44,13 @@ from contextd.domain.errors import Unavailable
 from contextd.ports.store import Store
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
+from contextd.v1 import key_service_pb2 as kpb
+from contextd.v1 import key_service_pb2_grpc as kpb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextService"].full_name
+KEY_SERVICE_NAME = kpb.DESCRIPTOR.services_by_name["KeyService"].full_name
 MAX_REQUEST_BYTES = 256 << 20
 # How long a client refused during shutdown is told to wait before retrying (elsewhere).
 SHUTDOWN_RETRY_AFTER_S = 1.0
@@ -148,6 +154,17 @@ class RunningServer:
         self.store.close()
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether `addr` (host:port) listens on a loopback address only."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     """TLS credentials from the PEM files the settings name (None: plaintext).
 
@@ -207,23 +224,36 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"
         )
         admission = Admission()
+        exposed = not is_loopback(settings.addr) and not settings.insecure
+        if exposed and not store.any_active_key():
+            raise OSError(
+                f"refusing to serve {settings.addr} without API keys: anyone who can "
+                "reach it would read every context. Create a key first (`contextd keys "
+                "create --direct`), listen on a loopback address, or pass --insecure"
+            )
         server = grpc.server(
             workers,
-            # The error mapping wraps the admission check, so a refusal gets its details.
-            interceptors=[ErrorMappingInterceptor(), admission],
+            # The error mapping wraps the others, so every refusal gets its details; the
+            # key is checked before the call is admitted.
+            interceptors=[ErrorMappingInterceptor(), AuthInterceptor(service), admission],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
                 ("grpc.so_reuseport", 0),
             ],
         )
+        servicer = ContextServicer(service)
         pb_grpc.add_ContextServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            ContextServicer(service), server
+            servicer, server
+        )
+        kpb_grpc.add_KeyServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            KeyServicer(service, servicer), server
         )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            (SERVICE_NAME, KEY_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server,
         )
         credentials = server_credentials(settings)
         try:

@@ -77,7 +77,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             encode=_unset_encoder,
         )
 
-    def _idempotent(
+    def idempotent(
         self,
         request: Message,
         context: grpc.ServicerContext,
@@ -107,7 +107,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.CreateAgentRequest, context: grpc.ServicerContext
     ) -> pb.CreateAgentResponse:
         tenant, settings = caller_tenant(context), settings_of(request.agent)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.CreateAgentResponse,
@@ -127,7 +127,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     ) -> pb.UpdateAgentResponse:
         paths = list(request.update_mask.paths) or present_fields(request.agent)
         tenant, settings = caller_tenant(context), settings_of(request.agent)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.UpdateAgentResponse,
@@ -151,7 +151,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.DeleteAgentRequest, context: grpc.ServicerContext
     ) -> pb.DeleteAgentResponse:
         tenant = caller_tenant(context)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.DeleteAgentResponse,
@@ -164,7 +164,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     ) -> pb.AppendMessagesResponse:
         messages = [new_message_of(m, i) for i, m in enumerate(request.messages)]
         tenant, scope = caller_tenant(context), scope_of(request.scope)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.AppendMessagesResponse,
@@ -202,7 +202,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ClearContextRequest, context: grpc.ServicerContext
     ) -> pb.ClearContextResponse:
         tenant, scope = caller_tenant(context), scope_of(request.scope)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.ClearContextResponse,
@@ -277,7 +277,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     ) -> pb.SetStatusResponse:
         tenant, scope, entry = caller_tenant(context), scope_of(request.scope), request.entry
         ttl = micros(request.ttl, "ttl") if request.HasField("ttl") else None
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.SetStatusResponse,
@@ -306,7 +306,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         self, request: pb.ClearStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClearStatusResponse:
         tenant, scope = caller_tenant(context), scope_of(request.scope)
-        return self._idempotent(
+        return self.idempotent(
             request,
             context,
             pb.ClearStatusResponse,

@@ -18,6 +18,7 @@ class Code(Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAVAILABLE = "UNAVAILABLE"
     ABORTED = "ABORTED"
 
@@ -77,6 +78,20 @@ class Aborted(ContextdError):
 
     code = Code.ABORTED
     default_reason = "ETAG_MISMATCH"
+
+
+class Unauthenticated(ContextdError):
+    """No valid API key came with a call that needs one."""
+
+    code = Code.UNAUTHENTICATED
+    default_reason = "API_KEY_INVALID"
+
+
+class PermissionDenied(ContextdError):
+    """The caller's key lacks the role the call needs."""
+
+    code = Code.PERMISSION_DENIED
+    default_reason = "ROLE_TOO_LOW"
 
 
 class Unavailable(ContextdError):

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
+from contextd.domain.access import ApiKey
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.context import StatusEntry, ThreadActivity
 from contextd.domain.idempotency import Remembered, RequestRecord
@@ -235,12 +236,35 @@ class EventStore(Protocol):
     ) -> list[Event]: ...
 
 
+class KeyStore(Protocol):
+    """API keys (see contextd.domain.access): only hashes of their secrets are kept."""
+
+    def create_key(
+        self, key: ApiKey, secret_hash: str, record: RequestRecord | None = None
+    ) -> ApiKey: ...
+
+    def find_key(self, key_id: str) -> tuple[ApiKey, str] | None:
+        """The key and its secret's hash, revoked or not."""
+
+    def list_keys(
+        self, tenant: str, after_key_id: str | None, limit: int, include_revoked: bool
+    ) -> list[ApiKey]:
+        """The tenant's keys by key id."""
+
+    def revoke_key(self, tenant: str, key_id: str, record: RequestRecord | None = None) -> ApiKey:
+        """KEY_NOT_FOUND unless the tenant has this key; revoking twice keeps the first time."""
+
+    def any_active_key(self) -> bool:
+        """Whether any tenant has an active key (then every call needs one)."""
+
+
 class RequestLog(Protocol):
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
         """The recorded request of this id (the fast path of a retry)."""
 
 
 class Store(
+    KeyStore,
     AgentStore,
     MessageStore,
     ContextReader,

@@ -235,4 +235,22 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
         ],
     ),
+    (
+        11,
+        [
+            # API keys: the hash of each secret, never the secret (see domain/access.py).
+            # (Version 10 is the snapshots'.)
+            """
+            CREATE TABLE api_keys (
+                key_id VARCHAR NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                role UTINYINT NOT NULL,
+                name VARCHAR NOT NULL,
+                secret_hash VARCHAR NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                revoke_time_us BIGINT
+            )
+            """,
+        ],
+    ),
 ]

@@ -24,6 +24,7 @@ from typing import Any
 
 import duckdb
 
+from contextd.adapters.duckdb.access import AccessMixin
 from contextd.adapters.duckdb.agents import AgentsMixin
 from contextd.adapters.duckdb.base import (
     _STOP,
@@ -50,7 +51,7 @@ from contextd.domain.model import (
 
 
 @_failures_translated
-class Store(AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, WriterMixin):
+class Store(AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, WriterMixin):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 
     Failure modes: every call that waits for the writer waits at most `write_timeout_s`

@@ -157,6 +157,26 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE SEQUENCE event_ids",
         ],
     ),
+    (
+        3,
+        [
+            # API keys (see domain/access.py): looked up by key id on every call, so keyed
+            # by it alone: a small table a Citus deployment keeps as a reference table.
+            # (Version 2 is the snapshots'.)
+            """
+            CREATE TABLE api_keys (
+                key_id text NOT NULL PRIMARY KEY,
+                tenant text NOT NULL,
+                role smallint NOT NULL,
+                name text NOT NULL,
+                secret_hash text NOT NULL,
+                create_time_us bigint NOT NULL,
+                revoke_time_us bigint
+            )
+            """,
+            "CREATE INDEX api_keys_by_tenant ON api_keys (tenant, key_id)",
+        ],
+    ),
 ]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import psycopg
 import psycopg_pool
 
+from contextd.adapters.postgres.access import AccessMixin
 from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
 from contextd.adapters.postgres.messages import MessagesMixin
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 @failures_translated
-class PostgresStore(AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin):
+class PostgresStore(AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
     def __init__(self, pool: psycopg_pool.ConnectionPool[Conn], clock: MonotonicClock) -> None:

@@ -1,0 +1,133 @@
+"""Authentication and roles at the edge: every call's key is checked before its handler.
+
+The interceptor reads `authorization: Bearer <key>`, asks the use case who that is
+(`KeyCalls.authenticate`), checks the role the method needs, and records the caller for
+the handler (`api.tenant`). Health and reflection need no key (load balancers and grpcurl
+use them; they reveal nothing of any tenant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from contextd.api.tenant import reset_caller, set_caller
+from contextd.app.keys import KeyCalls
+from contextd.domain.access import KeyRole
+from contextd.domain.errors import PermissionDenied, Unauthenticated
+
+# The role each method of contextd.v1 needs; a method not listed needs ADMIN, so a new
+# RPC is closed until someone decides otherwise.
+_READ_METHODS = {
+    "GetAgent",
+    "ListAgents",
+    "ListMessages",
+    "ListThreads",
+    "GetContextStats",
+    "BuildContext",
+    "ListStatus",
+    "ListEvents",
+}
+_WRITE_METHODS = {
+    "CreateAgent",
+    "UpdateAgent",
+    "DeleteAgent",
+    "AppendMessages",
+    "ClearContext",
+    "CompactContext",
+    "SetStatus",
+    "ClearStatus",
+}
+_OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def required_role(method: str) -> KeyRole | None:
+    """The role `method` ("/package.Service/Method") needs; None: no key needed."""
+    if method.startswith(_OPEN_SERVICES):
+        return None
+    name = method.rsplit("/", 1)[-1]
+    if method.startswith("/contextd.v1.ContextService/"):
+        if name in _READ_METHODS:
+            return KeyRole.READ
+        if name in _WRITE_METHODS:
+            return KeyRole.WRITE
+    return KeyRole.ADMIN
+
+
+def _bearer(context: grpc.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            text = value if isinstance(value, str) else value.decode(errors="replace")
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise Unauthenticated("the authorization metadata must be `Bearer <key>`")
+            return token.strip()
+    return None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Authenticates every call of contextd's services (unary handlers: all of them)."""
+
+    def __init__(self, keys: KeyCalls) -> None:
+        self._keys = keys
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        needed = required_role(handler_call_details.method)
+        if handler is None or needed is None:
+            return handler
+
+        def admitted(context: grpc.ServicerContext) -> object:
+            """Authenticate, check the role, record the caller; returns the reset token."""
+            caller = self._keys.authenticate(_bearer(context))
+            if caller.role < needed:
+                raise PermissionDenied(
+                    f"this call needs a key with the {needed.name.lower()} role; this key "
+                    f"has {caller.role.name.lower()}",
+                    reason="ROLE_TOO_LOW",
+                )
+            return set_caller(caller)
+
+        def guarded(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
+            def handle(request: Any, context: grpc.ServicerContext) -> Any:
+                token = admitted(context)
+                try:
+                    result = behavior(request, context)
+                except BaseException:
+                    reset_caller(token)
+                    raise
+                if isinstance(result, Iterator):  # a response stream: keep the caller
+                    return _streaming(result, token)
+                reset_caller(token)
+                return result
+
+            return handle
+
+        # Every handler shape is guarded (fail closed): a streaming RPC added later is
+        # authenticated like the others.
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(guarded(handler.unary_unary), **kwargs)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(guarded(handler.unary_stream), **kwargs)
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(guarded(handler.stream_unary), **kwargs)
+        assert handler.stream_stream is not None
+        return grpc.stream_stream_rpc_method_handler(guarded(handler.stream_stream), **kwargs)
+
+
+def _streaming(responses: Iterator[Any], token: object) -> Iterator[Any]:
+    """Yield a handler's responses with its caller recorded, then forget the caller."""
+    try:
+        yield from responses
+    finally:
+        reset_caller(token)

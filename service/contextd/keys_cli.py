@@ -1,0 +1,203 @@
+"""`contextd keys create|list|revoke`: API keys from the command line.
+
+Over gRPC by default (`--server`, `--api-key`, or CONTEXTD_SERVER / CONTEXTD_API_KEY): an
+admin key manages its own tenant's keys, and while a server has no key at all its local
+operator may create the first one for any tenant. With `--direct` the command opens the
+store itself (`--store`/`--data-dir`, as `serve` does): for an operator creating a key in
+a new tenant; on the embedded engine only while no server holds the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import grpc
+
+from contextd.config import DEFAULT_ADDR, DEFAULT_DATA_DIR, Settings
+from contextd.domain.access import ApiKey, KeyRole, check_key_name, new_secret
+from contextd.domain.errors import ContextdError, StoreLocked
+from contextd.domain.model import DEFAULT_TENANT
+from contextd.domain.validation import check_name
+
+_ROLES = {"read": KeyRole.READ, "write": KeyRole.WRITE, "admin": KeyRole.ADMIN}
+_EXAMPLES = {
+    "create": "contextd keys create --tenant acme --role write --name ci-bot",
+    "list": "contextd keys list --api-key $ADMIN_KEY",
+    "revoke": "contextd keys revoke 3f2a9c0d1e4b5a69 --api-key $ADMIN_KEY",
+}
+
+
+def add_key_commands(commands: Any) -> None:
+    keys = commands.add_parser("keys", help="create, list and revoke API keys")
+    verbs = keys.add_subparsers(dest="verb", required=True)
+    for verb, help_text in (
+        ("create", "create a key; its secret is printed once"),
+        ("list", "list the keys of your tenant"),
+        ("revoke", "revoke a key of your tenant"),
+    ):
+        sub = verbs.add_parser(
+            verb,
+            help=help_text,
+            description=help_text,
+            epilog=f"example: {_EXAMPLES[verb]}",
+        )
+        sub.add_argument(
+            "--server",
+            default=os.environ.get("CONTEXTD_SERVER", DEFAULT_ADDR),
+            help="host:port of the server (env CONTEXTD_SERVER; default %(default)s)",
+        )
+        sub.add_argument(
+            "--api-key",
+            default=os.environ.get("CONTEXTD_API_KEY"),
+            help="an admin key (env CONTEXTD_API_KEY); none for a server without keys",
+        )
+        sub.add_argument(
+            "--direct",
+            action="store_true",
+            help="open the store instead of calling a server (operators; see --store)",
+        )
+        sub.add_argument("--store", default=os.environ.get("CONTEXTD_STORE", ""))
+        sub.add_argument(
+            "--data-dir", default=os.environ.get("CONTEXTD_DATA_DIR", DEFAULT_DATA_DIR)
+        )
+        sub.add_argument("--json", action="store_true", help="print JSON for scripts")
+        if verb == "create":
+            sub.add_argument("--tenant", default="", help="the key's tenant (default: yours)")
+            sub.add_argument("--role", choices=sorted(_ROLES), required=True)
+            sub.add_argument("--name", default="", help="a label for people")
+        elif verb == "list":
+            sub.add_argument("--include-revoked", action="store_true")
+        else:
+            sub.add_argument("key_id", help="the id of the key to revoke")
+
+
+def _key_json(key: ApiKey) -> dict[str, Any]:
+    return {
+        "key_id": key.key_id,
+        "tenant": key.tenant,
+        "role": key.role.name.lower(),
+        "name": key.name,
+        "create_time_us": key.create_time_us,
+        "revoke_time_us": key.revoke_time_us,
+    }
+
+
+def _print_keys(keys: list[ApiKey], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([_key_json(k) for k in keys]))
+        return
+    print(f"{'KEY ID':<18}{'TENANT':<24}{'ROLE':<8}{'STATE':<9}NAME")
+    for k in keys:
+        state = "active" if k.active else "revoked"
+        print(f"{k.key_id:<18}{k.tenant:<24}{k.role.name.lower():<8}{state:<9}{k.name}")
+
+
+def _direct(args: argparse.Namespace) -> int:
+    from contextd.adapters.open import open_store
+
+    settings = Settings(data_dir=__import__("pathlib").Path(args.data_dir), store=args.store)
+    store = open_store(settings)
+    try:
+        if args.verb == "create":
+            tenant = check_name(args.tenant, "tenant") if args.tenant else DEFAULT_TENANT
+            key_id, token, hashed = new_secret()
+            key = store.create_key(
+                ApiKey(key_id, tenant, _ROLES[args.role], check_key_name(args.name), 0), hashed
+            )
+            _print_created(key, token, args.json)
+        elif args.verb == "list":
+            tenant = DEFAULT_TENANT
+            _print_keys(store.list_keys(tenant, None, 10_000, args.include_revoked), args.json)
+        else:
+            _print_keys([store.revoke_key(DEFAULT_TENANT, args.key_id)], args.json)
+    finally:
+        store.close()
+    return 0
+
+
+def _print_created(key: ApiKey, token: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({**_key_json(key), "secret": token}))
+        return
+    print(f"created key {key.key_id} (tenant {key.tenant}, role {key.role.name.lower()})")
+    print("its secret, shown only now; send it as `authorization: Bearer <secret>`:")
+    print(token)
+
+
+def _over_grpc(args: argparse.Namespace) -> int:
+    import uuid
+
+    from contextd.api.key_servicer import role_of
+    from contextd.v1 import key_service_pb2 as kpb
+    from contextd.v1 import key_service_pb2_grpc as kpb_grpc
+
+    def key_of(pb_key: Any) -> ApiKey:
+        revoked = pb_key.revoke_time.ToMicroseconds() if pb_key.HasField("revoke_time") else None
+        return ApiKey(
+            pb_key.key_id,
+            pb_key.tenant,
+            role_of(pb_key.role),
+            pb_key.name,
+            pb_key.create_time.ToMicroseconds(),
+            revoked,
+        )
+
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    with grpc.insecure_channel(args.server) as channel:
+        stub = kpb_grpc.KeyServiceStub(channel)  # type: ignore[no-untyped-call]
+        if args.verb == "create":
+            created = stub.CreateKey(
+                kpb.CreateKeyRequest(
+                    tenant=args.tenant,
+                    role=int(_ROLES[args.role]),  # type: ignore[arg-type]
+                    name=args.name,
+                    request_id=str(uuid.uuid4()),
+                ),
+                metadata=metadata,
+                timeout=30,
+            )
+            _print_created(key_of(created.key), created.secret, args.json)
+        elif args.verb == "list":
+            keys: list[ApiKey] = []
+            token = ""
+            while True:
+                page = stub.ListKeys(
+                    kpb.ListKeysRequest(
+                        page_token=token, include_revoked=args.include_revoked, page_size=1000
+                    ),
+                    metadata=metadata,
+                    timeout=30,
+                )
+                keys += [key_of(k) for k in page.keys]
+                token = page.next_page_token
+                if not token:
+                    break
+            _print_keys(keys, args.json)
+        else:
+            revoked = stub.RevokeKey(
+                kpb.RevokeKeyRequest(key_id=args.key_id, request_id=str(uuid.uuid4())),
+                metadata=metadata,
+                timeout=30,
+            )
+            _print_keys([key_of(revoked.key)], args.json)
+    return 0
+
+
+def run_key_command(args: argparse.Namespace) -> int:
+    """Run a `keys` verb; errors are one line on stderr and exit status 1 (2 for usage)."""
+    try:
+        return _direct(args) if args.direct else _over_grpc(args)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            details = f"cannot reach the server at {args.server} ({details})"
+        print(f"contextd keys {args.verb}: {details}", file=sys.stderr)
+        return 1
+    except (ContextdError, StoreLocked) as exc:
+        print(f"contextd keys {args.verb}: {exc}", file=sys.stderr)
+        return 1
