@@ -60,6 +60,16 @@ def window_predicate(window: WindowSpec, thread_alias: str | None = "t") -> tupl
     return sql, [*params, window.age_after_us]
 
 
+# The columns `window_columns` reads, with the function that encodes each as binary.
+_NARROW_COLUMNS = (
+    ("int8send", "id"),
+    ("int2send", "role"),
+    ("int4send", "token_count"),
+    ("int4send", "chars"),
+    ("int8send", "group_id"),
+    ("int8send", "sequence"),
+)
+
 _LOCK_THREAD = (
     "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
@@ -305,23 +315,34 @@ class MessagesMixin(PostgresBase):
         return ContextRef(int(row[0]), row[1], int(row[2]), key) if row else None
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
+        """The window's narrow columns as one row of six binary arrays (PostgreSQL's
+        big-endian `*send` encodings, aggregated in sequence order over the primary
+        key's range), so no Python object is made per message: each array becomes a
+        NumPy column with one byte swap."""
         predicate, params = window_predicate(window, None)
         with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT id, role, token_count, chars, group_id, sequence FROM messages m "
-                f"WHERE tenant = %s AND context_id = %s AND {predicate} AND NOT is_summary "
-                "ORDER BY sequence",
+            row = first(
+                conn,
+                "SELECT "
+                + ", ".join(
+                    f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence), "
+                    "''::bytea)"
+                    for send, column in _NARROW_COLUMNS
+                )
+                + " FROM messages m "
+                f"WHERE tenant = %s AND context_id = %s AND {predicate} AND NOT is_summary",
                 [_tenant(context), context.context_id, *params],
-            ).fetchall()
-        columns = list(zip(*rows, strict=True)) if rows else [()] * 6
+            )
+        assert row is not None
+        ids, roles, tokens, chars, groups, sequences = (bytes(v) for v in row)
         return pa.table(
             {
-                "id": pa.array(np.asarray(columns[0], dtype=np.int64)),
-                "role": pa.array(np.asarray(columns[1], dtype=np.uint8)),
-                "token_count": pa.array(np.asarray(columns[2], dtype=np.uint64)),
-                "chars": pa.array(np.asarray(columns[3], dtype=np.uint64)),
-                "group_id": pa.array(np.asarray(columns[4], dtype=np.int64)),
-                "sequence": pa.array(np.asarray(columns[5], dtype=np.int64)),
+                "id": pa.array(np.frombuffer(ids, ">i8").astype(np.int64)),
+                "role": pa.array(np.frombuffer(roles, ">i2").astype(np.uint8)),
+                "token_count": pa.array(np.frombuffer(tokens, ">i4").astype(np.uint64)),
+                "chars": pa.array(np.frombuffer(chars, ">i4").astype(np.uint64)),
+                "group_id": pa.array(np.frombuffer(groups, ">i8").astype(np.int64)),
+                "sequence": pa.array(np.frombuffer(sequences, ">i8").astype(np.int64)),
             }
         )
 
