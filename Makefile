@@ -45,13 +45,16 @@ $(STAMPS)/rust: $(STAMPS)/deps $(RUST_SOURCES)
 	  $(VENV)/bin/maturin develop --release --quiet
 	@touch $@
 
-$(STAMPS)/proto: $(STAMPS)/deps $(PROTO_FILES)
+# The server's code (contextd.v1), and the client's development copy (contextd_client.v1,
+# in client/src; client/codegen.py says why it is the same descriptors under another name).
+$(STAMPS)/proto: $(STAMPS)/deps $(PROTO_FILES) client/codegen.py
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=service --grpc_python_out=service \
 	  --pyi_out=service $(PROTO_FILES)
+	$(PY) client/codegen.py client/src
 	@touch $@
 
 .PHONY: proto
-proto: $(STAMPS)/proto ## Generate the gRPC code from proto/ into service/contextd/v1/
+proto: $(STAMPS)/proto ## Generate the gRPC code from proto/ into service/contextd/v1/ and client/src/
 
 .PHONY: build
 build: $(STAMPS)/rust $(STAMPS)/proto ## Set up everything `run` needs (venv, deps, release Rust build, gRPC code)
@@ -93,9 +96,10 @@ BUF_BASELINE ?= v1-contract
 
 .PHONY: lint
 lint: build $(STAMPS)/bench-deps ## ruff, mypy (+ stubtest of the Rust stub), buf lint and breaking, cargo fmt/clippy
-	$(VENV)/bin/ruff check service tests bench build_backend
-	$(VENV)/bin/ruff format --check service tests bench build_backend
+	$(VENV)/bin/ruff check service tests bench build_backend client
+	$(VENV)/bin/ruff format --check service tests bench build_backend client
 	$(VENV)/bin/mypy
+	cd client && $(abspath $(VENV))/bin/mypy
 	$(VENV)/bin/mypy bench
 	$(VENV)/bin/mypy build_backend
 	$(VENV)/bin/mypy tests
@@ -123,15 +127,28 @@ check-install: ## Build an sdist and a wheel, install in a fresh venv, start and
 	"$$tmp/venv/bin/pip" install --quiet "$$tmp"/dist/*.whl; \
 	"$$tmp/venv/bin/python" -I $(CURDIR)/build_backend/check_install.py
 
+# contextd-client, the pure-Python client package (client/). Its setup.py generates the gRPC
+# code from proto/ into the build directory while building (client/codegen.py), so nothing
+# generated is committed or copied by hand. --no-build-isolation builds with this venv's
+# setuptools and grpcio-tools (dev dependencies; codegen.py checks the generated code's
+# version floors), so the build needs no network; `pip wheel ./client` without it works too.
+.PHONY: client
+client: $(STAMPS)/deps ## Build the Python client's wheel into dist/ (contextd_client-*.whl)
+	rm -rf client/build
+	$(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir dist ./client
+	rm -rf client/build client/src/*.egg-info
+	@ls dist/contextd_client-*.whl
+
 .PHONY: fmt
 fmt: $(STAMPS)/deps ## Format Python and Rust code
-	$(VENV)/bin/ruff format service tests bench build_backend
-	$(VENV)/bin/ruff check --fix service tests bench build_backend
+	$(VENV)/bin/ruff format service tests bench build_backend client
+	$(VENV)/bin/ruff check --fix service tests bench build_backend client
 	cd rust_core && cargo fmt
 
 .PHONY: clean
 clean: ## Remove the venv, builds, generated code and stamps (keeps ./data)
 	rm -rf $(VENV) $(STAMPS) rust_core/target target .pytest_cache .mypy_cache .ruff_cache
-	find service -name '*_pb2*.py*' -delete
+	rm -rf dist client/build client/src/*.egg-info
+	find service client/src -name '*_pb2*.py*' -delete
 	find service -name '_core*.so' -delete
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -9,6 +9,7 @@ restarts, signals and kill -9.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -32,6 +33,26 @@ from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 from postgres_server import PostgresServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Generate the client package's gRPC code (client/src/contextd_client/v1, git-ignored,
+    as `make proto` does) when it is missing or older than proto/ or its generator:
+    tests/test_client.py imports it next to the server's, and a copy generated from another
+    version of the proto would not load beside the server's descriptors."""
+    generated = ROOT / "client/src/contextd_client/v1/context_service_pb2.py"
+    sources = [*ROOT.glob("proto/contextd/v1/*.proto"), ROOT / "client/codegen.py"]
+    newest = max(p.stat().st_mtime for p in sources)
+    if generated.exists() and generated.stat().st_mtime >= newest:
+        return
+    spec = importlib.util.spec_from_file_location("contextd_client_codegen", sources[-1])
+    assert spec is not None and spec.loader is not None
+    codegen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codegen)
+    codegen.generate(ROOT / "client/src")
+
 
 USER = pb.ROLE_USER
 ASSISTANT = pb.ROLE_ASSISTANT
