@@ -55,6 +55,7 @@ from contextd_client import (
     RetryPolicy,
     Role,
     StatusKind,
+    Unauthenticated,
     Unavailable,
 )
 from contextd_client.v1 import context_service_pb2 as client_pb
@@ -474,8 +475,13 @@ def test_the_api_key_goes_on_the_wire_as_a_bearer_token(server: InProcessServer)
             anonymous.get_agent(name="a1")
     assert seen[0]["authorization"] == "Bearer sk-1"
     assert "authorization" not in seen[1]
-    with Client(server.client.address, api_key="sk-1") as keyed:  # today's server ignores it
-        assert keyed.create_agent(name="a1").name == "a1"
+    # contextd checks it: a key it never issued is UNAUTHENTICATED, with its reason.
+    with (
+        Client(server.client.address, api_key="sk-1") as keyed,
+        pytest.raises(Unauthenticated) as refused,
+    ):
+        keyed.create_agent(name="a1")
+    assert refused.value.reason == "API_KEY_INVALID"
 
 
 def test_tls(tmp_path: Path, pki: Pki) -> None:  # noqa: F811  (the fixture imported above)
