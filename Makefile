@@ -56,8 +56,14 @@ $(STAMPS)/proto: $(STAMPS)/deps $(PROTO_FILES) client/codegen.py
 .PHONY: proto
 proto: $(STAMPS)/proto ## Generate the gRPC code from proto/ into service/contextd/v1/ and client/src/
 
+# The client package, installed editable (its stubs are the development copy `make proto`
+# writes into client/src): the command line's client verbs and the tests import it.
+$(STAMPS)/client-dev: $(STAMPS)/proto client/pyproject.toml client/setup.py
+	$(PIP) install --quiet --no-deps --no-build-isolation -e ./client
+	@touch $@
+
 .PHONY: build
-build: $(STAMPS)/rust $(STAMPS)/proto ## Set up everything `run` needs (venv, deps, release Rust build, gRPC code)
+build: $(STAMPS)/rust $(STAMPS)/proto $(STAMPS)/client-dev ## Set up everything `run` needs (venv, deps, release Rust build, gRPC code)
 
 .PHONY: run
 run: build ## Start the server on $CONTEXTD_ADDR with its DuckDB file in $CONTEXTD_DATA_DIR

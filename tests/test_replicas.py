@@ -375,9 +375,7 @@ def test_replicas_starting_together_migrate_once(
             assert not any(f.done() for f in starting)  # neither serves before migrating
             conn.execute("SELECT pg_advisory_unlock(%s)", [MIGRATION_LOCK])
             a, b = (f.result(timeout=60) for f in starting)
-        versions = conn.execute(
-            "SELECT version FROM schema_migrations ORDER BY version"
-        ).fetchall()
+        versions = conn.execute("SELECT version FROM schema_migrations ORDER BY version").fetchall()
     assert versions == [(version,) for version, _ in MIGRATIONS]  # each applied once
     assert sum("migrated schema" in p.log() for p in procs) == 1
     a.append("a1", "through a")

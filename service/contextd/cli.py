@@ -1,5 +1,6 @@
-"""The `contextd` command. `contextd serve` runs the server; more subcommands will mirror
-chat-style slash commands (clear, save, history, restore) as their RPCs arrive."""
+"""The `contextd` command: `contextd serve` runs the server; `contextd keys` manages API
+keys; `context`, `settings`, `messages`, `agents` and `build` are the client verbs (see
+contextd.commands), which mirror an agent's chat-style commands over gRPC."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from typing import NoReturn
 
 from contextd import __version__
+from contextd.commands import CLIENT_COMMANDS, add_client_commands, run_client_command
 from contextd.config import add_serve_arguments, settings_from_args
 from contextd.domain.errors import StoreLocked, StoreUnavailable
 from contextd.keys_cli import add_key_commands, run_key_command
@@ -25,9 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser = commands.add_parser("serve", help="run the gRPC server")
     add_serve_arguments(serve_parser)
     add_key_commands(commands)
+    add_client_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "keys":
         return run_key_command(args)
+    if args.command in CLIENT_COMMANDS:
+        return run_client_command(args)
 
     if args.command == "serve":
         settings = settings_from_args(args)
