@@ -27,6 +27,8 @@ class Settings:
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     max_message_bytes: int = 1 << 20
     max_batch_messages: int = 10_000
+    snapshot_max_messages: int = 10_000
+    snapshot_max_bytes: int = 16 << 20
     max_group_rows: int = 50_000
     delete_chunk_rows: int = 5_000
     workers: int = 32
@@ -60,9 +62,12 @@ _SERVE_OPTIONS: dict[str, str] = {
     "store": "where contexts are kept: unset (or duckdb) for the embedded DuckDB file in "
     "--data-dir, or a postgresql://user@host:port/db URL shared by several replicas",
     "store_pool_size": "most PostgreSQL connections this server opens (PostgreSQL only)",
-    "data_dir": "directory of the DuckDB file",
+    "data_dir": "directory of the DuckDB file and of snapshot documents",
     "max_message_bytes": "largest message accepted, content + tool_calls + metadata",
     "max_batch_messages": "most messages in one AppendMessages call",
+    "snapshot_max_messages": "most messages a SaveSnapshot keeps (more is RESOURCE_EXHAUSTED)",
+    "snapshot_max_bytes": "most bytes (content + tool_calls + metadata) a SaveSnapshot keeps "
+    "(more is RESOURCE_EXHAUSTED)",
     "workers": "gRPC handler threads",
     "grace_seconds": "how long shutdown waits for calls in flight",
     "write_timeout_seconds": "how long a call waits for the store's writer before it is "

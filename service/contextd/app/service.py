@@ -12,6 +12,7 @@ from contextd.app.base import MessagePage
 from contextd.app.building import BuildCalls
 from contextd.app.events import EventCalls
 from contextd.app.messages import MessageCalls
+from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
 from contextd.domain.limits import Limits, check_overrides
@@ -19,5 +20,7 @@ from contextd.domain.limits import Limits, check_overrides
 __all__ = ["ContextService", "Limits", "MessagePage", "check_overrides"]
 
 
-class ContextService(AgentCalls, MessageCalls, ThreadCalls, StatusCalls, EventCalls, BuildCalls):
+class ContextService(
+    AgentCalls, MessageCalls, ThreadCalls, StatusCalls, EventCalls, BuildCalls, SnapshotCalls
+):
     """Every call of the API (see the mixins for each group)."""
