@@ -805,6 +805,21 @@ def test_a_corrupt_document_is_data_loss_and_restores_nothing(svc: Service) -> N
             code, reason, _, message = _failure(call)
             assert (code, reason) == (grpc.StatusCode.DATA_LOSS, "SNAPSHOT_UNREADABLE")
             assert snap.id in message and words in message
+    # A well-formed document holding a value its field cannot carry is corrupt too.
+    edited = _document_of(svc, other.id)
+    edited["id"] = snap.id
+    edited["agent_settings"]["build_options"] = {"truncate": "yes"}
+    _replace_document(svc, snap.id, json.dumps(edited).encode())
+    code, reason, _, message = _failure(lambda: _get(c, snap.id))
+    assert (code, reason) == (grpc.StatusCode.DATA_LOSS, "SNAPSHOT_UNREADABLE")
+    assert "corrupt" in message
+    edited["agent_settings"]["build_options"] = {}
+    edited["messages"][0]["id"] = 1 << 64
+    _replace_document(svc, snap.id, json.dumps(edited).encode())
+    assert _failure(lambda: _get(c, snap.id))[:2] == (
+        grpc.StatusCode.DATA_LOSS,
+        "SNAPSHOT_UNREADABLE",
+    )
     # Another snapshot's (valid) document in its place is caught too.
     _replace_document(svc, snap.id, json.dumps(_document_of(svc, other.id)).encode())
     code, _, _, message = _failure(lambda: _get(c, snap.id))
@@ -821,6 +836,28 @@ def _document_of(svc: Service, snapshot_id: str) -> Any:
         return json.loads(bytes(raw))
     [(path,)] = db_rows(svc.running.store, f"SELECT path FROM snapshots WHERE id = '{snapshot_id}'")
     return json.loads((svc.data_dir / path).read_bytes())
+
+
+def test_a_save_racing_the_agents_deletion_stores_nothing(
+    svc: Service, fake: FakeAnthropic
+) -> None:
+    """The agent is deleted while the save waits for its summary: the save ends
+    NOT_FOUND and leaves no snapshot (nor a document) behind."""
+    c = svc.client
+    c.append("a1", "hello")
+    fake.hold()
+    with ThreadPoolExecutor(1) as pool:
+        saving = pool.submit(_failure, lambda: _save(c))
+        assert fake.arrived.wait(30)
+        c.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
+        fake.release()
+        code, reason, _, _ = saving.result(timeout=30)
+    assert (code, reason) == (grpc.StatusCode.NOT_FOUND, "AGENT_NOT_FOUND")
+    assert not db_rows(svc.running.store, "SELECT id FROM snapshots")
+    if not hasattr(svc.running.store, "_pool"):
+        assert _document_files(svc.data_dir) == []
+    c.append("a1", "a new agent of the same name")
+    assert not _list(c).snapshots
 
 
 def test_deleting_the_agent_deletes_its_snapshots(svc: Service) -> None:

@@ -105,7 +105,7 @@ class SnapshotCalls(UseCases):
                 )
         info = info_of(new_snapshot_id(), found, scope, thread, now, description, summary, messages)
         document = encode_document(SnapshotContents(info, tuple(messages), found, tuple(specifics)))
-        return self._store.save_snapshot(info, document, record)
+        return self._store.save_snapshot(info, document, found.create_time_us, record)
 
     def _read_cut(
         self, where: ThreadFilter, window: WindowSpec

@@ -197,18 +197,53 @@ def encode_document(contents: SnapshotContents) -> bytes:
     return json.dumps(document, ensure_ascii=False, indent=1).encode("utf-8")
 
 
-def _get(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
-    value = obj[key]
-    if isinstance(value, bool) and kind is not bool:
-        raise TypeError(f"{key} is not a {kind}")
-    if not isinstance(value, kind):
-        raise TypeError(f"{key} is not a {kind}")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+# The type of each build option, as BuildOverrides (and the proto) hold them.
+_OPTION_KINDS: dict[str, tuple[type, ...]] = {
+    "truncate": (bool,),
+    "summarize": (bool,),
+    "elide_tool_results": (bool,),
+    "safety_margin": (float, int),
+}
+
+
+def _value(key: str, value: Any, kind: type | tuple[type, ...]) -> Any:
+    """`value` if it is of `kind` (a bool is no int here) and, for an int, within int64:
+    a document edited by hand must not reach the wire as a value it cannot carry."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise TypeError(f"{key} is not of the right type")
+    if not isinstance(value, kinds):
+        raise TypeError(f"{key} is not of the right type")
+    in_range = _INT64[0] <= value <= _INT64[1] if type(value) is int else True
+    if not in_range:
+        raise ValueError(f"{key} is out of range")
     return value
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    return _value(key, obj[key], kind)
 
 
 def _opt_int(obj: Any, key: str) -> int | None:
     value = obj[key]
-    return None if value is None else int(_get(obj, key, int))
+    return None if value is None else int(_value(key, value, int))
+
+
+def _options(raw: Any) -> BuildOverrides:
+    """The build options of a document, each of its type (the int ones int32, as in the
+    proto)."""
+    if not isinstance(raw, dict):
+        raise TypeError("build_options is not an object")
+    options: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in BuildOverrides.__slots__:
+            raise ValueError(f"build_options holds an unknown option {str(name)[:40]!r}")
+        kinds = _OPTION_KINDS.get(name, (int,))
+        options[name] = _value(name, value, kinds)
+        if kinds == (int,) and not -(1 << 31) <= value < 1 << 31:
+            raise ValueError(f"{name} is out of range")
+    return BuildOverrides(**options)
 
 
 def decode_document(raw: bytes, info: SnapshotInfo) -> SnapshotContents:
@@ -239,7 +274,7 @@ def decode_document(raw: bytes, info: SnapshotInfo) -> SnapshotContents:
             update_time_us=_get(a, "update_time_us", int),
             last_clear_time_us=_get(a, "last_clear_time_us", int),
             model=_get(a, "model", str),
-            build_options=BuildOverrides(**_get(a, "build_options", dict)),
+            build_options=_options(a["build_options"]),
         )
         messages = tuple(
             StoredMessage(

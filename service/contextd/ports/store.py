@@ -250,10 +250,16 @@ class SnapshotStore(Protocol):
     None, never returned."""
 
     def save_snapshot(
-        self, info: SnapshotInfo, document: bytes, record: RequestRecord | None = None
+        self,
+        info: SnapshotInfo,
+        document: bytes,
+        agent_created_us: int,
+        record: RequestRecord | None = None,
     ) -> SnapshotInfo:
         """Store the document durably, then the metadata; both or neither (a document
-        whose metadata did not commit is removed)."""
+        whose metadata did not commit is removed). AGENT_NOT_FOUND, storing nothing, when
+        the agent created at `agent_created_us` is gone by then (deleted while the
+        summary was written), so a deleted agent's snapshot never appears."""
 
     def list_snapshots(
         self,

@@ -41,6 +41,12 @@ def document_path(info: SnapshotInfo) -> str:
     return f"{SNAPSHOTS_DIR}/{agent}/{utc_name(info.create_time_us)}_{info.id}.json"
 
 
+def agent_gone(agent: str) -> NotFound:
+    return NotFound(
+        f"agent {agent!r} was deleted while the snapshot was saved", reason="AGENT_NOT_FOUND"
+    )
+
+
 def not_found(snapshot_id: str) -> NotFound:
     return NotFound(
         f"no snapshot {snapshot_id!r} in this scope of the agent", reason="SNAPSHOT_NOT_FOUND"
@@ -95,7 +101,11 @@ def _io_failed(what: str) -> StoreUnavailable:
 
 class SnapshotsMixin(DuckDBBase):
     def save_snapshot(
-        self, info: SnapshotInfo, document: bytes, record: RequestRecord | None = None
+        self,
+        info: SnapshotInfo,
+        document: bytes,
+        agent_created_us: int,
+        record: RequestRecord | None = None,
     ) -> SnapshotInfo:
         relative = document_path(info)
         path = self._data_dir / relative
@@ -109,6 +119,16 @@ class SnapshotsMixin(DuckDBBase):
         digest = hashlib.sha256(document).hexdigest()
 
         def insert(cur: duckdb.DuckDBPyConnection) -> SnapshotInfo:
+            # The agent the snapshot was read from must still be there (a DeleteAgent
+            # between the read and this write would otherwise leave its snapshot behind).
+            agent = _first(
+                cur.execute(
+                    "SELECT create_time_us FROM agents WHERE tenant = ? AND name = ?",
+                    [info.tenant, info.agent],
+                )
+            )
+            if agent is None or agent[0] != agent_created_us:
+                raise agent_gone(info.agent)
             cur.execute(
                 f"INSERT INTO snapshots ({_COLUMNS}, scope_key, path, sha256) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

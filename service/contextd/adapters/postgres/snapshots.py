@@ -22,6 +22,12 @@ _COLUMNS = (
 )
 
 
+def agent_gone(agent: str) -> NotFound:
+    return NotFound(
+        f"agent {agent!r} was deleted while the snapshot was saved", reason="AGENT_NOT_FOUND"
+    )
+
+
 def not_found(snapshot_id: str) -> NotFound:
     return NotFound(
         f"no snapshot {snapshot_id!r} in this scope of the agent", reason="SNAPSHOT_NOT_FOUND"
@@ -48,9 +54,22 @@ def _info(row: Sequence[Any]) -> SnapshotInfo:
 
 class SnapshotsMixin(PostgresBase):
     def save_snapshot(
-        self, info: SnapshotInfo, document: bytes, record: RequestRecord | None = None
+        self,
+        info: SnapshotInfo,
+        document: bytes,
+        agent_created_us: int,
+        record: RequestRecord | None = None,
     ) -> SnapshotInfo:
         def insert(conn: Conn) -> SnapshotInfo:
+            # The agent the snapshot was read from must still be there (a DeleteAgent
+            # between the read and this write would otherwise leave its snapshot behind).
+            agent = first(
+                conn,
+                "SELECT create_time_us FROM agents WHERE tenant = %s AND name = %s FOR KEY SHARE",
+                [info.tenant, info.agent],
+            )
+            if agent is None or agent[0] != agent_created_us:
+                raise agent_gone(info.agent)
             conn.execute(
                 f"INSERT INTO snapshots ({_COLUMNS}, document) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
