@@ -27,6 +27,8 @@ class Settings:
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     max_message_bytes: int = 1 << 20
     max_batch_messages: int = 10_000
+    snapshot_max_messages: int = 10_000
+    snapshot_max_bytes: int = 16 << 20
     max_group_rows: int = 50_000
     delete_chunk_rows: int = 5_000
     workers: int = 32
@@ -72,9 +74,12 @@ _SERVE_OPTIONS: dict[str, str] = {
     "tls_key": "PEM file of the server's private key (with --tls-cert)",
     "tls_client_ca": "PEM file of the CA that signs client certificates: require them (mutual "
     "TLS; needs --tls-cert and --tls-key)",
-    "data_dir": "directory of the DuckDB file",
+    "data_dir": "directory of the DuckDB file and of snapshot documents",
     "max_message_bytes": "largest message accepted, content + tool_calls + metadata",
     "max_batch_messages": "most messages in one AppendMessages call",
+    "snapshot_max_messages": "most messages a SaveSnapshot keeps (more is RESOURCE_EXHAUSTED)",
+    "snapshot_max_bytes": "most bytes (content + tool_calls + metadata) a SaveSnapshot keeps "
+    "(more is RESOURCE_EXHAUSTED)",
     "workers": "gRPC handler threads",
     "grace_seconds": "how long shutdown waits for calls in flight",
     "write_timeout_seconds": "how long a call waits for the store's writer before it is "

@@ -34,7 +34,8 @@ THREAD_COLUMNS = (
 MESSAGE_COLUMNS = (
     "id, tenant, agent, scope, thread, role, content, tool_calls, tool_call_id, "
     "external_id, metadata, token_estimate, create_time_us, token_count, group_id, "
-    "is_summary, first_summarized_id, last_summarized_id, tokenizer, source_time_us, sequence"
+    "is_summary, first_summarized_id, last_summarized_id, tokenizer, source_time_us, sequence, "
+    "restored_from"
 )
 
 
@@ -80,6 +81,7 @@ def message_from_row(row: Sequence[Any]) -> StoredMessage:
         tokenizer=row[18],
         source_time_us=row[19],
         sequence=row[20],
+        restored_from=row[21],
     )
 
 

@@ -31,6 +31,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.snapshots import SnapshotContents, SnapshotInfo
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -376,6 +377,49 @@ def message_pb(m: StoredMessage) -> pb.Message:
         last_summarized_id=m.summarized_ids[1] if m.summarized_ids else 0,
         source_time=timestamp_pb(m.source_time_us),
         sequence=m.sequence,
+        restored_from_snapshot=m.restored_from,
+    )
+
+
+def snapshot_pb(s: SnapshotInfo) -> pb.Snapshot:
+    return pb.Snapshot(
+        id=s.id,
+        agent=s.agent,
+        scope=scope_pb(s.scope),
+        thread=s.thread,
+        create_time=timestamp_pb(s.create_time_us),
+        description=s.description,
+        summary=s.summary,
+        message_count=s.message_count,
+        window_start_time=timestamp_pb(s.window_start_us),
+        window_end_time=timestamp_pb(s.window_end_us),
+        threads=s.threads,
+        size_bytes=s.size_bytes,
+    )
+
+
+def snapshot_view_of(value: int) -> bool:
+    """Whether GetSnapshot returns what the snapshot holds (True) or its metadata only."""
+    if value in (pb.SNAPSHOT_VIEW_UNSPECIFIED, pb.SNAPSHOT_VIEW_BASIC):
+        return False
+    if value == pb.SNAPSHOT_VIEW_FULL:
+        return True
+    raise InvalidArgument(
+        f"view {value} is not a known view; use SNAPSHOT_VIEW_BASIC or SNAPSHOT_VIEW_FULL",
+        field="view",
+    )
+
+
+def snapshot_response(
+    info: SnapshotInfo, contents: SnapshotContents | None
+) -> pb.GetSnapshotResponse:
+    if contents is None:
+        return pb.GetSnapshotResponse(snapshot=snapshot_pb(info))
+    return pb.GetSnapshotResponse(
+        snapshot=snapshot_pb(info),
+        messages=[message_pb(m) for m in contents.messages],
+        agent=agent_pb(contents.agent),
+        specifics=contents.specifics,
     )
 
 
@@ -416,16 +460,15 @@ def range_of(value: int) -> MessageRange:
     raise InvalidArgument(f"range {value} is not a known message range", field="range")
 
 
-def receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesResponse:
-    return pb.AppendMessagesResponse(
-        receipts=[
-            pb.MessageReceipt(
-                id=r.id,
-                create_time=timestamp_pb(r.create_time_us),
-                token_estimate=r.token_estimate,
-                token_count=r.token_count,
-                sequence=r.sequence,
-            )
-            for r in receipts
-        ]
+def receipt_pb(r: MessageReceipt) -> pb.MessageReceipt:
+    return pb.MessageReceipt(
+        id=r.id,
+        create_time=timestamp_pb(r.create_time_us),
+        token_estimate=r.token_estimate,
+        token_count=r.token_count,
+        sequence=r.sequence,
     )
+
+
+def receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesResponse:
+    return pb.AppendMessagesResponse(receipts=[receipt_pb(r) for r in receipts])

@@ -217,6 +217,8 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             Limits(
                 max_message_bytes=settings.max_message_bytes,
                 max_batch_messages=settings.max_batch_messages,
+                snapshot_max_messages=settings.snapshot_max_messages,
+                snapshot_max_bytes=settings.snapshot_max_bytes,
             ),
             PageTokens(store.page_token_key()),
         )

@@ -24,9 +24,13 @@ from contextd.api.convert import (
     overrides_of,
     present_fields,
     range_of,
+    receipt_pb,
     receipts_pb,
     scope_of,
     settings_of,
+    snapshot_pb,
+    snapshot_response,
+    snapshot_view_of,
     stats_pb,
     status_entry_of,
     status_pb,
@@ -37,6 +41,7 @@ from contextd.api.convert import (
 from contextd.api.tenant import caller_tenant
 from contextd.app.build.builder import BuildRequest
 from contextd.app.service import ContextService
+from contextd.app.snapshots import RestoreResult
 from contextd.domain.idempotency import (
     AlreadyDone,
     RequestRecord,
@@ -332,4 +337,77 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         )
         return pb.ListEventsResponse(
             events=[event_pb(e) for e in page.items], next_page_token=page.next_page_token
+        )
+
+    def SaveSnapshot(
+        self, request: pb.SaveSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.SaveSnapshotResponse:
+        tenant, scope = caller_tenant(context), scope_of(request.scope)
+        return self.idempotent(
+            request,
+            context,
+            pb.SaveSnapshotResponse,
+            lambda info: pb.SaveSnapshotResponse(snapshot=snapshot_pb(info)),
+            lambda record: self._service.save_snapshot(
+                tenant, request.agent, scope, request.thread, request.description, record
+            ),
+        )
+
+    def ListSnapshots(
+        self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
+    ) -> pb.ListSnapshotsResponse:
+        page = self._service.list_snapshots(
+            caller_tenant(context),
+            request.agent,
+            scope_of(request.scope),
+            request.page_size,
+            request.page_token,
+        )
+        return pb.ListSnapshotsResponse(
+            snapshots=[snapshot_pb(s) for s in page.items], next_page_token=page.next_page_token
+        )
+
+    def GetSnapshot(
+        self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.GetSnapshotResponse:
+        full = snapshot_view_of(request.view)
+        info, contents = self._service.get_snapshot(
+            caller_tenant(context), request.agent, scope_of(request.scope), request.id, full
+        )
+        return snapshot_response(info, contents)
+
+    def DeleteSnapshot(
+        self, request: pb.DeleteSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.DeleteSnapshotResponse:
+        tenant, scope = caller_tenant(context), scope_of(request.scope)
+        return self.idempotent(
+            request,
+            context,
+            pb.DeleteSnapshotResponse,
+            lambda info: pb.DeleteSnapshotResponse(snapshot=snapshot_pb(info)),
+            lambda record: self._service.delete_snapshot(
+                tenant, request.agent, scope, request.id, record
+            ),
+        )
+
+    def RestoreSnapshot(
+        self, request: pb.RestoreSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.RestoreSnapshotResponse:
+        tenant, scope = caller_tenant(context), scope_of(request.scope)
+
+        def response(result: RestoreResult) -> pb.RestoreSnapshotResponse:
+            return pb.RestoreSnapshotResponse(
+                restored_count=result.count,
+                threads=result.threads,
+                receipts=[receipt_pb(r) for r in result.receipts],
+            )
+
+        return self.idempotent(
+            request,
+            context,
+            pb.RestoreSnapshotResponse,
+            response,
+            lambda record: self._service.restore_snapshot(
+                tenant, request.agent, scope, request.id, request.branch_thread, record
+            ),
         )

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 from contextd.app.build.builder import (
     ContextBuilder,
 )
-from contextd.app.build.summarizer import Summarizer
+from contextd.app.build.summarizer import (
+    NoSessionSummarizer,
+    SessionSummarizer,
+    Summarizer,
+)
 from contextd.app.paging import PageTokens
 from contextd.domain.idempotency import Remembered
 from contextd.domain.limits import (
@@ -37,8 +41,15 @@ class UseCases:
         summarizer: Summarizer,
         limits: Limits | None = None,
         page_tokens: PageTokens | None = None,
+        session_summarizer: SessionSummarizer | None = None,
     ) -> None:
         self._store = store
+        # Snapshot summaries: the summarizer's own when it can write them.
+        if session_summarizer is None:
+            session_summarizer = (
+                summarizer if isinstance(summarizer, SessionSummarizer) else NoSessionSummarizer()
+            )
+        self._session_summarizer = session_summarizer
         # The server's one clock, owned by the store (see clock.py).
         self._clock = store.clock
         self._limits = limits or Limits()

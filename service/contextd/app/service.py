@@ -13,6 +13,7 @@ from contextd.app.building import BuildCalls
 from contextd.app.events import EventCalls
 from contextd.app.keys import KeyCalls
 from contextd.app.messages import MessageCalls
+from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
 from contextd.domain.limits import Limits, check_overrides
@@ -21,6 +22,13 @@ __all__ = ["ContextService", "Limits", "MessagePage", "check_overrides"]
 
 
 class ContextService(
-    AgentCalls, MessageCalls, ThreadCalls, StatusCalls, EventCalls, BuildCalls, KeyCalls
+    AgentCalls,
+    MessageCalls,
+    ThreadCalls,
+    StatusCalls,
+    EventCalls,
+    BuildCalls,
+    SnapshotCalls,
+    KeyCalls,
 ):
     """Every call of the API (see the mixins for each group)."""

@@ -13,6 +13,7 @@ def prepare_batch(
     model: str,
     call_ids: Sequence[tuple[str, ...]],
     summarized_ids: tuple[int, int] | None = None,
+    restored_from: str = "",
 ) -> MessageBatch:
     """What the store keeps beside each message, computed for the whole batch at once:
     the character estimate, the count under `model`'s tokenizer (the estimate without a
@@ -32,6 +33,7 @@ def prepare_batch(
         chars=[len(m.content) for m in messages],
         tool_call_ids=call_ids,
         summarized_ids=summarized_ids,
+        restored_from=restored_from,
     )
 
 

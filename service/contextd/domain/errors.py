@@ -21,6 +21,7 @@ class Code(Enum):
     PERMISSION_DENIED = "PERMISSION_DENIED"
     UNAVAILABLE = "UNAVAILABLE"
     ABORTED = "ABORTED"
+    DATA_LOSS = "DATA_LOSS"
 
 
 class ContextdError(Exception):
@@ -78,6 +79,14 @@ class Aborted(ContextdError):
 
     code = Code.ABORTED
     default_reason = "ETAG_MISMATCH"
+
+
+class DataLoss(ContextdError):
+    """Stored data the call needs is missing or corrupt (e.g. a snapshot's document):
+    retrying will not help; an operator must restore it from a backup."""
+
+    code = Code.DATA_LOSS
+    default_reason = "SNAPSHOT_UNREADABLE"
 
 
 class Unauthenticated(ContextdError):

@@ -45,6 +45,10 @@ MAX_STATUS_SUMMARY_CHARS = 500
 class Limits:
     max_message_bytes: int = 1 << 20
     max_batch_messages: int = 10_000
+    # A snapshot holds at most this many messages and bytes (content, tool_calls and
+    # metadata in UTF-8): its document is written, read and restored whole.
+    snapshot_max_messages: int = 10_000
+    snapshot_max_bytes: int = 16 << 20
 
 
 OPTION_PATHS = frozenset(f"build_options.{name}" for name in BuildOverrides.__slots__)

@@ -138,6 +138,8 @@ class MessageBatch:
     tool_call_ids: Sequence[tuple[str, ...]]
     # For a compaction summary (a batch of one): the first and last message id it replaces.
     summarized_ids: tuple[int, int] | None = None
+    # For messages written by RestoreSnapshot: the id of the snapshot they came from.
+    restored_from: str = ""
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -170,6 +172,8 @@ class StoredMessage:
     source_time_us: int | None = None
     # The position in its thread: 1, 2, 3, ... in append order.
     sequence: int = 0
+    # The snapshot a restored message came from ("" for every other message).
+    restored_from: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.snapshots import SnapshotInfo
 from contextd.domain.window import WindowSpec
 
 
@@ -114,6 +115,15 @@ class MessageStore(Protocol):
         with `default_settings`, or is AGENT_NOT_FOUND when they are None. The batch was
         counted under the model `batch.tokenizer` names; an engine shared by several
         processes raises StaleModel when the agent's model changed meanwhile."""
+
+    def append_many(
+        self,
+        parts: Sequence[tuple[ContextKey, MessageBatch]],
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        """Append batches to several threads of one existing agent in one transaction
+        (all or nothing, one request record): a restore. Parts come in thread-name order
+        (the order locks are taken in); receipts come back in part order."""
 
     def list_messages(
         self,
@@ -236,6 +246,52 @@ class EventStore(Protocol):
     ) -> list[Event]: ...
 
 
+class SnapshotStore(Protocol):
+    """Snapshots: metadata for lists, and one document per snapshot (see
+    domain/snapshots.py). Every read names the full scope: a snapshot of another scope is
+    None, never returned."""
+
+    def save_snapshot(
+        self,
+        info: SnapshotInfo,
+        document: bytes,
+        agent_created_us: int,
+        record: RequestRecord | None = None,
+    ) -> SnapshotInfo:
+        """Store the document durably, then the metadata; both or neither (a document
+        whose metadata did not commit is removed). AGENT_NOT_FOUND, storing nothing, when
+        the agent created at `agent_created_us` is gone by then (deleted while the
+        summary was written), so a deleted agent's snapshot never appears."""
+
+    def list_snapshots(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        after: tuple[int, str] | None,
+        limit: int,
+    ) -> list[SnapshotInfo]:
+        """Newest first by (create_time, id), strictly after the position `after`."""
+
+    def get_snapshot(
+        self, tenant: str, agent: str, scope: str, snapshot_id: str
+    ) -> SnapshotInfo | None: ...
+
+    def snapshot_document(self, info: SnapshotInfo) -> bytes:
+        """The document's bytes; DataLoss when it is missing or does not match what was
+        stored (the decoding checks the rest)."""
+
+    def delete_snapshot(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        snapshot_id: str,
+        record: RequestRecord | None = None,
+    ) -> SnapshotInfo:
+        """Delete the metadata, then the document; SNAPSHOT_NOT_FOUND when there is none."""
+
+
 class KeyStore(Protocol):
     """API keys (see contextd.domain.access): only hashes of their secrets are kept."""
 
@@ -271,6 +327,7 @@ class Store(
     ThreadStore,
     StatusStore,
     EventStore,
+    SnapshotStore,
     RequestLog,
     Protocol,
 ):

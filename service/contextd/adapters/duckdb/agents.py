@@ -135,6 +135,8 @@ class AgentsMixin(DuckDBBase):
         leaves is removed at the next start.
         """
 
+        documents: list[str] = []  # the agent's snapshot documents, removed after the commit
+
         def mark(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[int]]:
             check_etag(_require_agent(cur, tenant, name), etag)
             # Through the agent's context ids: messages are indexed by context_id only,
@@ -168,6 +170,7 @@ class AgentsMixin(DuckDBBase):
             )
             cur.execute(f"DELETE FROM events WHERE {where}", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
+            documents[:] = self._drop_agent_snapshots(cur, tenant, name)
             # In the same writer job: the next append must not reuse the deleted ids.
             self._forget_contexts(tenant, name)
             return (int(row[0]) if row else 0), contexts
@@ -175,6 +178,7 @@ class AgentsMixin(DuckDBBase):
         # A retry is answered with the count alone, as the first call was.
         marked = record.with_encoder(lambda r: record.encode(r[0])) if record else None
         count, contexts = self._write(mark, marked)
+        self._remove_documents(documents)
         if contexts:
             try:
                 self._purge(contexts)

@@ -123,6 +123,7 @@ _ARROW_SCHEMA = pa.schema(
         ("last_summarized_id", pa.int64()),
         ("source_time_us", pa.int64()),
         ("sequence", pa.int64()),
+        ("restored_from", pa.string()),
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
@@ -219,6 +220,16 @@ class _AppendJob:
     default_settings: AgentSettings | None
     future: Future[list[MessageReceipt]]
     record: RequestRecord | None = None
+    # More threads' batches committed in this job's transaction, after its own (a
+    # restore into several threads); the receipts of every part come back in order.
+    more: tuple[tuple[ContextKey, MessageBatch], ...] = ()
+
+    def parts(self) -> tuple[tuple[ContextKey, MessageBatch], ...]:
+        return ((self.key, self.batch), *self.more)
+
+    @property
+    def rows(self) -> int:
+        return sum(len(batch) for _, batch in self.parts())
 
 
 @dataclass(slots=True)
@@ -439,6 +450,12 @@ class DuckDBBase:
         def _failed(self, exc: duckdb.Error) -> ContextdError | None: ...
 
         def _thread_rows(self, sql: str, params: list[Any]) -> list[Any]: ...
+
+        def _drop_agent_snapshots(
+            self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str
+        ) -> list[str]: ...
+
+        def _remove_documents(self, paths: Sequence[str]) -> None: ...
 
         def _insert_appends(
             self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]

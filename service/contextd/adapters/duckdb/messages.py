@@ -74,6 +74,28 @@ class MessagesMixin(DuckDBBase):
         )
         return receipts
 
+    def append_many(
+        self,
+        parts: Sequence[tuple[ContextKey, MessageBatch]],
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        """Append to several threads of one existing agent as one writer job: one
+        transaction (in the group commit), one commit time, one request record."""
+        if not parts:
+            return []
+        (key, batch), *more = parts
+        receipts: list[MessageReceipt] = self._submit(
+            _AppendJob(
+                key=key,
+                batch=batch,
+                default_settings=None,
+                future=Future(),
+                record=record,
+                more=tuple(more),
+            )
+        )
+        return receipts
+
     def list_messages(
         self,
         where: ThreadFilter,
@@ -349,80 +371,23 @@ class MessagesMixin(DuckDBBase):
             self._known_agents.add((tenant, name))
 
         for job in jobs:
-            key = job.key
-            context_id = new_contexts.get(key) or self._context_id(writer, key)
-            if context_id is None:
-                if job.batch.summarized_ids is not None:
-                    # A summary stands for messages of an existing thread; if the thread
-                    # is gone (its agent deleted meanwhile) the summary has nothing to
-                    # stand for and must not bring the context back.
-                    raise NotFound(
-                        f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
-                        reason="THREAD_NOT_FOUND",
-                    )
-                context_id = self._next_context_id
-                self._next_context_id += 1
-                new_contexts[key] = context_id
+            job_receipts: list[MessageReceipt] = []
+            all_receipts.append(job_receipts)
+            # One commit time per call, shared by every thread it writes.
             commit_time = self.clock.tick()
-            batch = job.batch
-            messages = batch.messages
-            n = len(messages)
-            first_id = self._next_message_id
-            self._next_message_id += n
-            ids = range(first_id, first_id + n)
-            last = numbered.get(context_id)
-            if last is None:
-                last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
-            sequences = range(last + 1, last + 1 + n)
-            numbered[context_id] = last + n
-            sources = [m.source_time_us for m in messages]
-            columns["id"].extend(ids)
-            columns["context_id"].extend([context_id] * n)
-            columns["tenant"].extend([key.tenant] * n)
-            columns["agent"].extend([key.agent] * n)
-            columns["scope"].extend([key.scope] * n)
-            columns["thread"].extend([key.thread] * n)
-            columns["role"].extend([int(m.role) for m in messages])
-            columns["content"].extend([m.content for m in messages])
-            columns["tool_calls"].extend([m.tool_calls for m in messages])
-            columns["tool_call_id"].extend([m.tool_call_id for m in messages])
-            columns["external_id"].extend([m.external_id for m in messages])
-            columns["metadata"].extend([m.metadata for m in messages])
-            columns["token_estimate"].extend(batch.token_estimates)
-            columns["create_time_us"].extend([commit_time] * n)
-            columns["source_time_us"].extend(sources)
-            columns["sequence"].extend(sequences)
-            columns["token_count"].extend(batch.token_counts)
-            columns["tokenizer"].extend([batch.tokenizer] * n)
-            columns["chars"].extend(batch.chars)
-            columns["group_id"].extend(
-                [
-                    self._group_of(writer, context_id, i, m, calls)
-                    for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
-                ]
-            )
-            columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
-            summary = batch.summarized_ids
-            if summary is not None:
-                summaries[context_id] = ids[-1]
-            columns["is_summary"].extend([summary is not None] * n)
-            columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
-            columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
-            all_receipts.append(
-                [
-                    MessageReceipt(i, commit_time, e, c, q)
-                    for i, e, c, q in zip(
-                        ids, batch.token_estimates, batch.token_counts, sequences, strict=True
-                    )
-                ]
-            )
-            delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
-            delta[0] += n
-            delta[1] += sum(batch.token_estimates)
-            delta[3] = commit_time
-            given = [t for t in sources if t is not None]
-            if given:
-                delta[4] = min(delta[4], *given)
+            for key, batch in job.parts():
+                self._add_rows(
+                    writer,
+                    key,
+                    batch,
+                    commit_time,
+                    columns,
+                    job_receipts,
+                    thread_deltas,
+                    numbered,
+                    new_contexts,
+                    summaries,
+                )
 
         # The whole group is written by one client call: a script of BEGIN, the inserts
         # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
@@ -489,6 +454,92 @@ class MessagesMixin(DuckDBBase):
         self._last_sequence.update(numbered)
         self._id_high_water = high_water
         return all_receipts, counted
+
+    def _add_rows(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        key: ContextKey,
+        batch: MessageBatch,
+        commit_time: int,
+        columns: dict[str, list[Any]],
+        receipts: list[MessageReceipt],
+        thread_deltas: dict[ContextKey, list[int]],
+        numbered: dict[int, int],
+        new_contexts: dict[ContextKey, int],
+        summaries: dict[int, int],
+    ) -> None:
+        """Add one thread's batch to the group's columns: its context (new or known), ids,
+        sequences and tool groups; its receipts and its thread's counts."""
+        context_id = new_contexts.get(key) or self._context_id(writer, key)
+        if context_id is None:
+            if batch.summarized_ids is not None:
+                # A summary stands for messages of an existing thread; if the thread
+                # is gone (its agent deleted meanwhile) the summary has nothing to
+                # stand for and must not bring the context back.
+                raise NotFound(
+                    f"thread {key.thread!r} of agent {key.agent!r} no longer exists",
+                    reason="THREAD_NOT_FOUND",
+                )
+            context_id = self._next_context_id
+            self._next_context_id += 1
+            new_contexts[key] = context_id
+        messages = batch.messages
+        n = len(messages)
+        first_id = self._next_message_id
+        self._next_message_id += n
+        ids = range(first_id, first_id + n)
+        last = numbered.get(context_id)
+        if last is None:
+            last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
+        sequences = range(last + 1, last + 1 + n)
+        numbered[context_id] = last + n
+        sources = [m.source_time_us for m in messages]
+        columns["id"].extend(ids)
+        columns["context_id"].extend([context_id] * n)
+        columns["tenant"].extend([key.tenant] * n)
+        columns["agent"].extend([key.agent] * n)
+        columns["scope"].extend([key.scope] * n)
+        columns["thread"].extend([key.thread] * n)
+        columns["role"].extend([int(m.role) for m in messages])
+        columns["content"].extend([m.content for m in messages])
+        columns["tool_calls"].extend([m.tool_calls for m in messages])
+        columns["tool_call_id"].extend([m.tool_call_id for m in messages])
+        columns["external_id"].extend([m.external_id for m in messages])
+        columns["metadata"].extend([m.metadata for m in messages])
+        columns["token_estimate"].extend(batch.token_estimates)
+        columns["create_time_us"].extend([commit_time] * n)
+        columns["source_time_us"].extend(sources)
+        columns["sequence"].extend(sequences)
+        columns["token_count"].extend(batch.token_counts)
+        columns["tokenizer"].extend([batch.tokenizer] * n)
+        columns["chars"].extend(batch.chars)
+        columns["group_id"].extend(
+            [
+                self._group_of(writer, context_id, i, m, calls)
+                for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
+            ]
+        )
+        columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+        summary = batch.summarized_ids
+        if summary is not None:
+            summaries[context_id] = ids[-1]
+        columns["is_summary"].extend([summary is not None] * n)
+        columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
+        columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
+        columns["restored_from"].extend([batch.restored_from] * n)
+        receipts.extend(
+            MessageReceipt(i, commit_time, e, c, q)
+            for i, e, c, q in zip(
+                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+            )
+        )
+        delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
+        delta[0] += n
+        delta[1] += sum(batch.token_estimates)
+        delta[3] = commit_time
+        given = [t for t in sources if t is not None]
+        if given:
+            delta[4] = min(delta[4], *given)
 
     def _group_of(
         self,

@@ -236,6 +236,37 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
     (
+        10,
+        [
+            # The snapshot a restored message came from ("" for every other message).
+            "ALTER TABLE messages ADD COLUMN restored_from VARCHAR DEFAULT ''",
+            # Snapshots' metadata; each one's document is a JSON file under the data
+            # directory (see snapshots.py), checked against `sha256` when read.
+            # `scope_key` is one column naming (tenant, agent, scope), for the index.
+            """
+            CREATE TABLE snapshots (
+                id VARCHAR NOT NULL PRIMARY KEY,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                scope_key VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                description VARCHAR NOT NULL,
+                summary VARCHAR NOT NULL,
+                message_count BIGINT NOT NULL,
+                window_start_us BIGINT,
+                window_end_us BIGINT,
+                threads_json VARCHAR NOT NULL,
+                size_bytes BIGINT NOT NULL,
+                path VARCHAR NOT NULL,
+                sha256 VARCHAR NOT NULL
+            )
+            """,
+            "CREATE INDEX snapshots_by_scope ON snapshots (scope_key)",
+        ],
+    ),
+    (
         11,
         [
             # API keys: the hash of each secret, never the secret (see domain/access.py).

@@ -35,6 +35,7 @@ from contextd.adapters.duckdb.base import (
 from contextd.adapters.duckdb.keys import load_or_create_key
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.schema import MIGRATIONS
+from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin
 from contextd.adapters.duckdb.thread_counters import (
     PendingCounters,
@@ -51,7 +52,9 @@ from contextd.domain.model import (
 
 
 @_failures_translated
-class Store(AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, WriterMixin):
+class Store(
+    AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, SnapshotsMixin, WriterMixin
+):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 
     Failure modes: every call that waits for the writer waits at most `write_timeout_s`
@@ -177,6 +180,11 @@ class Store(AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, 
             delete_chunk_rows=delete_chunk_rows,
         )
         store._data_dir = path.parent
+        try:
+            store._reconcile_snapshot_files()
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def page_token_key(self) -> bytes:
@@ -260,7 +268,8 @@ class Store(AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, 
                 "  (SELECT coalesce(max(update_time_us), 0) FROM agents),"
                 "  (SELECT coalesce(max(last_clear_us), 0) FROM threads),"
                 "  (SELECT coalesce(max(update_time_us), 0) FROM status_entries),"
-                "  (SELECT coalesce(max(create_time_us), 0) FROM events))"
+                "  (SELECT coalesce(max(create_time_us), 0) FROM events),"
+                "  (SELECT coalesce(max(create_time_us), 0) FROM snapshots))"
             )
         )
         return int(row[0]) if row else 0

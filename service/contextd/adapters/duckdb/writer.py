@@ -261,7 +261,7 @@ class WriterMixin(DuckDBBase):
             if isinstance(job, _AppendJob) and not calls:
                 if job.future.set_running_or_notify_cancel():
                     appends.append(job)
-                    rows += len(job.batch)
+                    rows += job.rows
             elif isinstance(job, _CallJob) and not appends:
                 if job.future.set_running_or_notify_cancel():
                     calls.append(job)

@@ -134,7 +134,7 @@ class AgentsMixin(PostgresBase):
                     f"DELETE FROM {table} WHERE tenant = %s AND context_id IN ({contexts})",
                     [tenant, tenant, name],
                 )
-            for table in ("threads", "status_entries", "events"):
+            for table in ("threads", "status_entries", "events", "snapshots"):
                 conn.execute(
                     f"DELETE FROM {table} WHERE tenant = %s AND agent = %s", [tenant, name]
                 )

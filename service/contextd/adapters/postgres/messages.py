@@ -36,7 +36,7 @@ from contextd.ports.store import ContextRef, ThreadFilter
 _COPY_COLUMNS = (
     "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
     "metadata, token_estimate, create_time_us, source_time_us, token_count, tokenizer, chars, "
-    "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id"
+    "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from"
 )
 _M_COLUMNS = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
 # MESSAGE_COLUMNS names agent, scope and thread, which live in the thread's row here.
@@ -89,6 +89,21 @@ class MessagesMixin(PostgresBase):
         record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
         return self._write(lambda conn: self._append(conn, key, batch, default_settings), record)
+
+    def append_many(
+        self,
+        parts: Sequence[tuple[ContextKey, MessageBatch]],
+        record: RequestRecord | None = None,
+    ) -> list[MessageReceipt]:
+        """One transaction over every part; threads are locked in the order given
+        (thread-name order), so two restores never wait on each other in a cycle."""
+
+        def run(conn: Conn) -> list[MessageReceipt]:
+            return [r for key, batch in parts for r in self._append(conn, key, batch, None)]
+
+        if not parts:
+            return []
+        return self._write(run, record)
 
     def _append(
         self,
@@ -177,6 +192,7 @@ class MessagesMixin(PostgresBase):
                         summary is not None,
                         summary[0] if summary else 0,
                         summary[1] if summary else 0,
+                        batch.restored_from,
                     )
                 )
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]

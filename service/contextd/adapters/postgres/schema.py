@@ -158,6 +158,35 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
     (
+        2,
+        [
+            # The snapshot a restored message came from ("" for every other message).
+            "ALTER TABLE messages ADD COLUMN restored_from text NOT NULL DEFAULT ''",
+            # Snapshots, metadata and document together: replicas share nothing else.
+            """
+            CREATE TABLE snapshots (
+                tenant text NOT NULL,
+                id text NOT NULL,
+                agent text NOT NULL,
+                scope text NOT NULL,
+                thread text NOT NULL,
+                create_time_us bigint NOT NULL,
+                description text NOT NULL,
+                summary text NOT NULL,
+                message_count bigint NOT NULL,
+                window_start_us bigint,
+                window_end_us bigint,
+                threads_json text NOT NULL,
+                size_bytes bigint NOT NULL,
+                document bytea NOT NULL,
+                PRIMARY KEY (tenant, id)
+            )
+            """,
+            "CREATE INDEX snapshots_by_scope ON snapshots "
+            "(tenant, agent, scope, create_time_us DESC, id DESC)",
+        ],
+    ),
+    (
         3,
         [
             # API keys (see domain/access.py): looked up by key id on every call, so keyed

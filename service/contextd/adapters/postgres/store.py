@@ -20,6 +20,7 @@ from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
 from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.schema import migrate
+from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
 from contextd.domain.clock import MonotonicClock
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 
 
 @failures_translated
-class PostgresStore(AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin):
+class PostgresStore(
+    AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin, SnapshotsMixin
+):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
     def __init__(self, pool: psycopg_pool.ConnectionPool[Conn], clock: MonotonicClock) -> None:
@@ -165,7 +168,8 @@ def _newest_time_us(conn: Conn) -> int:
         " (SELECT coalesce(max(last_clear_us), 0) FROM agents),"
         " (SELECT coalesce(max(update_time_us), 0) FROM agents),"
         " (SELECT coalesce(max(update_time_us), 0) FROM status_entries),"
-        " (SELECT coalesce(max(create_time_us), 0) FROM events))",
+        " (SELECT coalesce(max(create_time_us), 0) FROM events),"
+        " (SELECT coalesce(max(create_time_us), 0) FROM snapshots))",
         [],
     )
     return int(row[0]) if row else 0

@@ -19,11 +19,12 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from contextd import core
 from contextd.domain.context import HistoryItem, parse_tool_calls
 from contextd.domain.model import Role
+from contextd.domain.snapshots import SUMMARY_FAILED
 
 SUMMARY_SECTIONS = (
     "Goal",
@@ -66,6 +67,22 @@ UPDATE_PROMPT = (
     "<conversation>\n{conversation}\n</conversation>"
 )
 
+SESSION_SYSTEM_PROMPT = (
+    "You summarize a saved conversation between a user and an AI agent for a list of "
+    "saved sessions. Answer with 2 to 4 plain sentences and nothing else: what was "
+    "accomplished, the decisions made, and what is still unfinished. Keep file paths, "
+    "commands and identifiers verbatim."
+)
+
+SESSION_PROMPT = (
+    "Summarize the saved conversation below.\n\n<conversation>\n{conversation}\n</conversation>"
+)
+
+MAX_SESSION_SUMMARY_CHARS = 2_000
+"""A session summary is a few sentences; a model that rambles is cut here."""
+
+SESSION_SUMMARY_MAX_TOKENS = 400
+
 SummaryPath = Literal["llm", "fallback"]
 
 
@@ -87,6 +104,29 @@ class Summarizer(Protocol):
     def summarize(
         self, items: Sequence[HistoryItem], previous_summary: str | None
     ) -> SummaryResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """A snapshot's summary, or SUMMARY_FAILED with why (`error`) when none was written."""
+
+    text: str
+    error: str | None = None
+
+
+@runtime_checkable
+class SessionSummarizer(Protocol):
+    """Summarizes a saved conversation (``items``, oldest first) in 2 to 4 sentences.
+    Must not raise: on any failure the text is SUMMARY_FAILED and ``error`` says why."""
+
+    def summarize_session(self, items: Sequence[HistoryItem]) -> SessionSummary: ...
+
+
+class NoSessionSummarizer:
+    """For a service built without a language model: every summary fails."""
+
+    def summarize_session(self, items: Sequence[HistoryItem]) -> SessionSummary:
+        return SessionSummary(SUMMARY_FAILED, "no summarizer is configured")
 
 
 def transcript(items: Sequence[HistoryItem], max_chars_per_message: int = 2_000) -> str:
@@ -300,7 +340,32 @@ class AnthropicSummarizer:
             )
         return self.config.create_prompt.format(conversation=conversation)
 
+    def summarize_session(self, items: Sequence[HistoryItem]) -> SessionSummary:
+        """A snapshot's summary in 2 to 4 sentences through the Messages API; on any
+        failure (no key, an API error, a timeout, an empty answer) SUMMARY_FAILED."""
+        conversation = transcript(items, self.config.max_chars_per_message)
+        limit = self.config.max_transcript_chars
+        if len(conversation) > limit:
+            conversation = "[… earlier messages omitted]\n" + conversation[-limit:]
+        try:
+            text = self._ask(
+                SESSION_SYSTEM_PROMPT,
+                SESSION_PROMPT.format(conversation=conversation),
+                min(self.config.max_tokens, SESSION_SUMMARY_MAX_TOKENS),
+            )
+        except Exception as exc:  # any failure: the snapshot is saved all the same
+            return SessionSummary(SUMMARY_FAILED, f"{type(exc).__name__}: {exc}"[:500])
+        return SessionSummary(" ".join(text.split())[:MAX_SESSION_SUMMARY_CHARS])
+
     def _call_llm(self, items: Sequence[HistoryItem], previous_summary: str | None) -> str:
+        return self._ask(
+            self.config.system_prompt,
+            self.prompt(items, previous_summary),
+            self.config.max_tokens,
+        )
+
+    def _ask(self, system: str, prompt: str, max_tokens: int) -> str:
+        """One Messages API call: the text of the answer (ValueError when it has none)."""
         import anthropic  # imported lazily: the SDK is heavy and only this path needs it
 
         key = self.config.api_key or os.environ.get("ANTHROPIC_API_KEY")
@@ -320,9 +385,9 @@ class AnthropicSummarizer:
             client = self._client
         response = client.messages.create(
             model=self.config.model,
-            max_tokens=self.config.max_tokens,
-            system=self.config.system_prompt,
-            messages=[{"role": "user", "content": self.prompt(items, previous_summary)}],
+            max_tokens=max_tokens,
+            system=system,
+            messages=[{"role": "user", "content": prompt}],
         )
         blocks = getattr(response, "content", None)
         if not isinstance(blocks, list):
