@@ -201,6 +201,8 @@ def _plain(value: Any) -> Any:
         return value.total_seconds()
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value
 
 
@@ -377,7 +379,7 @@ def _context(client: Client, args: argparse.Namespace, out: Output) -> int:
         return 0
     if args.verb == "save":
         with out.working("saving (the summary may take a few seconds)..."):
-            snapshot = client.save_snapshot(  # type: ignore[attr-defined]
+            snapshot = client.save_snapshot(
                 agent=args.agent, scope=scope, thread=args.thread, description=args.description
             )
         if out.as_json:
@@ -387,7 +389,7 @@ def _context(client: Client, args: argparse.Namespace, out: Output) -> int:
             out.line(f"summary: {snapshot.summary}")
         return 0
     if args.verb == "history":
-        snapshots = list(client.list_snapshots(agent=args.agent, scope=scope))  # type: ignore[attr-defined]
+        snapshots = list(client.list_snapshots(agent=args.agent, scope=scope))
         if out.as_json:
             out.data(snapshots)
             return 0
@@ -402,7 +404,7 @@ def _context(client: Client, args: argparse.Namespace, out: Output) -> int:
         return 0
     # restore
     with out.working("restoring..."):
-        restored = client.restore_snapshot(  # type: ignore[attr-defined]
+        restored = client.restore_snapshot(
             agent=args.agent, scope=scope, id=args.snapshot_id, branch_thread=args.into_thread
         )
     if out.as_json:
@@ -518,3 +520,6 @@ def run_client_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: still one line (and a status) rather than a trace
+        print(f"{name}: unexpected error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED

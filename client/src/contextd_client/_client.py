@@ -46,11 +46,13 @@ from contextd_client._convert import (
 )
 from contextd_client.errors import ContextdError, Unavailable, from_rpc_error
 from contextd_client.v1 import context_service_pb2 as pb
+from contextd_client.v1 import key_service_pb2 as kpb
 
 P = TypeVar("P", bound=ProtoMessage)
 T = TypeVar("T")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["ContextService"].full_name
+KEY_SERVICE = kpb.DESCRIPTOR.services_by_name["KeyService"].full_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,20 +138,26 @@ class Client:
     # The one path of every RPC.
 
     def _call(
-        self, method: str, request: ProtoMessage, response_type: type[P], timeout: float | None
+        self,
+        method: str,
+        request: ProtoMessage,
+        response_type: type[P],
+        timeout: float | None,
+        service: str = SERVICE,
     ) -> P:
         """Send `request` to ContextService/`method`, retrying UNAVAILABLE (see the module
         docstring) within one deadline; failures raise ContextdError."""
         if self._closed:
             raise RuntimeError("this contextd Client is closed")
-        callable_ = self._callables.get(method)
+        path = f"/{service}/{method}"
+        callable_ = self._callables.get(path)
         if callable_ is None:
             callable_ = self.channel.unary_unary(
-                f"/{SERVICE}/{method}",
+                path,
                 request_serializer=type(request).SerializeToString,
                 response_deserializer=response_type.FromString,
             )
-            self._callables[method] = callable_
+            self._callables[path] = callable_
         budget = self.timeout if timeout is None else timeout
         deadline = None if budget is None else time.monotonic() + budget
         retry = 0
@@ -549,3 +557,140 @@ class Client:
             return (from_pb(t.Event, e) for e in r.events), r.next_page_token
 
         return self._paged(fetch, page_token)
+
+    # Snapshots.
+
+    def save_snapshot(
+        self,
+        *,
+        agent: str,
+        scope: t.Scope | str | None = None,
+        thread: str = "",
+        description: str = "",
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> t.Snapshot:
+        """Save the window of one thread (every thread of the scope when empty) as a
+        snapshot, with a summary; saving does not clear."""
+        request = pb.SaveSnapshotRequest(
+            agent=agent,
+            scope=scope_pb(scope),
+            thread=thread,
+            description=description,
+            request_id=_request_id(request_id),
+        )
+        response = self._call("SaveSnapshot", request, pb.SaveSnapshotResponse, timeout)
+        return from_pb(t.Snapshot, response.snapshot)
+
+    def list_snapshots(
+        self,
+        *,
+        agent: str,
+        scope: t.Scope | str | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> t.Paged[t.Snapshot]:
+        """The snapshots of an agent in one scope, newest first."""
+
+        def fetch(token: str) -> tuple[Iterable[t.Snapshot], str]:
+            request = pb.ListSnapshotsRequest(
+                agent=agent, scope=scope_pb(scope), page_size=page_size, page_token=token
+            )
+            r = self._call("ListSnapshots", request, pb.ListSnapshotsResponse, timeout)
+            return (from_pb(t.Snapshot, s) for s in r.snapshots), r.next_page_token
+
+        return self._paged(fetch, page_token)
+
+    def get_snapshot(
+        self,
+        *,
+        agent: str,
+        id: str,
+        scope: t.Scope | str | None = None,
+        timeout: float | None = None,
+    ) -> t.SnapshotContent:
+        """A snapshot with its messages, the agent's settings then, and its specifics."""
+        request = pb.GetSnapshotRequest(
+            agent=agent, scope=scope_pb(scope), id=id, view=pb.SNAPSHOT_VIEW_FULL
+        )
+        response = self._call("GetSnapshot", request, pb.GetSnapshotResponse, timeout)
+        return from_pb(t.SnapshotContent, response)
+
+    def delete_snapshot(
+        self,
+        *,
+        agent: str,
+        id: str,
+        scope: t.Scope | str | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        request = pb.DeleteSnapshotRequest(
+            agent=agent, scope=scope_pb(scope), id=id, request_id=_request_id(request_id)
+        )
+        self._call("DeleteSnapshot", request, pb.DeleteSnapshotResponse, timeout)
+
+    def restore_snapshot(
+        self,
+        *,
+        agent: str,
+        id: str,
+        scope: t.Scope | str | None = None,
+        branch_thread: str = "",
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> t.Restored:
+        """Bring a snapshot's messages back into the window (stamped now, marked with the
+        snapshot), or into the new thread `branch_thread`."""
+        request = pb.RestoreSnapshotRequest(
+            agent=agent,
+            scope=scope_pb(scope),
+            id=id,
+            branch_thread=branch_thread,
+            request_id=_request_id(request_id),
+        )
+        response = self._call("RestoreSnapshot", request, pb.RestoreSnapshotResponse, timeout)
+        return from_pb(t.Restored, response)
+
+    # API keys (contextd.v1.KeyService; an admin key).
+
+    def create_key(
+        self,
+        *,
+        role: t.KeyRole,
+        tenant: str = "",
+        name: str = "",
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> tuple[t.ApiKey, str]:
+        """A new key and its secret, which is shown only here."""
+        request = kpb.CreateKeyRequest(
+            tenant=tenant,
+            role=enum_pb(role, "KEY_ROLE_"),
+            name=name,
+            request_id=_request_id(request_id),
+        )
+        response = self._call(
+            "CreateKey", request, kpb.CreateKeyResponse, timeout, service=KEY_SERVICE
+        )
+        return from_pb(t.ApiKey, response.key), response.secret
+
+    def list_keys(
+        self, *, include_revoked: bool = False, timeout: float | None = None
+    ) -> t.Paged[t.ApiKey]:
+        def fetch(token: str) -> tuple[Iterable[t.ApiKey], str]:
+            request = kpb.ListKeysRequest(page_token=token, include_revoked=include_revoked)
+            r = self._call("ListKeys", request, kpb.ListKeysResponse, timeout, service=KEY_SERVICE)
+            return (from_pb(t.ApiKey, k) for k in r.keys), r.next_page_token
+
+        return self._paged(fetch, "")
+
+    def revoke_key(
+        self, *, key_id: str, request_id: str | None = None, timeout: float | None = None
+    ) -> t.ApiKey:
+        request = kpb.RevokeKeyRequest(key_id=key_id, request_id=_request_id(request_id))
+        response = self._call(
+            "RevokeKey", request, kpb.RevokeKeyResponse, timeout, service=KEY_SERVICE
+        )
+        return from_pb(t.ApiKey, response.key)

@@ -43,6 +43,10 @@ _RESULTS: dict[str, type[Any]] = {
     "contextd.v1.CompactContextResponse": t.Compaction,
     "contextd.v1.StatusEntry": t.StatusEntry,
     "contextd.v1.Event": t.Event,
+    "contextd.v1.Snapshot": t.Snapshot,
+    "contextd.v1.GetSnapshotResponse": t.SnapshotContent,
+    "contextd.v1.RestoreSnapshotResponse": t.Restored,
+    "contextd.v1.ApiKey": t.ApiKey,
 }
 
 # Proto enum -> the client's enum; members are matched by name without the proto prefix.
@@ -50,6 +54,7 @@ _ENUMS: dict[str, tuple[type[enum.Enum], str]] = {
     "contextd.v1.Role": (t.Role, "ROLE_"),
     "contextd.v1.StatusKind": (t.StatusKind, "STATUS_KIND_"),
     "contextd.v1.ContextFormat": (t.ContextFormat, "CONTEXT_FORMAT_"),
+    "contextd.v1.KeyRole": (t.KeyRole, "KEY_ROLE_"),
 }
 
 

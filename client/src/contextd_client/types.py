@@ -190,6 +190,7 @@ class Message:
     is_summary: bool
     first_summarized_id: int
     last_summarized_id: int
+    restored_from_snapshot: str = ""  # the snapshot a restored message came from
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,3 +378,62 @@ class Paged(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         for page in self.pages():
             yield from page.items
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A saved window: its metadata (the messages come with `SnapshotContent`)."""
+
+    id: str
+    agent: str
+    scope: Scope | None
+    thread: str
+    create_time: datetime | None
+    description: str
+    summary: str
+    message_count: int
+    window_start_time: datetime | None
+    window_end_time: datetime | None
+    threads: tuple[str, ...]
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotContent:
+    """A snapshot with what it holds: its messages, the agent's settings when it was
+    saved, and the specifics ledger."""
+
+    snapshot: Snapshot
+    messages: tuple[Message, ...]
+    agent: Agent
+    specifics: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a restore wrote: how many messages, into which threads, their receipts."""
+
+    restored_count: int
+    threads: tuple[str, ...]
+    receipts: tuple[MessageReceipt, ...]
+
+
+class KeyRole(enum.Enum):
+    """What an API key may do (proto `KeyRole`, without its prefix)."""
+
+    UNSPECIFIED = "unspecified"
+    READ = "read"
+    WRITE = "write"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """An API key without its secret."""
+
+    key_id: str
+    tenant: str
+    role: KeyRole
+    name: str
+    create_time: datetime | None
+    revoke_time: datetime | None
