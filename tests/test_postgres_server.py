@@ -128,6 +128,9 @@ def test_stop_leaves_no_process_and_restart_moves_off_a_taken_port(
     assert "database system is shut down" in own_server.log_path.read_text()
 
     with socket.socket() as squatter:
+        # The old port may linger in TIME_WAIT after the stop: reuse it (a listener of
+        # ours still makes it taken for the server, which is what is tested).
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", old_port))
         squatter.listen()
         own_server.start()
