@@ -25,6 +25,13 @@ def _key_missing(key_id: str) -> NotFound:
 
 
 class AccessMixin(DuckDBBase):
+    """Keys in the DuckDB file. Whether any key is active is asked on every call that
+    comes without a key, so it is kept in memory: exact here, because one process owns
+    the file and every change goes through this store (`contextd keys --direct` needs the
+    server stopped)."""
+
+    _active_keys_known: bool | None = None
+
     def create_key(
         self, key: ApiKey, secret_hash: str, record: RequestRecord | None = None
     ) -> ApiKey:
@@ -36,7 +43,9 @@ class AccessMixin(DuckDBBase):
             )
             return ApiKey(key.key_id, key.tenant, key.role, key.name, now)
 
-        return self._write(insert, record)
+        created = self._write(insert, record)
+        self._active_keys_known = True
+        return created
 
     def find_key(self, key_id: str) -> tuple[ApiKey, str] | None:
         row = _first(
@@ -77,12 +86,17 @@ class AccessMixin(DuckDBBase):
             cur.execute("UPDATE api_keys SET revoke_time_us = ? WHERE key_id = ?", [now, key_id])
             return ApiKey(key.key_id, key.tenant, key.role, key.name, key.create_time_us, now)
 
-        return self._write(revoke, record)
+        revoked = self._write(revoke, record)
+        self._active_keys_known = None  # read again on the next ask
+        return revoked
 
     def any_active_key(self) -> bool:
+        if self._active_keys_known is not None:
+            return self._active_keys_known
         row = _first(
             self._cursor().execute(
                 "SELECT EXISTS (SELECT 1 FROM api_keys WHERE revoke_time_us IS NULL)"
             )
         )
-        return bool(row[0]) if row else False
+        self._active_keys_known = bool(row[0]) if row else False
+        return self._active_keys_known
