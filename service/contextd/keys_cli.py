@@ -15,8 +15,6 @@ import os
 import sys
 from typing import Any
 
-import grpc
-
 from contextd.config import DEFAULT_ADDR, DEFAULT_DATA_DIR, Settings
 from contextd.domain.access import ApiKey, KeyRole, check_key_name, new_secret
 from contextd.domain.errors import ContextdError, StoreLocked
@@ -129,74 +127,53 @@ def _print_created(key: ApiKey, token: str, as_json: bool) -> None:
 
 
 def _over_grpc(args: argparse.Namespace) -> int:
-    import uuid
+    """The verb through the client package (contextd_client), like every client verb."""
+    from contextd_client import Client
+    from contextd_client import KeyRole as ClientRole
 
-    from contextd.api.key_servicer import role_of
-    from contextd.v1 import key_service_pb2 as kpb
-    from contextd.v1 import key_service_pb2_grpc as kpb_grpc
+    def key_of(key: Any) -> ApiKey:
+        def us(when: Any) -> int | None:
+            return None if when is None else int(when.timestamp() * 1_000_000)
 
-    def key_of(pb_key: Any) -> ApiKey:
-        revoked = pb_key.revoke_time.ToMicroseconds() if pb_key.HasField("revoke_time") else None
         return ApiKey(
-            pb_key.key_id,
-            pb_key.tenant,
-            role_of(pb_key.role),
-            pb_key.name,
-            pb_key.create_time.ToMicroseconds(),
-            revoked,
+            key.key_id,
+            key.tenant,
+            KeyRole[key.role.name],
+            key.name,
+            us(key.create_time) or 0,
+            us(key.revoke_time),
         )
 
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-    with grpc.insecure_channel(args.server) as channel:
-        stub = kpb_grpc.KeyServiceStub(channel)  # type: ignore[no-untyped-call]
+    with Client(args.server, api_key=args.api_key, timeout=30.0) as client:
         if args.verb == "create":
-            created = stub.CreateKey(
-                kpb.CreateKeyRequest(
-                    tenant=args.tenant,
-                    role=int(_ROLES[args.role]),  # type: ignore[arg-type]
-                    name=args.name,
-                    request_id=str(uuid.uuid4()),
-                ),
-                metadata=metadata,
-                timeout=30,
+            key, secret = client.create_key(
+                role=ClientRole[args.role.upper()], tenant=args.tenant, name=args.name
             )
-            _print_created(key_of(created.key), created.secret, args.json)
+            _print_created(key_of(key), secret, args.json)
         elif args.verb == "list":
-            keys: list[ApiKey] = []
-            token = ""
-            while True:
-                page = stub.ListKeys(
-                    kpb.ListKeysRequest(
-                        page_token=token, include_revoked=args.include_revoked, page_size=1000
-                    ),
-                    metadata=metadata,
-                    timeout=30,
-                )
-                keys += [key_of(k) for k in page.keys]
-                token = page.next_page_token
-                if not token:
-                    break
+            keys = [key_of(k) for k in client.list_keys(include_revoked=args.include_revoked)]
             _print_keys(keys, args.json)
         else:
-            revoked = stub.RevokeKey(
-                kpb.RevokeKeyRequest(key_id=args.key_id, request_id=str(uuid.uuid4())),
-                metadata=metadata,
-                timeout=30,
-            )
-            _print_keys([key_of(revoked.key)], args.json)
+            _print_keys([key_of(client.revoke_key(key_id=args.key_id))], args.json)
     return 0
 
 
 def run_key_command(args: argparse.Namespace) -> int:
     """Run a `keys` verb; errors are one line on stderr and exit status 1 (2 for usage)."""
+    from contextd_client import ContextdError as ClientError
+    from contextd_client import Unavailable as ClientUnavailable
+
     try:
         return _direct(args) if args.direct else _over_grpc(args)
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        details = exc.details() if hasattr(exc, "details") else str(exc)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            details = f"cannot reach the server at {args.server} ({details})"
-        print(f"contextd keys {args.verb}: {details}", file=sys.stderr)
+    except ClientUnavailable as exc:
+        print(
+            f"contextd keys {args.verb}: cannot reach the server at {args.server}: {exc.message}",
+            file=sys.stderr,
+        )
+        return 1
+    except ClientError as exc:
+        reason = f" ({exc.reason})" if exc.reason else ""
+        print(f"contextd keys {args.verb}: {exc.message}{reason}", file=sys.stderr)
         return 1
     except (ContextdError, StoreLocked) as exc:
         print(f"contextd keys {args.verb}: {exc}", file=sys.stderr)
