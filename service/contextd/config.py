@@ -53,6 +53,8 @@ class Settings:
     # Serve without API keys on a non-loopback address (anyone who can reach it is the
     # tenant "default" with every role): only behind something that authenticates.
     insecure: bool = False
+    # Most calls a second per tenant on this server (0: no limit).
+    tenant_max_rps: float = 0.0
 
     @property
     def uses_postgres(self) -> bool:
@@ -88,6 +90,8 @@ _SERVE_OPTIONS: dict[str, str] = {
     "the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
     "insecure": "allow serving without API keys on a non-loopback address (every caller is "
     "the default tenant, with every role)",
+    "tenant_max_rps": "most calls per second of one tenant on this server, in bursts of as "
+    "many (0: no limit); beyond it RESOURCE_EXHAUSTED (TENANT_RATE_LIMITED) with a retry delay",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -100,7 +104,7 @@ _SERVE_OPTIONS: dict[str, str] = {
 _CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
 _MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
-_MAY_BE_ZERO = {"grace_seconds"}
+_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps"}
 
 
 def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | float]:

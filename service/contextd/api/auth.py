@@ -16,7 +16,8 @@ import grpc
 from contextd.api.tenant import reset_caller, set_caller
 from contextd.app.keys import KeyCalls
 from contextd.domain.access import KeyRole
-from contextd.domain.errors import PermissionDenied, Unauthenticated
+from contextd.domain.errors import PermissionDenied, ResourceExhausted, Unauthenticated
+from contextd.domain.rate import TenantRates
 
 # The role each method of contextd.v1 needs; a method not listed needs ADMIN, so a new
 # RPC is closed until someone decides otherwise.
@@ -70,8 +71,9 @@ def _bearer(context: grpc.ServicerContext) -> str | None:
 class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Authenticates every call of contextd's services (unary handlers: all of them)."""
 
-    def __init__(self, keys: KeyCalls) -> None:
+    def __init__(self, keys: KeyCalls, rates: TenantRates | None = None) -> None:
         self._keys = keys
+        self._rates = rates
 
     def intercept_service(
         self,
@@ -86,6 +88,14 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         def admitted(context: grpc.ServicerContext) -> object:
             """Authenticate, check the role, record the caller; returns the reset token."""
             caller = self._keys.authenticate(_bearer(context))
+            wait = self._rates.take(caller.tenant) if self._rates is not None else None
+            if wait is not None:
+                raise ResourceExhausted(
+                    "this tenant is over its rate of calls on this server; retry after the "
+                    f"delay ({wait:.3g} s)",
+                    reason="TENANT_RATE_LIMITED",
+                    retry_after_s=wait,
+                )
             if caller.role < needed:
                 raise PermissionDenied(
                     f"this call needs a key with the {needed.name.lower()} role; this key "

@@ -41,6 +41,7 @@ from contextd.app.service import ContextService, Limits
 from contextd.config import Settings
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import Unavailable
+from contextd.domain.rate import TenantRates
 from contextd.ports.store import Store
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
@@ -226,6 +227,9 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"
         )
         admission = Admission()
+        rates = (
+            TenantRates(settings.tenant_max_rps, store.clock) if settings.tenant_max_rps else None
+        )
         exposed = not is_loopback(settings.addr) and not settings.insecure
         if exposed and not store.any_active_key():
             raise OSError(
@@ -237,7 +241,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             workers,
             # The error mapping wraps the others, so every refusal gets its details; the
             # key is checked before the call is admitted.
-            interceptors=[ErrorMappingInterceptor(), AuthInterceptor(service), admission],
+            interceptors=[ErrorMappingInterceptor(), AuthInterceptor(service, rates), admission],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
