@@ -42,13 +42,14 @@ def _list(client: Client, key: str | None = None) -> None:
 def _retry_delay_s(error: grpc.RpcError) -> float:
     status = rpc_status.from_call(error)  # type: ignore[arg-type]
     assert status is not None
-    reasons, delays = [], []
+    reasons: list[str] = []
+    delays: list[float] = []
     for detail in status.details:
         info, retry = error_details_pb2.ErrorInfo(), error_details_pb2.RetryInfo()
         if detail.Unpack(info):
-            reasons.append(info.reason)
+            reasons.append(str(info.reason))
         elif detail.Unpack(retry):
-            delays.append(retry.retry_delay.ToMicroseconds() / 1e6)
+            delays.append(float(retry.retry_delay.ToMicroseconds()) / 1e6)
     assert reasons == ["TENANT_RATE_LIMITED"]
     return delays[0]
 
