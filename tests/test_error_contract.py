@@ -20,7 +20,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from conftest import USER, Client, InProcessServer, connect
-from contextd.adapters.duckdb.keys import KEY_FILE
+from contextd.adapters.duckdb.page_token_key import KEY_FILE
 from contextd.api.errors import ErrorMappingInterceptor
 from contextd.app.paging import PageToken, PageTokens
 from contextd.domain.errors import InvalidArgument

@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from contextd.domain.access import ApiKey, KeyRole
 from contextd.domain.context import StatusEntry, StatusKind
 from contextd.domain.model import (
     Agent,
@@ -20,6 +21,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.snapshots import SnapshotInfo
 
 AGENT_COLUMNS = (
     "tenant, name, system_prompt, docs_json, rolling_window_us, create_time_us, "
@@ -123,3 +125,36 @@ def agent_row(tenant: str, name: str, settings: AgentSettings, now_us: int) -> l
 
 def status_kind_code(kind: StatusKind) -> int:
     return 1 if kind == StatusKind.THREAD else 2
+
+
+SNAPSHOT_COLUMNS = (
+    "id, tenant, agent, scope, thread, create_time_us, description, summary, message_count, "
+    "window_start_us, window_end_us, threads_json, size_bytes"
+)
+
+
+def snapshot_from_row(row: Sequence[Any]) -> SnapshotInfo:
+    """A snapshot's metadata from its SNAPSHOT_COLUMNS."""
+    return SnapshotInfo(
+        id=row[0],
+        tenant=row[1],
+        agent=row[2],
+        scope=row[3],
+        thread=row[4],
+        create_time_us=row[5],
+        description=row[6],
+        summary=row[7],
+        message_count=row[8],
+        window_start_us=row[9],
+        window_end_us=row[10],
+        threads=tuple(json.loads(row[11])),
+        size_bytes=row[12],
+    )
+
+
+KEY_COLUMNS = "key_id, tenant, role, name, create_time_us, revoke_time_us"
+
+
+def key_from_row(row: Sequence[Any]) -> ApiKey:
+    """An API key from its KEY_COLUMNS."""
+    return ApiKey(row[0], row[1], KeyRole(row[2]), row[3], row[4], row[5])

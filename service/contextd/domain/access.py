@@ -16,7 +16,8 @@ import secrets
 from dataclasses import dataclass
 from enum import IntEnum
 
-from contextd.domain.errors import InvalidArgument
+from contextd.domain.errors import InvalidArgument, NotFound
+from contextd.domain.validation import quote
 
 KEY_PREFIX = "ctxd"
 _TOKEN = re.compile(r"ctxd_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
@@ -84,3 +85,7 @@ def check_key_name(name: str) -> str:
             field="name",
         )
     return name
+
+
+def key_not_found(key_id: str) -> NotFound:
+    return NotFound(f"no API key {quote(key_id)} in this tenant", reason="KEY_NOT_FOUND")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from contextd.domain.errors import DataLoss, InvalidArgument
+from contextd.domain.errors import DataLoss, InvalidArgument, NotFound
 from contextd.domain.model import Agent, AgentDoc, BuildOverrides, Role, StoredMessage
 from contextd.domain.validation import quote
 
@@ -311,3 +311,16 @@ def decode_document(raw: bytes, info: SnapshotInfo) -> SnapshotContents:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise DataLoss(f"{unreadable} ({str(exc)[:120]}); restore it from a backup") from exc
     return SnapshotContents(info, messages, agent, specifics)
+
+
+def snapshot_agent_gone(agent: str) -> NotFound:
+    """A save whose agent was deleted while its summary was written."""
+    return NotFound(
+        f"agent {agent!r} was deleted while the snapshot was saved", reason="AGENT_NOT_FOUND"
+    )
+
+
+def snapshot_not_found(snapshot_id: str) -> NotFound:
+    return NotFound(
+        f"no snapshot {snapshot_id!r} in this scope of the agent", reason="SNAPSHOT_NOT_FOUND"
+    )

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import duckdb
 
 from contextd.adapters.duckdb.base import DuckDBBase, _first
-from contextd.domain.access import ApiKey, KeyRole
-from contextd.domain.errors import NotFound
+from contextd.adapters.rows import KEY_COLUMNS, key_from_row
+from contextd.domain.access import ApiKey, key_not_found
 from contextd.domain.idempotency import RequestRecord
-from contextd.domain.validation import quote
-
-_KEY_COLUMNS = "key_id, tenant, role, name, create_time_us, revoke_time_us"
-
-
-def _key_from_row(row: Sequence[Any]) -> ApiKey:
-    return ApiKey(row[0], row[1], KeyRole(row[2]), row[3], row[4], row[5])
-
-
-def _key_missing(key_id: str) -> NotFound:
-    return NotFound(f"no API key {quote(key_id)} in this tenant", reason="KEY_NOT_FOUND")
 
 
 class AccessMixin(DuckDBBase):
@@ -38,7 +24,7 @@ class AccessMixin(DuckDBBase):
         def insert(cur: duckdb.DuckDBPyConnection) -> ApiKey:
             now = self.clock.tick()
             cur.execute(
-                f"INSERT INTO api_keys ({_KEY_COLUMNS}, secret_hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO api_keys ({KEY_COLUMNS}, secret_hash) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [key.key_id, key.tenant, int(key.role), key.name, now, None, secret_hash],
             )
             return ApiKey(key.key_id, key.tenant, key.role, key.name, now)
@@ -50,10 +36,10 @@ class AccessMixin(DuckDBBase):
     def find_key(self, key_id: str) -> tuple[ApiKey, str] | None:
         row = _first(
             self._cursor().execute(
-                f"SELECT {_KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = ?", [key_id]
+                f"SELECT {KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = ?", [key_id]
             )
         )
-        return (_key_from_row(row), row[6]) if row else None
+        return (key_from_row(row), row[6]) if row else None
 
     def list_keys(
         self, tenant: str, after_key_id: str | None, limit: int, include_revoked: bool
@@ -61,25 +47,25 @@ class AccessMixin(DuckDBBase):
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant = ? AND key_id > ? "
+                f"SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant = ? AND key_id > ? "
                 "AND (? OR revoke_time_us IS NULL) ORDER BY key_id LIMIT ?",
                 [tenant, after_key_id or "", include_revoked, limit],
             )
             .fetchall()
         )
-        return [_key_from_row(r) for r in rows]
+        return [key_from_row(r) for r in rows]
 
     def revoke_key(self, tenant: str, key_id: str, record: RequestRecord | None = None) -> ApiKey:
         def revoke(cur: duckdb.DuckDBPyConnection) -> ApiKey:
             row = _first(
                 cur.execute(
-                    f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ? AND tenant = ?",
+                    f"SELECT {KEY_COLUMNS} FROM api_keys WHERE key_id = ? AND tenant = ?",
                     [key_id, tenant],
                 )
             )
             if row is None:
-                raise _key_missing(key_id)
-            key = _key_from_row(row)
+                raise key_not_found(key_id)
+            key = key_from_row(row)
             if key.revoke_time_us is not None:
                 return key
             now = self.clock.tick()

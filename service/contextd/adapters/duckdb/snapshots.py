@@ -23,15 +23,17 @@ from urllib.parse import quote
 import duckdb
 
 from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
-from contextd.domain.errors import DataLoss, NotFound, StoreBusy, StoreUnavailable
+from contextd.adapters.rows import SNAPSHOT_COLUMNS, snapshot_from_row
+from contextd.domain.errors import DataLoss, StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
-from contextd.domain.snapshots import SnapshotInfo, utc_name
+from contextd.domain.snapshots import (
+    SnapshotInfo,
+    snapshot_agent_gone,
+    snapshot_not_found,
+    utc_name,
+)
 
 SNAPSHOTS_DIR = "snapshots"
-_COLUMNS = (
-    "id, tenant, agent, scope, thread, create_time_us, description, summary, message_count, "
-    "window_start_us, window_end_us, threads_json, size_bytes"
-)
 
 
 def document_path(info: SnapshotInfo) -> str:
@@ -39,36 +41,6 @@ def document_path(info: SnapshotInfo) -> str:
     hold "/" and ":", so they are percent-encoded into one safe directory name."""
     agent = quote(info.agent, safe="")
     return f"{SNAPSHOTS_DIR}/{agent}/{utc_name(info.create_time_us)}_{info.id}.json"
-
-
-def agent_gone(agent: str) -> NotFound:
-    return NotFound(
-        f"agent {agent!r} was deleted while the snapshot was saved", reason="AGENT_NOT_FOUND"
-    )
-
-
-def not_found(snapshot_id: str) -> NotFound:
-    return NotFound(
-        f"no snapshot {snapshot_id!r} in this scope of the agent", reason="SNAPSHOT_NOT_FOUND"
-    )
-
-
-def _info(row: Sequence[Any]) -> SnapshotInfo:
-    return SnapshotInfo(
-        id=row[0],
-        tenant=row[1],
-        agent=row[2],
-        scope=row[3],
-        thread=row[4],
-        create_time_us=row[5],
-        description=row[6],
-        summary=row[7],
-        message_count=row[8],
-        window_start_us=row[9],
-        window_end_us=row[10],
-        threads=tuple(json.loads(row[11])),
-        size_bytes=row[12],
-    )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -128,9 +100,9 @@ class SnapshotsMixin(DuckDBBase):
                 )
             )
             if agent is None or agent[0] != agent_created_us:
-                raise agent_gone(info.agent)
+                raise snapshot_agent_gone(info.agent)
             cur.execute(
-                f"INSERT INTO snapshots ({_COLUMNS}, scope_key, path, sha256) "
+                f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}, scope_key, path, sha256) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     info.id,
@@ -180,26 +152,26 @@ class SnapshotsMixin(DuckDBBase):
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {_COLUMNS} FROM snapshots WHERE scope_key = ? "
+                f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE scope_key = ? "
                 f"AND tenant = ? AND agent = ? AND scope = ? {position} "
                 "ORDER BY create_time_us DESC, id DESC LIMIT ?",
                 [*params, limit],
             )
             .fetchall()
         )
-        return [_info(r) for r in rows]
+        return [snapshot_from_row(r) for r in rows]
 
     def get_snapshot(
         self, tenant: str, agent: str, scope: str, snapshot_id: str
     ) -> SnapshotInfo | None:
         row = _first(
             self._cursor().execute(
-                f"SELECT {_COLUMNS} FROM snapshots WHERE id = ? AND tenant = ? AND agent = ? "
-                "AND scope = ?",
+                f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE id = ? AND tenant = ? "
+                "AND agent = ? AND scope = ?",
                 [snapshot_id, tenant, agent, scope],
             )
         )
-        return _info(row) if row else None
+        return snapshot_from_row(row) if row else None
 
     def snapshot_document(self, info: SnapshotInfo) -> bytes:
         row = _first(
@@ -209,7 +181,7 @@ class SnapshotsMixin(DuckDBBase):
             )
         )
         if row is None:
-            raise not_found(info.id)  # deleted since its metadata was read
+            raise snapshot_not_found(info.id)  # deleted since its metadata was read
         relative, digest = str(row[0]), str(row[1])
         try:
             data = (self._data_dir / relative).read_bytes()
@@ -241,12 +213,12 @@ class SnapshotsMixin(DuckDBBase):
             where = "id = ? AND tenant = ? AND agent = ? AND scope = ?"
             params = [snapshot_id, tenant, agent, scope]
             row = _first(
-                cur.execute(f"SELECT {_COLUMNS}, path FROM snapshots WHERE {where}", params)
+                cur.execute(f"SELECT {SNAPSHOT_COLUMNS}, path FROM snapshots WHERE {where}", params)
             )
             if row is None:
-                raise not_found(snapshot_id)
+                raise snapshot_not_found(snapshot_id)
             cur.execute(f"DELETE FROM snapshots WHERE {where}", params)
-            return _info(row), str(row[-1])
+            return snapshot_from_row(row), str(row[-1])
 
         # A retry is answered with the snapshot alone, as the first call was.
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None

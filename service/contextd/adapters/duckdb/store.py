@@ -32,8 +32,8 @@ from contextd.adapters.duckdb.base import (
     _first,
     log,
 )
-from contextd.adapters.duckdb.keys import load_or_create_key
 from contextd.adapters.duckdb.messages import MessagesMixin
+from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.schema import MIGRATIONS
 from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin

@@ -2,24 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from contextd.adapters.postgres.base import Conn, PostgresBase, first
-from contextd.domain.access import ApiKey, KeyRole
-from contextd.domain.errors import NotFound
+from contextd.adapters.rows import KEY_COLUMNS, key_from_row
+from contextd.domain.access import ApiKey, key_not_found
 from contextd.domain.idempotency import RequestRecord
-from contextd.domain.validation import quote
-
-_KEY_COLUMNS = "key_id, tenant, role, name, create_time_us, revoke_time_us"
-
-
-def _key_from_row(row: Sequence[Any]) -> ApiKey:
-    return ApiKey(row[0], row[1], KeyRole(row[2]), row[3], row[4], row[5])
-
-
-def _key_missing(key_id: str) -> NotFound:
-    return NotFound(f"no API key {quote(key_id)} in this tenant", reason="KEY_NOT_FOUND")
 
 
 class AccessMixin(PostgresBase):
@@ -29,7 +15,7 @@ class AccessMixin(PostgresBase):
         def insert(conn: Conn) -> ApiKey:
             now = self.clock.tick()
             conn.execute(
-                f"INSERT INTO api_keys ({_KEY_COLUMNS}, secret_hash) "
+                f"INSERT INTO api_keys ({KEY_COLUMNS}, secret_hash) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s)",
                 [key.key_id, key.tenant, int(key.role), key.name, now, None, secret_hash],
             )
@@ -41,32 +27,32 @@ class AccessMixin(PostgresBase):
         with self._reading() as conn:
             row = first(
                 conn,
-                f"SELECT {_KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = %s",
+                f"SELECT {KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = %s",
                 [key_id],
             )
-        return (_key_from_row(row), row[6]) if row else None
+        return (key_from_row(row), row[6]) if row else None
 
     def list_keys(
         self, tenant: str, after_key_id: str | None, limit: int, include_revoked: bool
     ) -> list[ApiKey]:
         with self._reading() as conn:
             rows = conn.execute(
-                f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE tenant = %s AND key_id > %s "
+                f"SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant = %s AND key_id > %s "
                 "AND (%s OR revoke_time_us IS NULL) ORDER BY key_id LIMIT %s",
                 [tenant, after_key_id or "", include_revoked, limit],
             ).fetchall()
-        return [_key_from_row(r) for r in rows]
+        return [key_from_row(r) for r in rows]
 
     def revoke_key(self, tenant: str, key_id: str, record: RequestRecord | None = None) -> ApiKey:
         def revoke(conn: Conn) -> ApiKey:
             row = first(
                 conn,
-                f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = %s AND tenant = %s FOR UPDATE",
+                f"SELECT {KEY_COLUMNS} FROM api_keys WHERE key_id = %s AND tenant = %s FOR UPDATE",
                 [key_id, tenant],
             )
             if row is None:
-                raise _key_missing(key_id)
-            key = _key_from_row(row)
+                raise key_not_found(key_id)
+            key = key_from_row(row)
             if key.revoke_time_us is not None:
                 return key
             now = self.clock.tick()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from contextd.adapters.postgres.agents import INSERT_AGENT, find_agent
+from contextd.adapters.postgres.agents import INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
@@ -70,6 +70,10 @@ _NARROW_COLUMNS = (
     ("int8send", "sequence"),
 )
 
+_LOCK_AGENT = (
+    "SELECT model, last_clear_us FROM agents WHERE tenant = %s AND name = %s FOR KEY SHARE"
+)
+
 _LOCK_THREAD = (
     "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
@@ -113,7 +117,9 @@ class MessagesMixin(PostgresBase):
         default_settings: AgentSettings | None,
     ) -> list[MessageReceipt]:
         tenant = key.tenant
-        agent = find_agent(conn, tenant, key.agent, "FOR KEY SHARE")
+        # Only what the append needs of the agent (not its prompt and docs, up to MiBs),
+        # locked FOR KEY SHARE: a delete of the agent waits for this append.
+        agent = first(conn, _LOCK_AGENT, [tenant, key.agent])
         if agent is None:
             if default_settings is None:
                 raise agent_missing(key.agent)
@@ -121,11 +127,12 @@ class MessagesMixin(PostgresBase):
                 INSERT_AGENT + " ON CONFLICT (tenant, name) DO NOTHING",
                 agent_row(tenant, key.agent, default_settings, self.clock.tick()),
             )
-            agent = find_agent(conn, tenant, key.agent, "FOR KEY SHARE")
+            agent = first(conn, _LOCK_AGENT, [tenant, key.agent])
             if agent is None:  # deleted between the insert and the read: let the caller retry
                 raise agent_missing(key.agent)
-        if batch.tokenizer != _model_label(agent.model) and batch.summarized_ids is None:
-            raise StaleModel(agent.model)
+        model, agent_clear_us = str(agent[0]), int(agent[1])
+        if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
+            raise StaleModel(model)
         row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
         n = len(batch)
         commit_time = 0  # stamped below, or here when this append creates the thread
@@ -135,7 +142,7 @@ class MessagesMixin(PostgresBase):
                 # gone, it must not bring the context back.
                 raise thread_gone(key.agent, key.thread)
             # The thread begins with this append: its create time is this commit's.
-            self.clock.advance_to(agent.last_clear_time_us)
+            self.clock.advance_to(agent_clear_us)
             commit_time = self.clock.tick()
             created = first(
                 conn,
@@ -155,7 +162,7 @@ class MessagesMixin(PostgresBase):
         context_id, last_sequence, last_time, last_clear = row
         # Commit times of a thread never go back, nor fall at or before a clear that
         # applies to it, whatever this replica's clock says.
-        self.clock.advance_to(max(last_time, agent.last_clear_time_us, last_clear or 0))
+        self.clock.advance_to(max(last_time, agent_clear_us, last_clear or 0))
         if last_time or not commit_time:
             commit_time = self.clock.tick()
         ids = [

@@ -8,48 +8,13 @@ any other, and there is no file to lose.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from contextd.adapters.postgres.base import Conn, PostgresBase, first
-from contextd.domain.errors import DataLoss, NotFound
+from contextd.adapters.rows import SNAPSHOT_COLUMNS, snapshot_from_row
+from contextd.domain.errors import DataLoss
 from contextd.domain.idempotency import RequestRecord
-from contextd.domain.snapshots import SnapshotInfo
-
-_COLUMNS = (
-    "id, tenant, agent, scope, thread, create_time_us, description, summary, message_count, "
-    "window_start_us, window_end_us, threads_json, size_bytes"
-)
-
-
-def agent_gone(agent: str) -> NotFound:
-    return NotFound(
-        f"agent {agent!r} was deleted while the snapshot was saved", reason="AGENT_NOT_FOUND"
-    )
-
-
-def not_found(snapshot_id: str) -> NotFound:
-    return NotFound(
-        f"no snapshot {snapshot_id!r} in this scope of the agent", reason="SNAPSHOT_NOT_FOUND"
-    )
-
-
-def _info(row: Sequence[Any]) -> SnapshotInfo:
-    return SnapshotInfo(
-        id=row[0],
-        tenant=row[1],
-        agent=row[2],
-        scope=row[3],
-        thread=row[4],
-        create_time_us=row[5],
-        description=row[6],
-        summary=row[7],
-        message_count=row[8],
-        window_start_us=row[9],
-        window_end_us=row[10],
-        threads=tuple(json.loads(row[11])),
-        size_bytes=row[12],
-    )
+from contextd.domain.snapshots import SnapshotInfo, snapshot_agent_gone, snapshot_not_found
 
 
 class SnapshotsMixin(PostgresBase):
@@ -69,9 +34,9 @@ class SnapshotsMixin(PostgresBase):
                 [info.tenant, info.agent],
             )
             if agent is None or agent[0] != agent_created_us:
-                raise agent_gone(info.agent)
+                raise snapshot_agent_gone(info.agent)
             conn.execute(
-                f"INSERT INTO snapshots ({_COLUMNS}, document) "
+                f"INSERT INTO snapshots ({SNAPSHOT_COLUMNS}, document) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 [
                     info.id,
@@ -109,11 +74,11 @@ class SnapshotsMixin(PostgresBase):
             params += [after[0], after[1]]
         with self._reading() as conn:
             rows = conn.execute(
-                f"SELECT {_COLUMNS} FROM snapshots WHERE tenant = %s AND agent = %s "
+                f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE tenant = %s AND agent = %s "
                 f"AND scope = %s {position} ORDER BY create_time_us DESC, id DESC LIMIT %s",
                 [*params, limit],
             ).fetchall()
-        return [_info(r) for r in rows]
+        return [snapshot_from_row(r) for r in rows]
 
     def get_snapshot(
         self, tenant: str, agent: str, scope: str, snapshot_id: str
@@ -121,11 +86,11 @@ class SnapshotsMixin(PostgresBase):
         with self._reading() as conn:
             row = first(
                 conn,
-                f"SELECT {_COLUMNS} FROM snapshots WHERE tenant = %s AND id = %s "
+                f"SELECT {SNAPSHOT_COLUMNS} FROM snapshots WHERE tenant = %s AND id = %s "
                 "AND agent = %s AND scope = %s",
                 [tenant, snapshot_id, agent, scope],
             )
-        return _info(row) if row else None
+        return snapshot_from_row(row) if row else None
 
     def snapshot_document(self, info: SnapshotInfo) -> bytes:
         with self._reading() as conn:
@@ -135,7 +100,7 @@ class SnapshotsMixin(PostgresBase):
                 [info.tenant, info.id],
             )
         if row is None:
-            raise not_found(info.id)  # deleted since its metadata was read
+            raise snapshot_not_found(info.id)  # deleted since its metadata was read
         if row[0] is None:
             raise DataLoss(f"the document of snapshot {info.id!r} is missing")
         return bytes(row[0])
@@ -152,11 +117,11 @@ class SnapshotsMixin(PostgresBase):
             row = first(
                 conn,
                 f"DELETE FROM snapshots WHERE tenant = %s AND id = %s AND agent = %s "
-                f"AND scope = %s RETURNING {_COLUMNS}",
+                f"AND scope = %s RETURNING {SNAPSHOT_COLUMNS}",
                 [tenant, snapshot_id, agent, scope],
             )
             if row is None:
-                raise not_found(snapshot_id)
-            return _info(row)
+                raise snapshot_not_found(snapshot_id)
+            return snapshot_from_row(row)
 
         return self._write(delete, record)
