@@ -309,3 +309,29 @@ def test_keys_from_the_command_line(server: InProcessServer, tmp_path: Path) -> 
     assert "API key" in refused.stderr and "Traceback" not in refused.stderr
     revoked = keys("revoke", made["key_id"], "--api-key", made["secret"])
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
+
+
+@pytest.mark.duckdb_only  # --direct opens the DuckDB file itself (no server running)
+def test_keys_directly_on_the_store_for_any_tenant(tmp_path: Path) -> None:
+    import json
+
+    def keys(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "contextd", "keys", *args),
+                *("--direct", "--json", "--data-dir", str(tmp_path / "data")),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    created = keys("create", "--tenant", "acme", "--role", "read")
+    assert created.returncode == 0, created.stderr
+    key = json.loads(created.stdout)
+    listed = keys("list", "--tenant", "acme")
+    assert [k["key_id"] for k in json.loads(listed.stdout)] == [key["key_id"]]
+    revoked = keys("revoke", key["key_id"])
+    assert revoked.returncode == 0, revoked.stderr
+    assert json.loads(revoked.stdout)[0]["revoke_time_us"] is not None
+    assert json.loads(keys("list", "--tenant", "acme").stdout) == []

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from contextd.config import DEFAULT_ADDR, DEFAULT_DATA_DIR, Settings
@@ -69,6 +70,11 @@ def add_key_commands(commands: Any) -> None:
             sub.add_argument("--name", default="", help="a label for people")
         elif verb == "list":
             sub.add_argument("--include-revoked", action="store_true")
+            sub.add_argument(
+                "--tenant",
+                default=DEFAULT_TENANT,
+                help="with --direct: the tenant whose keys to list (over gRPC: your own)",
+            )
         else:
             sub.add_argument("key_id", help="the id of the key to revoke")
 
@@ -97,7 +103,7 @@ def _print_keys(keys: list[ApiKey], as_json: bool) -> None:
 def _direct(args: argparse.Namespace) -> int:
     from contextd.adapters.open import open_store
 
-    settings = Settings(data_dir=__import__("pathlib").Path(args.data_dir), store=args.store)
+    settings = Settings(data_dir=Path(args.data_dir), store=args.store)
     store = open_store(settings)
     try:
         if args.verb == "create":
@@ -108,10 +114,13 @@ def _direct(args: argparse.Namespace) -> int:
             )
             _print_created(key, token, args.json)
         elif args.verb == "list":
-            tenant = DEFAULT_TENANT
+            tenant = check_name(args.tenant, "tenant")
             _print_keys(store.list_keys(tenant, None, 10_000, args.include_revoked), args.json)
         else:
-            _print_keys([store.revoke_key(DEFAULT_TENANT, args.key_id)], args.json)
+            # The operator revokes a key of any tenant: the key's own tenant is used.
+            found = store.find_key(args.key_id)
+            tenant = found[0].tenant if found else DEFAULT_TENANT
+            _print_keys([store.revoke_key(tenant, args.key_id)], args.json)
     finally:
         store.close()
     return 0
