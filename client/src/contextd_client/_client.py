@@ -1,4 +1,5 @@
-"""`Client`: one method per RPC of contextd.v1.ContextService, over one gRPC channel.
+"""`Client`: one method per RPC of contextd.v1 (ContextService and KeyService), over one
+gRPC channel.
 
 Every method takes keyword arguments only (names as in the proto), converts its request
 from plain values (`_convert`), sends it through `_call`, and returns a frozen dataclass.
@@ -145,8 +146,9 @@ class Client:
         timeout: float | None,
         service: str = SERVICE,
     ) -> P:
-        """Send `request` to ContextService/`method`, retrying UNAVAILABLE (see the module
-        docstring) within one deadline; failures raise ContextdError."""
+        """Send `request` to `service`/`method` (ContextService unless named), retrying
+        UNAVAILABLE (see the module docstring) within one deadline; failures raise
+        ContextdError."""
         if self._closed:
             raise RuntimeError("this contextd Client is closed")
         path = f"/{service}/{method}"
