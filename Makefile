@@ -70,10 +70,10 @@ run: build ## Start the server on $CONTEXTD_ADDR with its DuckDB file in $CONTEX
 	$(VENV)/bin/contextd serve
 
 .PHONY: test
-test: build $(STAMPS)/bench-deps ## Run the whole suite: the quick benchmark once, cargo test, pytest
-	$(MAKE) --no-print-directory bench-quick
+test: build $(STAMPS)/bench-deps ## Run the whole suite: cargo test, pytest, then the quick benchmark once
 	cd rust_core && cargo test --quiet
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory bench-quick
 
 $(STAMPS)/bench-deps: $(STAMPS)/deps
 	$(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
