@@ -92,9 +92,11 @@ class ThreadCalls(UseCases):
         exists = int(window_count) > 0
         # The context (or, for a scope, its thread updated last) expires ttl after its
         # newest message; told only while it holds something.
+        expire = policy.expire_time_us(newest) if exists else None
         return ContextStats(
             exists=exists,
-            expire_time_us=policy.expire_time_us(newest) if exists else None,
+            expire_time_us=expire,
+            expires_in_us=None if expire is None else max(0, expire - now),
             retention=policy,
             window_start_time_us=window.age_after_us,
             last_clear_time_us=max(found.last_clear_time_us, thread_clear or 0),

@@ -245,6 +245,7 @@ class ContextStats:
     exists: bool = False
     # When the context expires under its retention policy (None: never, or nothing in it).
     expire_time_us: int | None = None
+    expires_in_us: int | None = None
     retention: RetentionPolicy = KEEP_EVERYTHING
 
 
