@@ -21,6 +21,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.retention import retention_json, retention_of
 from contextd.domain.snapshots import SnapshotInfo
 
 AGENT_COLUMNS = (
@@ -43,6 +44,8 @@ MESSAGE_COLUMNS = (
 
 def agent_from_row(row: Sequence[Any]) -> Agent:
     docs = tuple(AgentDoc(name=d["name"], content=d["content"]) for d in json.loads(row[3]))
+    settings = json.loads(row[9])
+    retention, overrides = retention_of(settings)
     return Agent(
         tenant=row[0],
         name=row[1],
@@ -53,7 +56,9 @@ def agent_from_row(row: Sequence[Any]) -> Agent:
         update_time_us=row[6],
         last_clear_time_us=row[7],
         model=row[8],
-        build_options=BuildOverrides(**json.loads(row[9]).get("build_options", {})),
+        build_options=BuildOverrides(**settings.get("build_options", {})),
+        retention=retention,
+        retention_overrides=overrides,
     )
 
 
@@ -99,8 +104,14 @@ def status_from_row(row: Sequence[Any]) -> StatusEntry:
 
 
 def settings_json(settings: AgentSettings) -> str:
-    """Settings without columns of their own (build options today), as one JSON object."""
-    return json.dumps({"build_options": settings.build_options.as_dict()})
+    """Settings without columns of their own (build options, retention), as one JSON
+    object; retention appears only when the agent has some."""
+    return json.dumps(
+        {
+            "build_options": settings.build_options.as_dict(),
+            **retention_json(settings.retention, settings.retention_overrides),
+        }
+    )
 
 
 def docs_json(docs: Sequence[AgentDoc]) -> str:

@@ -31,6 +31,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.retention import KEEP_EVERYTHING, RetentionPolicy, ScopeRetention
 from contextd.domain.snapshots import SnapshotContents, SnapshotInfo
 from contextd.v1 import context_service_pb2 as pb
 
@@ -294,6 +295,31 @@ def agent_pb(agent: Agent) -> pb.Agent:
         model=agent.model,
         build_options=options_pb(agent.build_options),
         etag=agent.etag,
+        retention=retention_pb(agent.retention),
+        retention_overrides=[
+            pb.ScopeRetention(scope_pattern=o.scope_pattern, policy=retention_pb(o.policy))
+            for o in agent.retention_overrides
+        ],
+    )
+
+
+def retention_pb(policy: RetentionPolicy) -> pb.RetentionPolicy | None:
+    """A policy on the wire; None (unset) for the default, which keeps everything."""
+    if policy == KEEP_EVERYTHING:
+        return None
+    return pb.RetentionPolicy(
+        max_messages=policy.max_messages,
+        ttl=duration_pb(policy.ttl_us) if policy.ttl_us else None,
+        delete_overflow=policy.delete_overflow,
+    )
+
+
+def retention_of(policy: pb.RetentionPolicy, field: str) -> RetentionPolicy:
+    """A policy from the wire (checked by the use case: domain/retention.py)."""
+    return RetentionPolicy(
+        max_messages=policy.max_messages,
+        ttl_us=micros(policy.ttl, f"{field}.ttl") if policy.HasField("ttl") else 0,
+        delete_overflow=policy.delete_overflow,
     )
 
 
@@ -307,6 +333,10 @@ def present_fields(agent: pb.Agent) -> list[str]:
     if agent.HasField("rolling_window"):
         paths.append("rolling_window")
     paths += [f"build_options.{f}" for f in _OPTION_FIELDS if agent.build_options.HasField(f)]
+    if agent.HasField("retention"):
+        paths.append("retention")
+    if agent.retention_overrides:
+        paths.append("retention_overrides")
     return paths
 
 
@@ -322,6 +352,14 @@ def settings_of(agent: pb.Agent) -> AgentSettings:
         rolling_window_us=window,
         model=agent.model,
         build_options=overrides_of(agent.build_options),
+        retention=retention_of(agent.retention, "agent.retention"),
+        retention_overrides=tuple(
+            ScopeRetention(
+                o.scope_pattern,
+                retention_of(o.policy, f"agent.retention_overrides[{i}].policy"),
+            )
+            for i, o in enumerate(agent.retention_overrides)
+        ),
     )
 
 
@@ -449,6 +487,10 @@ def stats_pb(s: ContextStats) -> pb.ContextStats:
         newest_message_time=timestamp_pb(s.newest_message_time_us),
         rolling_window=duration_pb(s.rolling_window_us),
         thread_count=s.thread_count,
+        exists=s.exists,
+        expires_in=None if s.expires_in_us is None else duration_pb(s.expires_in_us),
+        expire_time=timestamp_pb(s.expire_time_us),
+        retention=retention_pb(s.retention),
     )
 
 

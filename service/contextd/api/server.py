@@ -133,6 +133,8 @@ class RunningServer:
     workers: futures.ThreadPoolExecutor
     summarizer: AnthropicSummarizer
     admission: Admission
+    service: ContextService | None = None
+    sweeper: RetentionSweeper | None = None
 
     def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, refuse new calls and drain those in flight, stop gRPC, then flush
@@ -146,6 +148,8 @@ class RunningServer:
         """
         deadline = None if grace is None else time.monotonic() + grace
         self.health.enter_graceful_shutdown()
+        if self.sweeper is not None:
+            self.sweeper.stop()  # after its current chunk
         self.store.stop_background_work()
         self.admission.drain(0.0 if grace is None else grace)  # None: stop at once
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -153,6 +157,40 @@ class RunningServer:
         self.workers.shutdown(wait=True, cancel_futures=True)
         self.summarizer.close()
         self.store.close()
+
+
+class RetentionSweeper:
+    """Runs the retention sweep every `interval_s` seconds on its own thread (the first
+    pass one interval after start); a pass that fails is logged and the next one retries.
+    On PostgreSQL every replica runs one, and the store's lock lets one sweep at a time."""
+
+    def __init__(self, service: ContextService, interval_s: float) -> None:
+        self._service = service
+        self._interval_s = interval_s
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="contextd-sweep", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            try:
+                report = self._service.sweep_retention(stop=self._stopping)
+            except Exception:
+                log.exception("retention sweep failed; the next pass retries")
+                continue
+            if report.expired_deleted or report.overflow_deleted:
+                log.info(
+                    "retention sweep deleted messages",
+                    extra={
+                        "threads": report.threads,
+                        "expired_deleted": report.expired_deleted,
+                        "overflow_deleted": report.overflow_deleted,
+                    },
+                )
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=30)
 
 
 def is_loopback(addr: str) -> bool:
@@ -300,6 +338,12 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         workers=workers,
         summarizer=summarizer,
         admission=admission,
+        service=service,
+        sweeper=(
+            RetentionSweeper(service, settings.sweep_interval_seconds)
+            if settings.sweep_interval_seconds
+            else None
+        ),
     )
 
 

@@ -31,7 +31,9 @@ class AgentCalls(UseCases):
         self, tenant: str, name: str, settings: AgentSettings, record: RequestRecord | None = None
     ) -> Agent:
         check_name(name, "agent.name")
-        return self._store.create_agent(tenant, name, checked_settings(settings), record)
+        created = self._store.create_agent(tenant, name, checked_settings(settings), record)
+        self._forget_agent(tenant, name)
+        return created
 
     def get_agent(self, tenant: str, name: str) -> Agent:
         check_name(name, "name")
@@ -63,7 +65,7 @@ class AgentCalls(UseCases):
         updated = self._store.update_agent(
             tenant, name, checked_settings(settings), chosen, etag, record
         )
-        self._models.pop((tenant, name), None)  # after the commit, so no stale re-read
+        self._forget_agent(tenant, name)  # after the commit, so no stale re-read
         return updated
 
     def list_agents(self, tenant: str, requested_size: int, token: str) -> Page[Agent]:
@@ -79,5 +81,5 @@ class AgentCalls(UseCases):
     ) -> int:
         check_name(name, "name")
         deleted = self._store.delete_agent(tenant, name, etag, record)
-        self._models.pop((tenant, name), None)
+        self._forget_agent(tenant, name)
         return deleted

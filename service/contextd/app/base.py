@@ -19,6 +19,7 @@ from contextd.domain.limits import (
     Limits,
 )
 from contextd.domain.model import (
+    Agent,
     StoredMessage,
 )
 from contextd.domain.window import WindowSpec
@@ -61,6 +62,10 @@ class UseCases:
         # update and delete here; an engine shared by replicas checks it in the append
         # transaction (StaleModel), so a stale entry costs a recount, never a wrong count.
         self._models: dict[tuple[str, str], str] = {}
+        # The retention settings of each agent, read on every append (the ttl decides
+        # whether the append restarts an expired thread). Invalidated with `_models`; on
+        # PostgreSQL the append transaction reads the agent's own policy instead.
+        self._policies: dict[tuple[str, str], Agent] = {}
 
     def _model_of(self, tenant: str, agent: str) -> str:
         key = (tenant, agent)
@@ -71,6 +76,22 @@ class UseCases:
             if found:
                 self._models[key] = model
         return model
+
+    def _ttl_of(self, tenant: str, agent: str, scope: str) -> int:
+        """The retention ttl of the agent's contexts in `scope` (0 when it has none)."""
+        key = (tenant, agent)
+        found = self._policies.get(key)
+        if found is None:
+            found = self._store.find_agent(tenant, agent)
+            if found is None:
+                return 0
+            self._policies[key] = found
+        return found.retention_for(scope).ttl_us
+
+    def _forget_agent(self, tenant: str, agent: str) -> None:
+        """Drop what is cached of an agent (after an update or delete committed)."""
+        self._models.pop((tenant, agent), None)
+        self._policies.pop((tenant, agent), None)
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
         """A write recorded under this request id, if any (see idempotency.py)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from contextd.app.base import MessagePage, UseCases
 from contextd.app.paging import page_size
@@ -61,8 +62,9 @@ class MessageCalls(UseCases):
             for i, m in enumerate(messages)
         ]
         model = self._model_of(tenant, key.agent)
+        ttl_us = self._ttl_of(tenant, key.agent, key.scope)
         for _ in range(3):
-            batch = prepare_batch(messages, model, call_ids)
+            batch = replace(prepare_batch(messages, model, call_ids), ttl_us=ttl_us)
             try:
                 return self._store.append(
                     key, batch, AgentSettings() if create_agent else None, record
@@ -97,12 +99,13 @@ class MessageCalls(UseCases):
         found = self._store.get_agent(tenant, agent)
         window: WindowSpec | None = None
         if message_range == MessageRange.WINDOW:
+            now = self._clock.now_us()
             if position is not None and position.window is not None:
                 window = WindowSpec(*position.window)  # the first page's window
             else:
-                window = window_spec(
-                    self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
-                )
+                window = window_spec(now, found.rolling_window_us, found.last_clear_time_us)
+            # Retention applies as of each page (like thread markers, read live).
+            window = window.with_retention(found.retention_for(scope), now)
         after = (int(position.position[0]), int(position.position[1])) if position else None
         where = ThreadFilter(tenant, agent, scope, thread or None)
         rows = self._store.list_messages(where, window, after, size + 1)

@@ -11,7 +11,7 @@ snapshot's id.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from contextd.app.base import UseCases
 from contextd.app.build.summarizer import collect_specifics, parse_specifics
@@ -86,7 +86,9 @@ class SnapshotCalls(UseCases):
                     reason="THREAD_NOT_FOUND",
                 )
             now = self._clock.tick()
-            window = window_spec(now, found.rolling_window_us, found.last_clear_time_us)
+            window = window_spec(
+                now, found.rolling_window_us, found.last_clear_time_us
+            ).with_retention(found.retention_for(scope), now)
             where = ThreadFilter(tenant, agent, scope, thread or None)
             messages, ledgers = self._read_cut(where, window)
         items = [HistoryItem.from_stored(m) for m in messages]
@@ -229,9 +231,15 @@ class SnapshotCalls(UseCases):
                 lambda receipts: encode(RestoreResult(len(receipts), threads, tuple(receipts)))
             )
         model = self._model_of(tenant, agent)
+        ttl_us = self._ttl_of(tenant, agent, scope)  # a restore restarts an expired thread
         for _ in range(3):
             parts = [
-                (key, prepare_batch(new, model, ids, restored_from=snapshot_id))
+                (
+                    key,
+                    replace(
+                        prepare_batch(new, model, ids, restored_from=snapshot_id), ttl_us=ttl_us
+                    ),
+                )
                 for key, new, ids in plan
             ]
             try:

@@ -80,14 +80,24 @@ class ThreadCalls(UseCases):
                     reason="THREAD_NOT_FOUND",
                 )
             thread_clear = one.last_clear_time_us
-        window = window_spec(
-            self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
+        now = self._clock.now_us()
+        policy = found.retention_for(scope)
+        window = window_spec(now, found.rolling_window_us, found.last_clear_time_us).with_retention(
+            policy, now
         )
         counts = self._store.context_counts(
             ThreadFilter(tenant, agent, scope, thread or None), window
         )
         window_count, window_tokens, total_count, total_tokens, oldest, newest, threads = counts
+        exists = int(window_count) > 0
+        # The context (or, for a scope, its thread updated last) expires ttl after its
+        # newest message; told only while it holds something.
+        expire = policy.expire_time_us(newest) if exists else None
         return ContextStats(
+            exists=exists,
+            expire_time_us=expire,
+            expires_in_us=None if expire is None else max(0, expire - now),
+            retention=policy,
             window_start_time_us=window.age_after_us,
             last_clear_time_us=max(found.last_clear_time_us, thread_clear or 0),
             rolling_window_us=found.rolling_window_us,

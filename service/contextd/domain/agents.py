@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from contextd.domain.errors import Aborted
-from contextd.domain.model import Agent, BuildOverrides
+from contextd.domain.model import Agent, AgentSettings, BuildOverrides
+from contextd.domain.retention import RETENTION_FIELDS
 from contextd.domain.validation import quote
 
 
@@ -34,3 +35,23 @@ def updated_options(
         else:
             values[option] = value
     return BuildOverrides(**values)  # type: ignore[arg-type]
+
+
+def updated_json_settings(
+    current: Agent, given: AgentSettings, fields: frozenset[str]
+) -> AgentSettings | None:
+    """The settings kept as JSON (build options, retention) after an update, each from
+    `given` when the update names it and from `current` otherwise; None when the update
+    changes none of them."""
+    options = updated_options(current.build_options, given.build_options, fields)
+    if options is None and not fields & RETENTION_FIELDS:
+        return None
+    return AgentSettings(
+        build_options=options if options is not None else current.build_options or BuildOverrides(),
+        retention=given.retention if "retention" in fields else current.retention,
+        retention_overrides=(
+            given.retention_overrides
+            if "retention_overrides" in fields
+            else current.retention_overrides
+        ),
+    )

@@ -23,6 +23,7 @@ from contextd.domain.model import (
     NewMessage,
     StoredMessage,
 )
+from contextd.domain.retention import RETENTION_FIELDS, check_retention
 from contextd.domain.validation import (
     MAX_DOC_NAME_CHARS,
     MAX_EXTERNAL_ID_CHARS,
@@ -61,13 +62,14 @@ def mask_fields(paths: Sequence[str]) -> frozenset[str]:
             raise InvalidArgument(
                 "update_mask '*' names every field; give it alone", field="update_mask"
             )
-        return UPDATABLE_AGENT_FIELDS
-    unknown = sorted(set(paths) - UPDATABLE_AGENT_FIELDS - OPTION_PATHS)
+        return UPDATABLE_AGENT_FIELDS | RETENTION_FIELDS
+    unknown = sorted(set(paths) - UPDATABLE_AGENT_FIELDS - OPTION_PATHS - RETENTION_FIELDS)
     if unknown:
         raise InvalidArgument(
             f"update_mask names fields that cannot be updated: "
             f"{', '.join(quote(u) for u in unknown[:5])} (updatable: "
-            f"{', '.join(sorted(UPDATABLE_AGENT_FIELDS))}, build_options.<option>, or *)",
+            f"{', '.join(sorted(UPDATABLE_AGENT_FIELDS | RETENTION_FIELDS))}, "
+            "build_options.<option>, or *)",
             field="update_mask",
         )
     return frozenset(paths)
@@ -133,6 +135,7 @@ def check_field_size(size: int, limit: int, field: str, what: str) -> None:
 
 def checked_settings(settings: AgentSettings) -> AgentSettings:
     check_overrides(settings.build_options)
+    check_retention(settings.retention, settings.retention_overrides)
     check_field_size(
         _utf8_len(settings.system_prompt),
         MAX_SYSTEM_PROMPT_BYTES,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Generic, TypeVar
 
+from contextd.domain.retention import KEEP_EVERYTHING, RetentionPolicy, ScopeRetention, policy_for
+
 T = TypeVar("T")
 
 DEFAULT_TENANT = "default"
@@ -51,6 +53,14 @@ class Agent:
     last_clear_time_us: int
     model: str = ""
     build_options: BuildOverrides | None = None
+    # The agent's retention policy, and policies for the scopes patterns name (see
+    # retention.py); the default keeps everything.
+    retention: RetentionPolicy = KEEP_EVERYTHING
+    retention_overrides: tuple[ScopeRetention, ...] = ()
+
+    def retention_for(self, scope: str) -> RetentionPolicy:
+        """The retention policy of the agent's contexts in `scope`."""
+        return policy_for(self.retention, self.retention_overrides, scope)
 
     @property
     def etag(self) -> str:
@@ -98,6 +108,8 @@ class AgentSettings:
     rolling_window_us: int = DEFAULT_ROLLING_WINDOW_US
     model: str = ""
     build_options: BuildOverrides = field(default_factory=lambda: BuildOverrides())
+    retention: RetentionPolicy = KEEP_EVERYTHING
+    retention_overrides: tuple[ScopeRetention, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +152,11 @@ class MessageBatch:
     summarized_ids: tuple[int, int] | None = None
     # For messages written by RestoreSnapshot: the id of the snapshot they came from.
     restored_from: str = ""
+    # The thread's retention ttl when the append was asked for (0: none). An append that
+    # finds its thread expired (newest message ttl or more before its commit) writes, in
+    # its transaction, a clear marker at the moment the thread expired and records the
+    # expired messages for the sweep (see retention.py), so none of them reappears.
+    ttl_us: int = 0
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -224,6 +241,12 @@ class ContextStats:
     oldest_message_time_us: int | None
     newest_message_time_us: int | None
     thread_count: int
+    # Whether the window holds any message (false once expired, cleared or aged out).
+    exists: bool = False
+    # When the context expires under its retention policy (None: never, or nothing in it).
+    expire_time_us: int | None = None
+    expires_in_us: int | None = None
+    retention: RetentionPolicy = KEEP_EVERYTHING
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,9 @@ and history queries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from contextd.domain.retention import RetentionPolicy
 
 # How far a client's source_time may lead the server's clock (clock skew). Appends reject
 # more, so a message's own time is never more than this after its commit time.
@@ -33,16 +35,38 @@ class WindowSpec:
     `clear_after_us` is the clear marker compared with commit times (a thread's own
     marker, when later, is applied per thread: see `with_thread_clear`); `age_after_us`
     (now - rolling window) is compared with each message's own time.
+
+    Retention (see retention.py) adds two bounds per thread, which the store evaluates
+    against each thread's newest message: `expire_after_us` (now - ttl; None: no ttl)
+    leaves out every message of a thread whose newest commit time is at or before it, and
+    `max_messages` (0: no cap) leaves out every message whose tool group starts at or
+    before the thread's last sequence - max_messages.
     """
 
     clear_after_us: int
     age_after_us: int
+    max_messages: int = 0
+    expire_after_us: int | None = None
+
+    @property
+    def retains(self) -> bool:
+        """Whether retention bounds apply (a thread's window is then not simply every
+        message after its markers)."""
+        return bool(self.max_messages) or self.expire_after_us is not None
+
+    def with_retention(self, policy: RetentionPolicy, now_us: int) -> WindowSpec:
+        """This window under a scope's retention policy, at `now_us`."""
+        return replace(
+            self,
+            max_messages=policy.max_messages,
+            expire_after_us=now_us - policy.ttl_us if policy.ttl_us else None,
+        )
 
     def with_thread_clear(self, thread_clear_us: int | None) -> WindowSpec:
         """The window of one thread: the later of the agent's and the thread's marker."""
         if thread_clear_us is None or thread_clear_us <= self.clear_after_us:
             return self
-        return WindowSpec(thread_clear_us, self.age_after_us)
+        return replace(self, clear_after_us=thread_clear_us)
 
     def holds(self, create_time_us: int, source_time_us: int | None) -> bool:
         """Whether a message committed at `create_time_us` with `source_time_us` is in

@@ -292,6 +292,56 @@ class SnapshotStore(Protocol):
         """Delete the metadata, then the document; SNAPSHOT_NOT_FOUND when there is none."""
 
 
+@dataclass(frozen=True, slots=True)
+class RetainedThread:
+    """A thread as the retention sweep sees it (live counters)."""
+
+    key: ContextKey
+    context_id: int
+    last_sequence: int
+    last_message_time_us: int
+    # Messages up to this sequence belong to a time the thread had expired (0: none).
+    expired_through: int
+    # The smallest sequence, and the smallest tool-group start, of its stored messages
+    # (None: it holds none): what a pass needs to delete nothing more is told apart
+    # without a transaction.
+    oldest_sequence: int | None = None
+    oldest_group_start: int | None = None
+
+
+class RetentionStore(Protocol):
+    """What the retention sweep reads and deletes (see domain/retention.py). Each call is
+    one short transaction; deletes keep the thread counters right, never touch sequence
+    numbers (a thread's next message still takes the next number), request records or
+    anything a page token names."""
+
+    def sweep_lock(self) -> AbstractContextManager[bool]:
+        """Yields True for the one sweeper of the store at a time (on PostgreSQL across
+        every replica, by an advisory lock), False to every other caller meanwhile."""
+
+    def retention_agents(self, after: tuple[str, str] | None, limit: int) -> list[Agent]:
+        """Agents of every tenant with a retention policy or override, by (tenant,
+        name), strictly after `after`."""
+
+    def retention_threads(
+        self, tenant: str, agent: str, after_context_id: int, limit: int
+    ) -> list[RetainedThread]:
+        """The agent's threads by context id, strictly after `after_context_id`."""
+
+    def mark_expired(self, thread: RetainedThread, cutoff_us: int) -> int:
+        """If the thread's newest message is still at or before `cutoff_us`, record that
+        its messages up to its last sequence expired; returns the expired-through
+        sequence (unchanged when the thread was appended to meanwhile)."""
+
+    def delete_retained(
+        self, thread: RetainedThread, through: int, by_group: bool, limit: int
+    ) -> int:
+        """Delete at most `limit` messages of the thread: those up to sequence `through`
+        and the thread's expired-through mark (`by_group` False), or those whose tool
+        group starts at or before `through` (`by_group` True: the overflow of a cap).
+        Returns how many were deleted (fewer than `limit`: none are left)."""
+
+
 class KeyStore(Protocol):
     """API keys (see contextd.domain.access): only hashes of their secrets are kept."""
 
@@ -328,6 +378,7 @@ class Store(
     StatusStore,
     EventStore,
     SnapshotStore,
+    RetentionStore,
     RequestLog,
     Protocol,
 ):

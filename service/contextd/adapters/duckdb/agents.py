@@ -3,7 +3,6 @@ chunks)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import duckdb
@@ -23,7 +22,7 @@ from contextd.adapters.rows import (
     docs_json,
     settings_json,
 )
-from contextd.domain.agents import check_etag, updated_options
+from contextd.domain.agents import check_etag, updated_json_settings
 from contextd.domain.errors import (
     AlreadyExists,
     ContextdError,
@@ -92,10 +91,10 @@ class AgentsMixin(DuckDBBase):
             if "model" in fields:
                 assignments.append("model = ?")
                 params.append(settings.model)
-            options = updated_options(current.build_options, settings.build_options, fields)
-            if options is not None:
+            kept_as_json = updated_json_settings(current, settings, fields)
+            if kept_as_json is not None:
                 assignments.append("settings_json = ?")
-                params.append(settings_json(replace(settings, build_options=options)))
+                params.append(settings_json(kept_as_json))
             assignments.append("update_time_us = ?")
             params.append(self.clock.tick())
             cur.execute(

@@ -124,6 +124,7 @@ _ARROW_SCHEMA = pa.schema(
         ("source_time_us", pa.int64()),
         ("sequence", pa.int64()),
         ("restored_from", pa.string()),
+        ("group_start", pa.int64()),
     ]
 )
 _ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
@@ -141,18 +142,31 @@ def _in_sequence_order(table: pa.Table) -> pa.Table:
 
 
 def window_predicate(
-    window: WindowSpec, m: str = "m", t: str | None = "t"
+    window: WindowSpec, m: str = "m", t: str | None = "t", context_id: int | None = None
 ) -> tuple[str, list[int]]:
     """The SQL of "message `m` is in the window" and its parameters: the one definition
     of the window (see window.py) that every read of a window uses.
 
     With a threads alias `t`, each thread's own clear marker applies where it is later
     than the window's; without one, `window` must already hold the thread's marker.
+    Retention bounds compare with the thread's newest message, read from the messages
+    (the threads row's counters are written lazily): by `context_id` when the read is of
+    one known thread (an index lookup), else per row's thread.
     """
     clear = f"greatest(?, coalesce({t}.last_clear_us, ?))" if t else "?"
     params = [window.clear_after_us] * (2 if t else 1)
-    sql = f"({m}.create_time_us > {clear} AND coalesce({m}.source_time_us, {m}.create_time_us) > ?)"
-    return sql, [*params, window.age_after_us]
+    sql = f"{m}.create_time_us > {clear} AND coalesce({m}.source_time_us, {m}.create_time_us) > ?"
+    params.append(window.age_after_us)
+    if window.retains:
+        of_thread = f"{m}.context_id" if context_id is None else str(int(context_id))
+        newest = "(SELECT max(x.{}) FROM messages x WHERE x.context_id = " + of_thread + ")"
+        if window.expire_after_us is not None:
+            sql += f" AND {newest.format('create_time_us')} > ?"
+            params.append(window.expire_after_us)
+        if window.max_messages:
+            sql += f" AND coalesce({m}.group_start, {m}.sequence) > {newest.format('sequence')} - ?"
+            params.append(window.max_messages)
+    return f"({sql})", params
 
 
 _INSERT_AGENT = f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -388,7 +402,8 @@ class DuckDBBase:
     _next_event_id: int
     _next_request_cleanup_us: int
     _context_ids: dict[ContextKey, int]
-    _calls: OrderedDict[tuple[int, str], int]
+    # (context id, call id) -> (id, sequence) of the tool_use that declared the call
+    _calls: OrderedDict[tuple[int, str], tuple[int, int]]
     _known_agents: set[tuple[str, str]]
     _queue: SimpleQueue[Any]
     _held: Any
@@ -448,6 +463,10 @@ class DuckDBBase:
         ) -> T: ...
 
         def _failed(self, exc: duckdb.Error) -> ContextdError | None: ...
+
+        def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None: ...
+
+        def _sequence_of(self, writer: duckdb.DuckDBPyConnection, context_id: int) -> int: ...
 
         def _thread_rows(self, sql: str, params: list[Any]) -> list[Any]: ...
 

@@ -162,7 +162,7 @@ class MessagesMixin(DuckDBBase):
         keep (`window_messages_from`), so its cost follows the budget, not the window.
         `window` is the thread's (its own clear marker included).
         """
-        predicate, params = window_predicate(window, "m", None)
+        predicate, params = window_predicate(window, "m", None, context.context_id)
         # No ORDER BY: rows come back in insertion order, which is sequence order;
         # `_in_sequence_order` checks and sorts only if not, which saves the sort of a
         # long window on every build.
@@ -195,7 +195,7 @@ class MessagesMixin(DuckDBBase):
         the thread. It also leaves out messages appended since the columns were read,
         so a build loads exactly what it planned.
         """
-        predicate, params = window_predicate(window, "m", None)
+        predicate, params = window_predicate(window, "m", None, context.context_id)
         rows = (
             self._cursor()
             .execute(
@@ -281,7 +281,10 @@ class MessagesMixin(DuckDBBase):
         )
         # The others are counted all in one statement: one branch per thread, each an
         # equality on context_id (which the index serves), instead of a query per thread.
-        partial = [(r[3], window.with_thread_clear(r[4])) for r in rows if not r[5]]
+        # (Under retention no thread counts from its metadata: its bounds are per message.)
+        partial = [
+            (r[3], window.with_thread_clear(r[4])) for r in rows if window.retains or not r[5]
+        ]
         counted: dict[int, int] = {}
         if partial:
             predicate, _ = window_predicate(window, "m", None)
@@ -321,6 +324,16 @@ class MessagesMixin(DuckDBBase):
         )
         return (int(row[0]) if row else 0) + self._pending.count_of(context_id)
 
+    def _last_update_of(self, writer: duckdb.DuckDBPyConnection, context_id: int) -> int:
+        """The commit time of a stored thread's newest message (its row's, or a newer
+        one not yet counted there)."""
+        row = _first(
+            writer.execute(
+                "SELECT last_message_time_us FROM threads WHERE context_id = ?", [context_id]
+            )
+        )
+        return max(int(row[0]) if row else 0, self._pending.last_of(context_id))
+
     def _insert_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
     ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
@@ -343,6 +356,8 @@ class MessagesMixin(DuckDBBase):
         new_contexts: dict[ContextKey, int] = {}
         agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
         summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
+        # context id -> (clear marker, last expired sequence) of threads found expired
+        expiries: dict[int, tuple[int, int]] = {}
 
         for job in jobs:
             agent_key = (job.key.tenant, job.key.agent)
@@ -387,6 +402,7 @@ class MessagesMixin(DuckDBBase):
                     numbered,
                     new_contexts,
                     summaries,
+                    expiries,
                 )
 
         # The whole group is written by one client call: a script of BEGIN, the inserts
@@ -440,6 +456,13 @@ class MessagesMixin(DuckDBBase):
                 "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
                 "WHERE threads.context_id = d.context_id"
             )
+        for context_id, (marker, through) in expiries.items():
+            # Integers only (no client text): safe to write into the script.
+            script.append(
+                f"UPDATE threads SET last_clear_us = greatest(coalesce(last_clear_us, "
+                f"{int(marker)}), {int(marker)}), expired_through = greatest(expired_through, "
+                f"{int(through)}) WHERE context_id = {int(context_id)}"
+            )
         requests = [
             (job.record, job.record.encode(receipts))
             for job, receipts in zip(jobs, all_receipts, strict=True)
@@ -467,9 +490,11 @@ class MessagesMixin(DuckDBBase):
         numbered: dict[int, int],
         new_contexts: dict[ContextKey, int],
         summaries: dict[int, int],
+        expiries: dict[int, tuple[int, int]],
     ) -> None:
         """Add one thread's batch to the group's columns: its context (new or known), ids,
-        sequences and tool groups; its receipts and its thread's counts."""
+        sequences and tool groups; its receipts and its thread's counts; and, when the
+        batch finds its thread expired, the expiry marker to write (see retention.py)."""
         context_id = new_contexts.get(key) or self._context_id(writer, key)
         if context_id is None:
             if batch.summarized_ids is not None:
@@ -493,6 +518,11 @@ class MessagesMixin(DuckDBBase):
             last = 0 if key in new_contexts else self._sequence_of(writer, context_id)
         sequences = range(last + 1, last + 1 + n)
         numbered[context_id] = last + n
+        if batch.ttl_us and last and key not in new_contexts:
+            earlier = thread_deltas.get(key)  # an earlier call of this group appended
+            last_us = earlier[3] if earlier else self._last_update_of(writer, context_id)
+            if last_us + batch.ttl_us <= commit_time:
+                expiries[context_id] = (min(last_us + batch.ttl_us, commit_time - 1), last)
         sources = [m.source_time_us for m in messages]
         columns["id"].extend(ids)
         columns["context_id"].extend([context_id] * n)
@@ -513,12 +543,12 @@ class MessagesMixin(DuckDBBase):
         columns["token_count"].extend(batch.token_counts)
         columns["tokenizer"].extend([batch.tokenizer] * n)
         columns["chars"].extend(batch.chars)
-        columns["group_id"].extend(
-            [
-                self._group_of(writer, context_id, i, m, calls)
-                for i, m, calls in zip(ids, messages, batch.tool_call_ids, strict=True)
-            ]
-        )
+        groups = [
+            self._group_of(writer, context_id, i, q, m, calls)
+            for i, q, m, calls in zip(ids, sequences, messages, batch.tool_call_ids, strict=True)
+        ]
+        columns["group_id"].extend(g for g, _ in groups)
+        columns["group_start"].extend(start for _, start in groups)
         columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
         summary = batch.summarized_ids
         if summary is not None:
@@ -546,31 +576,34 @@ class MessagesMixin(DuckDBBase):
         writer: duckdb.DuckDBPyConnection,
         context_id: int,
         message_id: int,
+        sequence: int,
         message: NewMessage,
         call_ids: tuple[str, ...],
-    ) -> int:
-        """The tool group of a message: the id of the tool_use it belongs to, or -1.
+    ) -> tuple[int, int | None]:
+        """The tool group of a message: the id of the tool_use it belongs to, or -1, and
+        that tool_use's sequence (None outside a group: the message's own counts).
 
-        Computed once at insert so that trimming reads integers, never JSON.
+        Computed once at insert so that trimming and retention caps read integers, never
+        JSON.
         """
         if call_ids:
             for call_id in call_ids:
-                self._calls[(context_id, call_id)] = message_id
+                self._calls[(context_id, call_id)] = (message_id, sequence)
                 self._calls.move_to_end((context_id, call_id))
             while len(self._calls) > _REMEMBERED_CALLS:
                 self._calls.popitem(last=False)
-            return message_id
+            return message_id, sequence
         if message.role != Role.TOOL_RESULT or not message.tool_call_id:
-            return -1
+            return -1, None
         known = self._calls.get((context_id, message.tool_call_id))
         if known is not None:
             return known
         row = _first(
             writer.execute(
-                "SELECT id FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
+                "SELECT id, sequence FROM messages WHERE context_id = ? AND tool_call_ids <> '' "
                 "AND list_contains(string_split(tool_call_ids, ','), ?) "
                 "ORDER BY sequence DESC LIMIT 1",
                 [context_id, message.tool_call_id],
             )
         )
-        return int(row[0]) if row else -1
+        return (int(row[0]), int(row[1])) if row else (-1, None)

@@ -284,4 +284,22 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """,
         ],
     ),
+    (
+        12,
+        [
+            # Retention (see domain/retention.py). The sequence of the tool_use a message's
+            # tool group starts at (NULL outside a group), so that a cap on a thread's
+            # newest messages leaves a group out whole by comparing one integer.
+            "ALTER TABLE messages ADD COLUMN group_start BIGINT",
+            """
+            UPDATE messages SET group_start = u.sequence
+            FROM messages u
+            WHERE messages.group_id >= 0 AND u.id = messages.group_id
+              AND u.context_id = messages.context_id
+            """,
+            # Messages of the thread up to this sequence belong to a time the thread had
+            # expired (a sweep or an append after expiry set it); the sweep deletes them.
+            "ALTER TABLE threads ADD COLUMN expired_through BIGINT NOT NULL DEFAULT 0",
+        ],
+    ),
 ]

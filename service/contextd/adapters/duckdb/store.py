@@ -34,6 +34,7 @@ from contextd.adapters.duckdb.base import (
 )
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
+from contextd.adapters.duckdb.retention import RetentionMixin
 from contextd.adapters.duckdb.schema import MIGRATIONS
 from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin
@@ -53,7 +54,14 @@ from contextd.domain.model import (
 
 @_failures_translated
 class Store(
-    AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, SnapshotsMixin, WriterMixin
+    AccessMixin,
+    AgentsMixin,
+    MessagesMixin,
+    StatusMixin,
+    ThreadsMixin,
+    SnapshotsMixin,
+    RetentionMixin,
+    WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 
@@ -112,7 +120,7 @@ class Store(
         self._next_event_id = int(row[0]) + 1
         self._next_request_cleanup_us = 0  # the writer removes old request records then
         self._context_ids: dict[ContextKey, int] = {}
-        self._calls: OrderedDict[tuple[int, str], int] = OrderedDict()
+        self._calls: OrderedDict[tuple[int, str], tuple[int, int]] = OrderedDict()
         self._known_agents: set[tuple[str, str]] = set()
         self._queue: SimpleQueue[Any] = SimpleQueue()
         self._held: Any = None  # a job taken from the queue for the next group

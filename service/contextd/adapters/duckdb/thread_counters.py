@@ -92,6 +92,12 @@ class PendingCounters:
             delta = self._deltas.get(context_id)
             return delta[0] if delta is not None else 0
 
+    def last_of(self, context_id: int) -> int:
+        """The newest pending commit time of a context (0: none pending)."""
+        with self._lock:
+            delta = self._deltas.get(context_id)
+            return delta[3] if delta is not None else 0
+
     def flush_due(self) -> bool:
         """Whether a busy writer should flush now: counters have waited FLUSH_INTERVAL_S."""
         return bool(self._deltas) and time.monotonic() - self._waiting_since >= FLUSH_INTERVAL_S

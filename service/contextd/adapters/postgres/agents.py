@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first
@@ -13,7 +12,7 @@ from contextd.adapters.rows import (
     docs_json,
     settings_json,
 )
-from contextd.domain.agents import check_etag, updated_options
+from contextd.domain.agents import check_etag, updated_json_settings
 from contextd.domain.errors import AlreadyExists
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import Agent, AgentSettings
@@ -88,10 +87,10 @@ class AgentsMixin(PostgresBase):
             if "model" in fields:
                 assignments.append("model = %s")
                 params.append(settings.model)
-            options = updated_options(current.build_options, settings.build_options, fields)
-            if options is not None:
+            kept_as_json = updated_json_settings(current, settings, fields)
+            if kept_as_json is not None:
                 assignments.append("settings_json = %s")
-                params.append(settings_json(replace(settings, build_options=options)))
+                params.append(settings_json(kept_as_json))
             # Update times of one agent strictly increase (its etag depends on them),
             # whichever replica's clock stamps them.
             self.clock.advance_to(current.update_time_us)

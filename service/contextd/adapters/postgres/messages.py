@@ -10,6 +10,7 @@ in the process: any replica can append to any thread.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,13 +31,15 @@ from contextd.domain.model import (
     Role,
     StoredMessage,
 )
+from contextd.domain.retention import policy_for, retention_of
 from contextd.domain.window import WindowSpec
 from contextd.ports.store import ContextRef, ThreadFilter
 
 _COPY_COLUMNS = (
     "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
     "metadata, token_estimate, create_time_us, source_time_us, token_count, tokenizer, chars, "
-    "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from"
+    "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
+    "group_start"
 )
 _M_COLUMNS = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
 # MESSAGE_COLUMNS names agent, scope and thread, which live in the thread's row here.
@@ -56,8 +59,25 @@ def window_predicate(window: WindowSpec, thread_alias: str | None = "t") -> tupl
         params = [window.clear_after_us, window.clear_after_us]
     else:
         clear, params = "%s::bigint", [window.clear_after_us]
-    sql = f"(m.create_time_us > {clear} AND coalesce(m.source_time_us, m.create_time_us) > %s)"
-    return sql, [*params, window.age_after_us]
+    sql = f"m.create_time_us > {clear} AND coalesce(m.source_time_us, m.create_time_us) > %s"
+    params.append(window.age_after_us)
+    if window.retains:
+        # Retention compares with the thread's newest message, which its row (kept
+        # current by every append) records.
+        if thread_alias:
+            row = f"{thread_alias}.{{}}"
+        else:
+            row = (
+                "(SELECT x.{} FROM threads x WHERE x.tenant = m.tenant "
+                "AND x.context_id = m.context_id)"
+            )
+        if window.expire_after_us is not None:
+            sql += f" AND {row.format('last_message_time_us')} > %s"
+            params.append(window.expire_after_us)
+        if window.max_messages:
+            sql += f" AND coalesce(m.group_start, m.sequence) > {row.format('last_sequence')} - %s"
+            params.append(window.max_messages)
+    return f"({sql})", params
 
 
 # The columns `window_columns` reads, with the function that encodes each as binary.
@@ -71,8 +91,19 @@ _NARROW_COLUMNS = (
 )
 
 _LOCK_AGENT = (
-    "SELECT model, last_clear_us FROM agents WHERE tenant = %s AND name = %s FOR KEY SHARE"
+    "SELECT model, last_clear_us, settings_json FROM agents WHERE tenant = %s AND name = %s "
+    "FOR KEY SHARE"
 )
+
+
+def _ttl_of(settings: str, scope: str) -> int:
+    """The retention ttl of a scope from the agent's settings JSON as this transaction
+    reads it (another replica may have changed the policy since the caller looked)."""
+    if "retention" not in settings:
+        return 0
+    policy, overrides = retention_of(json.loads(settings))
+    return policy_for(policy, overrides, scope).ttl_us
+
 
 _LOCK_THREAD = (
     "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
@@ -131,6 +162,7 @@ class MessagesMixin(PostgresBase):
             if agent is None:  # deleted between the insert and the read: let the caller retry
                 raise agent_missing(key.agent)
         model, agent_clear_us = str(agent[0]), int(agent[1])
+        ttl_us = _ttl_of(str(agent[2]), key.scope)
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
         row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
@@ -165,6 +197,19 @@ class MessagesMixin(PostgresBase):
         self.clock.advance_to(max(last_time, agent_clear_us, last_clear or 0))
         if last_time or not commit_time:
             commit_time = self.clock.tick()
+        if ttl_us and last_sequence and last_time + ttl_us <= commit_time:
+            # The thread expired before this append: nothing from before may reappear.
+            conn.execute(
+                "UPDATE threads SET last_clear_us = greatest(coalesce(last_clear_us, %s), %s), "
+                "expired_through = greatest(expired_through, %s) "
+                "WHERE tenant = %s AND context_id = %s",
+                [
+                    *[min(last_time + ttl_us, commit_time - 1)] * 2,
+                    last_sequence,
+                    tenant,
+                    context_id,
+                ],
+            )
         ids = [
             int(r[0])
             for r in conn.execute(
@@ -172,7 +217,7 @@ class MessagesMixin(PostgresBase):
             ).fetchall()
         ]
         sequences = range(last_sequence + 1, last_sequence + 1 + n)
-        groups = self._groups(conn, tenant, context_id, ids, batch)
+        groups, starts = self._groups(conn, tenant, context_id, ids, sequences, batch)
         summary = batch.summarized_ids
         with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
             for i, message in enumerate(batch.messages):
@@ -200,6 +245,7 @@ class MessagesMixin(PostgresBase):
                         summary[0] if summary else 0,
                         summary[1] if summary else 0,
                         batch.restored_from,
+                        starts[i],
                     )
                 )
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]
@@ -231,47 +277,60 @@ class MessagesMixin(PostgresBase):
 
     @staticmethod
     def _groups(
-        conn: Conn, tenant: str, context_id: int, ids: list[int], batch: MessageBatch
-    ) -> list[int]:
-        """The tool group of each message (the id of the tool_use it belongs to, or -1),
-        recording the call ids this batch declares."""
-        declared: dict[str, int] = {}
+        conn: Conn,
+        tenant: str,
+        context_id: int,
+        ids: list[int],
+        sequences: range,
+        batch: MessageBatch,
+    ) -> tuple[list[int], list[int | None]]:
+        """The tool group of each message (the id of the tool_use it belongs to, or -1)
+        and that tool_use's sequence (None outside a group), recording the call ids this
+        batch declares."""
+        declared: dict[str, tuple[int, int]] = {}
         groups: list[int] = []
+        starts: list[int | None] = []
         wanted = {
             m.tool_call_id
             for m, calls in zip(batch.messages, batch.tool_call_ids, strict=True)
             if not calls and m.role == Role.TOOL_RESULT and m.tool_call_id
         }
-        known: dict[str, int] = {}
+        known: dict[str, tuple[int, int | None]] = {}
         if wanted:
-            known = dict(
-                conn.execute(
-                    "SELECT call_id, message_id FROM tool_calls WHERE tenant = %s "
-                    "AND context_id = %s AND call_id = ANY(%s)",
+            known = {
+                call: (message_id, sequence)
+                for call, message_id, sequence in conn.execute(
+                    "SELECT c.call_id, c.message_id, u.sequence FROM tool_calls c "
+                    "LEFT JOIN messages u ON u.tenant = c.tenant AND u.id = c.message_id "
+                    "WHERE c.tenant = %s AND c.context_id = %s AND c.call_id = ANY(%s)",
                     [tenant, context_id, list(wanted)],
                 ).fetchall()
-            )
-        for message_id, message, calls in zip(
-            ids, batch.messages, batch.tool_call_ids, strict=True
+            }
+        for message_id, sequence, message, calls in zip(
+            ids, sequences, batch.messages, batch.tool_call_ids, strict=True
         ):
             if calls:
                 for call_id in calls:
-                    declared[call_id] = message_id
+                    declared[call_id] = (message_id, sequence)
                 groups.append(message_id)
+                starts.append(sequence)
             elif message.role == Role.TOOL_RESULT and message.tool_call_id:
                 call = message.tool_call_id
-                groups.append(declared.get(call, known.get(call, -1)))
+                group, start = declared.get(call) or known.get(call) or (-1, None)
+                groups.append(group)
+                starts.append(start)
             else:
                 groups.append(-1)
+                starts.append(None)
         if declared:
             with conn.cursor() as cur:
                 cur.executemany(
                     "INSERT INTO tool_calls (tenant, context_id, call_id, message_id) "
                     "VALUES (%s, %s, %s, %s) ON CONFLICT (tenant, context_id, call_id) "
                     "DO UPDATE SET message_id = excluded.message_id",
-                    [(tenant, context_id, c, i) for c, i in declared.items()],
+                    [(tenant, context_id, c, i) for c, (i, _) in declared.items()],
                 )
-        return groups
+        return groups, starts
 
     def list_messages(
         self,

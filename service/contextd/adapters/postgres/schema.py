@@ -206,6 +206,21 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX api_keys_by_tenant ON api_keys (tenant, key_id)",
         ],
     ),
+    (
+        4,
+        [
+            # Retention (see domain/retention.py); the same as the embedded engine's
+            # version 12: the sequence of the tool_use a message's tool group starts at,
+            # and the sequence through which a thread's messages expired.
+            "ALTER TABLE messages ADD COLUMN group_start bigint",
+            """
+            UPDATE messages m SET group_start = u.sequence
+            FROM messages u
+            WHERE m.group_id >= 0 AND u.tenant = m.tenant AND u.id = m.group_id
+            """,
+            "ALTER TABLE threads ADD COLUMN expired_through bigint NOT NULL DEFAULT 0",
+        ],
+    ),
 ]
 
 

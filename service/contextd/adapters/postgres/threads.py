@@ -52,14 +52,19 @@ class ThreadsMixin(PostgresBase):
         clear = "greatest(%(clear)s::bigint, coalesce(t.last_clear_us, %(clear)s::bigint))"
         sql = f"""
             SELECT t.thread, t.last_message_time_us,
-              CASE WHEN t.create_time_us > {clear}
+              CASE WHEN NOT %(retains)s AND t.create_time_us > {clear}
                     AND least(t.create_time_us, coalesce(t.min_source_time_us, t.create_time_us))
                         > %(age)s
                 THEN t.message_count
                 ELSE (SELECT count(*) FROM messages m
                       WHERE m.tenant = t.tenant AND m.context_id = t.context_id
                         AND m.create_time_us > {clear}
-                        AND coalesce(m.source_time_us, m.create_time_us) > %(age)s)
+                        AND coalesce(m.source_time_us, m.create_time_us) > %(age)s
+                        AND (%(expire)s::bigint IS NULL
+                             OR t.last_message_time_us > %(expire)s::bigint)
+                        AND (%(cap)s::bigint = 0
+                             OR coalesce(m.group_start, m.sequence)
+                                > t.last_sequence - %(cap)s::bigint))
               END
             FROM threads t
             WHERE t.tenant = %(tenant)s AND t.agent = %(agent)s AND t.scope = %(scope)s
@@ -76,6 +81,10 @@ class ThreadsMixin(PostgresBase):
             # A message's own time is at most MAX_SOURCE_LEAD_US after its commit.
             "oldest": window.age_after_us - MAX_SOURCE_LEAD_US,
             "limit": limit,
+            # Retention (see window_predicate): no thread counts from its row then.
+            "retains": window.retains,
+            "expire": window.expire_after_us,
+            "cap": window.max_messages,
         }
         with self._reading() as conn:
             rows = conn.execute(sql, params).fetchall()

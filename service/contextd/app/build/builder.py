@@ -359,7 +359,9 @@ class ContextBuilder:
         key = ContextKey(tenant, agent_name, scope, thread)
         context = self._store.context_ref(key)
         now = self._store.clock.now_us()
-        agent_window = window_spec(now, agent.rolling_window_us, agent.last_clear_time_us)
+        agent_window = window_spec(
+            now, agent.rolling_window_us, agent.last_clear_time_us
+        ).with_retention(agent.retention_for(scope), now)
         window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
         return _Plan(agent, key, chosen, budget, options, now, agent_window, window, context)
 
