@@ -55,6 +55,11 @@ class Settings:
     insecure: bool = False
     # Most calls a second per tenant on this server (0: no limit).
     tenant_max_rps: float = 0.0
+    # Tool outputs: results up to this size stay in the pointer's row; above the second
+    # they are compressed; the third is the largest a stream may carry.
+    tool_output_inline_bytes: int = 32 << 10
+    tool_output_compress_bytes: int = 64 << 10
+    tool_output_max_bytes: int = 1 << 30
 
     @property
     def uses_postgres(self) -> bool:
@@ -92,6 +97,10 @@ _SERVE_OPTIONS: dict[str, str] = {
     "the default tenant, with every role)",
     "tenant_max_rps": "most calls per second of one tenant on this server, in bursts of as "
     "many (0: no limit); beyond it RESOURCE_EXHAUSTED (TENANT_RATE_LIMITED) with a retry delay",
+    "tool_output_inline_bytes": "tool outputs up to this many bytes are kept in their "
+    "pointer's row (at most 1 MiB); larger ones are stored in 1 MiB chunks",
+    "tool_output_compress_bytes": "stored tool outputs over this many bytes are compressed (zstd)",
+    "tool_output_max_bytes": "largest tool output a StreamPutToolOutput may store",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "

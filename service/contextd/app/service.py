@@ -16,6 +16,7 @@ from contextd.app.messages import MessageCalls
 from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
+from contextd.app.tool_outputs import ToolOutputCalls
 from contextd.domain.limits import Limits, check_overrides
 
 __all__ = ["ContextService", "Limits", "MessagePage", "check_overrides"]
@@ -30,5 +31,6 @@ class ContextService(
     BuildCalls,
     SnapshotCalls,
     KeyCalls,
+    ToolOutputCalls,
 ):
     """Every call of the API (see the mixins for each group)."""

@@ -43,6 +43,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.snapshots import SnapshotInfo
 from contextd.domain.window import WindowSpec
+from contextd.ports.tool_outputs import ToolOutputStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +329,7 @@ class Store(
     StatusStore,
     EventStore,
     SnapshotStore,
+    ToolOutputStore,
     RequestLog,
     Protocol,
 ):

@@ -41,6 +41,7 @@ from contextd.adapters.duckdb.thread_counters import (
     PendingCounters,
 )
 from contextd.adapters.duckdb.threads import ThreadsMixin
+from contextd.adapters.duckdb.tool_outputs import ToolOutputsMixin
 from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
@@ -53,7 +54,14 @@ from contextd.domain.model import (
 
 @_failures_translated
 class Store(
-    AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, SnapshotsMixin, WriterMixin
+    AccessMixin,
+    AgentsMixin,
+    MessagesMixin,
+    StatusMixin,
+    ThreadsMixin,
+    SnapshotsMixin,
+    ToolOutputsMixin,
+    WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 
@@ -182,6 +190,7 @@ class Store(
         store._data_dir = path.parent
         try:
             store._reconcile_snapshot_files()
+            store._reconcile_tool_output_files()
         except BaseException:
             store.close()
             raise
