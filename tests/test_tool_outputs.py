@@ -494,3 +494,34 @@ def test_bad_input_is_refused_with_its_field(tools: Tools) -> None:
     _refused(bad, "INVALID_ARGUMENT", tools.select, "q", k=101)
     # Nothing was stored by the refused puts.
     assert [p.id for p in tools.pointers()] == [pointer.id]
+
+
+def test_the_client_package_covers_every_call(server: InProcessServer) -> None:
+    from contextd_client import Client
+
+    with Client(server.client.address) as client:
+        query_id = client.hash_query("where is the timeout")
+        assert query_id == hash_query("where is the timeout")
+        small = client.put_tool_output(
+            agent="a1",
+            thread="t1",
+            tool_name="grep",
+            result="a timeout\nok\n",
+            args={"q": "timeout"},
+            query_id=query_id,
+            tool_description="search logs",
+        )
+        data = b"line\n" * (600_000) + b"the timeout at the end\n"
+        big = client.stream_put_tool_output(
+            agent="a1", thread="t1", tool_name="cat", pieces=[data[:5], data[5:]], task_id="1"
+        )
+        assert [p.id for p in client.list_tool_outputs(agent="a1")] == [small.id, big.id]
+        assert [p.id for p in client.list_tool_outputs(agent="a1", query_id=query_id)] == [small.id]
+        assert client.get_tool_outputs(agent="a1", ids=[big.id])[big.id][1] == data
+        assert client.read_tool_output(agent="a1", id=big.id, offset=5, length=4).data == b"line"
+        grep = client.grep_tool_output(agent="a1", id=big.id, pattern="timeout")
+        assert [m.line_number for m in grep.matches] == [600_001]
+        ranked = client.select_relevant_tool_outputs(query="the logs", agent="a1", keyword=True)
+        assert [o.pointer.id for o in ranked.outputs] == [small.id]
+        assert client.delete_tool_outputs(agent="a1", task_id="1") == 1
+        assert [p.id for p in client.list_tool_outputs(agent="a1")] == [small.id]
