@@ -525,3 +525,63 @@ def test_the_client_package_covers_every_call(server: InProcessServer) -> None:
         assert [o.pointer.id for o in ranked.outputs] == [small.id]
         assert client.delete_tool_outputs(agent="a1", task_id="1") == 1
         assert [p.id for p in client.list_tool_outputs(agent="a1")] == [small.id]
+
+
+# ---------------------------------------------------------------------- in the conversation
+
+
+def test_a_large_tool_result_is_kept_aside_with_a_preview_and_a_handle(
+    server: InProcessServer, tools: Tools
+) -> None:
+    client = server.client
+    calls = json.dumps([{"id": "c1", "name": "read_log", "input": {}}])
+    client.append("a1", "", role=pb.ROLE_TOOL_USE, tool_calls=calls)
+    lines = [f"log line {i:06d}\n" for i in range(10_000)]
+    lines[-1] = "FATAL: the error at the very end\n"
+    result = "".join(lines)  # 170 KB
+    client.append("a1", result, role=pb.ROLE_TOOL_RESULT, tool_call_id="c1")
+    message = client.history("a1")[-1]
+    assert message.tool_output_id and message.tool_output_size_bytes == len(result)
+    assert message.content.startswith("log line 000000\n")
+    assert message.content.endswith("FATAL: the error at the very end\n")  # the tail is kept
+    assert message.tool_output_id in message.content
+    assert len(message.content) < 8000 and message.token_count < len(message.content) // 2
+    offset = int(re.search(r"offset=(\d+)", message.content).group(1))  # type: ignore[union-attr]
+    assert result.encode()[:offset].decode() in message.content
+    more = tools.stub.ReadToolOutput(
+        tpb.ReadToolOutputRequest(agent="a1", id=message.tool_output_id, offset=offset, length=16)
+    )
+    assert more.data == result.encode()[offset : offset + 16]
+    assert tools.get([message.tool_output_id])[message.tool_output_id] == result.encode()
+    small = client.append("a1", "short result", role=pb.ROLE_TOOL_RESULT, tool_call_id="c1")
+    assert small.receipts and not client.history("a1")[-1].tool_output_id
+
+
+def test_a_tool_result_may_name_a_stored_output(server: InProcessServer, tools: Tools) -> None:
+    client = server.client
+    stored = tools.put("the stored result", tool="read_log")
+    client.append("a1", "", role=pb.ROLE_TOOL_RESULT, tool_output_id=stored.id)
+    message = client.history("a1")[-1]
+    assert message.content == "the stored result" and message.tool_output_id == stored.id
+    assert message.tool_output_size_bytes == stored.size_bytes
+    client.append("a1", "my words", role=pb.ROLE_TOOL_RESULT, tool_output_id=stored.id)
+    assert client.history("a1")[-1].content == "my words"
+    elsewhere = tools.put("x", agent="a2")
+    _refused(
+        grpc.StatusCode.NOT_FOUND,
+        "TOOL_OUTPUT_NOT_FOUND",
+        client.append,
+        "a1",
+        "",
+        role=pb.ROLE_TOOL_RESULT,
+        tool_output_id=elsewhere.id,
+    )
+    _refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
+        client.append,
+        "a1",
+        "hi",
+        role=pb.ROLE_USER,
+        tool_output_id=stored.id,
+    )

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from contextd.app.base import MessagePage, UseCases
 from contextd.app.paging import page_size
+from contextd.app.tool_outputs import ToolOutputCalls
 from contextd.domain.batches import prepare_batch
 from contextd.domain.errors import (
     InvalidArgument,
@@ -60,6 +61,8 @@ class MessageCalls(UseCases):
             check_message(m, i, self._limits.max_message_bytes, latest_allowed)
             for i, m in enumerate(messages)
         ]
+        if isinstance(self, ToolOutputCalls):  # large tool results go aside (tool_outputs.py)
+            messages = self.keep_tool_results_aside(key, messages)
         model = self._model_of(tenant, key.agent)
         for _ in range(3):
             batch = prepare_batch(messages, model, call_ids)

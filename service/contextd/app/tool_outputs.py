@@ -9,9 +9,10 @@ call holds a large result whole, and each call's work is bounded by domain/limit
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,10 +38,12 @@ from contextd.domain.limits import (
     MAX_READ_BYTES,
     MAX_RELEVANCE_CANDIDATES,
     MAX_RELEVANT_K,
+    PREVIEW_HEAD_CHARS,
+    PREVIEW_TAIL_CHARS,
     TOOL_OUTPUT_CHUNK_BYTES,
     ToolOutputLimits,
 )
-from contextd.domain.model import Page
+from contextd.domain.model import ContextKey, NewMessage, Page, Role
 from contextd.domain.tool_outputs import (
     KindSniffer,
     NewToolOutput,
@@ -54,8 +57,11 @@ from contextd.domain.tool_outputs import (
     check_query,
     new_output_id,
     output_key,
+    preview_text,
     too_large,
+    tool_output_handle,
     tool_output_not_found,
+    with_tool_output,
 )
 from contextd.ports.tool_outputs import BlobUpload
 
@@ -160,6 +166,73 @@ class ToolOutputCalls(UseCases):
 
     # The server's settings (api/server.py sets them from config.py).
     tool_output_limits: ToolOutputLimits = ToolOutputLimits()
+
+    # ------------------------------------------------------------------ appends
+
+    def keep_tool_results_aside(
+        self, key: ContextKey, messages: Sequence[NewMessage]
+    ) -> list[NewMessage]:
+        """The messages of an append, with every TOOL_RESULT over the inline threshold
+        stored aside (its content becomes a preview with the handle) and every reference
+        to a stored output resolved (an empty content becomes its preview)."""
+        out = list(messages)
+        limit = min(self.tool_output_limits.inline_bytes, CHUNK)
+        for i, m in enumerate(messages):
+            handle = tool_output_handle(m.metadata) if m.metadata else None
+            if handle is not None and m.role != Role.TOOL_RESULT:
+                raise InvalidArgument(
+                    "only a TOOL_RESULT may name a tool output",
+                    field=f"messages[{i}].tool_output_id",
+                )
+            if m.role != Role.TOOL_RESULT:
+                continue
+            if handle is not None:
+                found = self._store.find_tool_outputs(key.tenant, key.agent, key.scope, [handle[0]])
+                if not found:
+                    error = tool_output_not_found(handle[0])
+                    error.field = f"messages[{i}].tool_output_id"
+                    raise error
+                content = m.content or self._preview(found[0])
+                metadata = with_tool_output(m.metadata, handle[0], found[0].size_bytes, i)
+                out[i] = replace(m, content=content, metadata=metadata)
+                continue
+            if len(m.content) <= limit // 4 or len(m.content.encode()) <= limit:
+                continue
+            data = m.content.encode()
+            pointer = self.put_tool_output(
+                NewToolOutput(
+                    tenant=key.tenant,
+                    agent=key.agent,
+                    scope=key.scope,
+                    thread=key.thread,
+                    tool_name="tool_result",
+                    tool_description="a tool result appended to the conversation",
+                    args_json=json.dumps({"tool_call_id": m.tool_call_id}),
+                ),
+                [data],
+            )
+            out[i] = replace(
+                m,
+                content=self._preview(pointer, data),
+                metadata=with_tool_output(m.metadata, pointer.id, pointer.size_bytes, i),
+            )
+        return out
+
+    def _preview(self, pointer: ToolOutputPointer, data: bytes | None = None) -> str:
+        """Head, handle and tail of a stored result (read from the store unless given);
+        the whole text when it is short."""
+        size = pointer.size_bytes
+        head_bytes, tail_bytes = 4 * PREVIEW_HEAD_CHARS, 4 * PREVIEW_TAIL_CHARS
+        if size <= head_bytes + tail_bytes:
+            return _text(data if data is not None else self.read_range(pointer, 0, size))
+        if data is not None:
+            head_data, tail_data = data[:head_bytes], data[-tail_bytes:]
+        else:
+            head_data = self.read_range(pointer, 0, head_bytes)
+            tail_data = self.read_range(pointer, size - tail_bytes, tail_bytes)
+        head = head_data.decode("utf-8", "ignore")[:PREVIEW_HEAD_CHARS]
+        tail = tail_data.decode("utf-8", "ignore")[-PREVIEW_TAIL_CHARS:]
+        return preview_text(pointer.id, head, tail, len(head.encode()), size)
 
     # ------------------------------------------------------------------ writes
 

@@ -261,6 +261,9 @@ MAX_EXCERPT_TOKENS = 32_000
 # always read), in passages of about this many characters.
 MAX_EXCERPT_SCAN_BYTES = 16 << 20
 EXCERPT_PASSAGE_CHARS = 1200
+# A TOOL_RESULT kept aside on append keeps this many characters of its head and tail.
+PREVIEW_HEAD_CHARS = 1500
+PREVIEW_TAIL_CHARS = 1500
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,3 +289,53 @@ class KindSniffer:
             except (ValueError, RecursionError):
                 return ToolOutputKind.TEXT
         return ToolOutputKind.JSON if shaped else ToolOutputKind.TEXT
+
+
+# ------------------------------------------------------------ handles in messages
+
+# The metadata key under which a message records the tool output holding its whole
+# result: {"id": "to_...", "size_bytes": N}.
+METADATA_KEY = "contextd_tool_output"
+
+
+def with_tool_output(metadata: str, output_id: str, size_bytes: int | None, index: int) -> str:
+    """A message's metadata (a JSON object, or empty) with its tool-output handle set."""
+    field = f"messages[{index}].tool_output_id"
+    check_output_id(output_id, field)
+    try:
+        parsed = json.loads(metadata) if metadata.strip() else {}
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidArgument(
+            f"messages[{index}].metadata must be a JSON object", field=f"messages[{index}].metadata"
+        )
+    handle: dict[str, object] = {"id": output_id}
+    if size_bytes is not None:
+        handle["size_bytes"] = size_bytes
+    parsed[METADATA_KEY] = handle
+    return json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_output_handle(metadata: str) -> tuple[str, int | None] | None:
+    """The (id, size) a message's metadata records, if any."""
+    if METADATA_KEY not in metadata:
+        return None
+    try:
+        handle = json.loads(metadata).get(METADATA_KEY)
+    except (ValueError, RecursionError, AttributeError):
+        return None
+    if not isinstance(handle, dict) or not isinstance(handle.get("id"), str):
+        return None
+    size = handle.get("size_bytes")
+    return handle["id"], size if isinstance(size, int) else None
+
+
+def preview_text(output_id: str, head: str, tail: str, head_bytes: int, size: int) -> str:
+    """What a TOOL_RESULT kept aside shows: its head, the handle, its tail."""
+    elided = size - head_bytes - len(tail.encode("utf-8", "replace"))
+    return (
+        f"{head}\n\n[... {elided:,} of {size:,} bytes not shown. The whole result is tool "
+        f'output {output_id}: ReadToolOutput(id="{output_id}", offset={head_bytes}) reads on '
+        f"from here; GrepToolOutput searches it.]\n\n{tail}"
+    )
