@@ -209,7 +209,11 @@ def store_url(engine: str, request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def server(tmp_path: Path, clock: ManualClock, store_url: str) -> Iterator[InProcessServer]:
-    settings = Settings(addr="127.0.0.1:0", data_dir=tmp_path / "data", store=store_url)
+    # No periodic retention sweep: a test sweeps when it says so (through the service),
+    # so that what a test reads never depends on when a background pass ran.
+    settings = Settings(
+        addr="127.0.0.1:0", data_dir=tmp_path / "data", store=store_url, sweep_interval_seconds=0
+    )
     running = create_server(settings, clock=clock)
     client = connect(f"127.0.0.1:{running.port}")
     yield InProcessServer(running, client, settings.data_dir)

@@ -57,6 +57,11 @@ class Settings:
     tenant_max_rps: float = 0.0
     # How often the retention sweep runs (seconds; 0: never). See app/retention.py.
     sweep_interval_seconds: float = 60.0
+    # Tool outputs: results up to this size stay in the pointer's row; above the second
+    # they are compressed; the third is the largest a stream may carry.
+    tool_output_inline_bytes: int = 32 << 10
+    tool_output_compress_bytes: int = 64 << 10
+    tool_output_max_bytes: int = 1 << 30
 
     @property
     def uses_postgres(self) -> bool:
@@ -97,6 +102,10 @@ _SERVE_OPTIONS: dict[str, str] = {
     "sweep_interval_seconds": "how often the retention sweep deletes what agents' retention "
     "policies let go (expired contexts, overflow), in small chunks (0: never; on PostgreSQL "
     "one replica sweeps at a time)",
+    "tool_output_inline_bytes": "tool outputs up to this many bytes are kept in their "
+    "pointer's row (at most 1 MiB); larger ones are stored in 1 MiB chunks",
+    "tool_output_compress_bytes": "stored tool outputs over this many bytes are compressed (zstd)",
+    "tool_output_max_bytes": "largest tool output a StreamPutToolOutput may store",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "

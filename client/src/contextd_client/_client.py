@@ -45,6 +45,7 @@ from contextd_client._convert import (
     time_of,
     timestamp_pb,
 )
+from contextd_client._tool_outputs import ToolOutputMethods
 from contextd_client.errors import ContextdError, Unavailable, from_rpc_error
 from contextd_client.v1 import context_service_pb2 as pb
 from contextd_client.v1 import key_service_pb2 as kpb
@@ -79,7 +80,7 @@ def _request_id(given: str | None) -> str:
     return given if given is not None else str(uuid.uuid4())
 
 
-class Client:
+class Client(ToolOutputMethods):
     """A connection to one contextd server.
 
     `address` is host:port. `api_key` is sent as `authorization: Bearer <key>` on every

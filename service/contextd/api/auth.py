@@ -41,6 +41,16 @@ _WRITE_METHODS = {
     "SetStatus",
     "ClearStatus",
 }
+# ToolOutputService: reads need READ, Put and Delete need WRITE.
+_TOOL_OUTPUT_READ_METHODS = {
+    "ListToolOutputs",
+    "GetToolOutputs",
+    "ReadToolOutput",
+    "GrepToolOutput",
+    "HashQuery",
+    "SelectRelevantToolOutputs",
+}
+_TOOL_OUTPUT_WRITE_METHODS = {"PutToolOutput", "StreamPutToolOutput", "DeleteToolOutputs"}
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -53,6 +63,11 @@ def required_role(method: str) -> KeyRole | None:
         if name in _READ_METHODS:
             return KeyRole.READ
         if name in _WRITE_METHODS:
+            return KeyRole.WRITE
+    if method.startswith("/contextd.v1.ToolOutputService/"):
+        if name in _TOOL_OUTPUT_READ_METHODS:
+            return KeyRole.READ
+        if name in _TOOL_OUTPUT_WRITE_METHODS:
             return KeyRole.WRITE
     return KeyRole.ADMIN
 

@@ -33,6 +33,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.retention import KEEP_EVERYTHING, RetentionPolicy, ScopeRetention
 from contextd.domain.snapshots import SnapshotContents, SnapshotInfo
+from contextd.domain.tool_outputs import tool_output_handle, with_tool_output
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -379,13 +380,16 @@ def role_of(value: int, index: int) -> Role:
 
 
 def new_message_of(message: pb.Message, index: int) -> NewMessage:
+    metadata = message.metadata
+    if message.tool_output_id:  # a reference to a stored tool output: see tool_outputs.py
+        metadata = with_tool_output(metadata, message.tool_output_id, None, index)
     return NewMessage(
         role=role_of(message.role, index),
         content=message.content,
         tool_calls=message.tool_calls,
         tool_call_id=message.tool_call_id,
         external_id=message.external_id,
-        metadata=message.metadata,
+        metadata=metadata,
         source_time_us=(
             micros(message.source_time, f"messages[{index}].source_time")
             if message.HasField("source_time")
@@ -395,7 +399,7 @@ def new_message_of(message: pb.Message, index: int) -> NewMessage:
 
 
 def message_pb(m: StoredMessage) -> pb.Message:
-    return pb.Message(
+    message = pb.Message(
         id=m.id,
         tenant=m.tenant,
         agent=m.agent,
@@ -417,6 +421,10 @@ def message_pb(m: StoredMessage) -> pb.Message:
         sequence=m.sequence,
         restored_from_snapshot=m.restored_from,
     )
+    handle = tool_output_handle(m.metadata) if m.metadata else None
+    if handle is not None:  # a result kept aside: see domain/tool_outputs.py
+        message.tool_output_id, message.tool_output_size_bytes = handle[0], handle[1] or 0
+    return message
 
 
 def snapshot_pb(s: SnapshotInfo) -> pb.Snapshot:

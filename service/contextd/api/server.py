@@ -35,23 +35,28 @@ from contextd.api.auth import AuthInterceptor
 from contextd.api.errors import ErrorMappingInterceptor
 from contextd.api.key_servicer import KeyServicer
 from contextd.api.servicer import ContextServicer
+from contextd.api.tool_output_servicer import ToolOutputServicer
 from contextd.app.build.summarizer import AnthropicConfig, AnthropicSummarizer
 from contextd.app.paging import PageTokens
 from contextd.app.service import ContextService, Limits
 from contextd.config import Settings
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import Unavailable
+from contextd.domain.limits import ToolOutputLimits
 from contextd.domain.rate import TenantRates
 from contextd.ports.store import Store
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 from contextd.v1 import key_service_pb2 as kpb
 from contextd.v1 import key_service_pb2_grpc as kpb_grpc
+from contextd.v1 import tool_output_service_pb2 as tpb
+from contextd.v1 import tool_output_service_pb2_grpc as tpb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ContextService"].full_name
 KEY_SERVICE_NAME = kpb.DESCRIPTOR.services_by_name["KeyService"].full_name
+TOOL_OUTPUT_SERVICE_NAME = tpb.DESCRIPTOR.services_by_name["ToolOutputService"].full_name
 MAX_REQUEST_BYTES = 256 << 20
 # How long a client refused during shutdown is told to wait before retrying (elsewhere).
 SHUTDOWN_RETRY_AFTER_S = 1.0
@@ -85,7 +90,7 @@ class Admission(grpc.ServerInterceptor):  # type: ignore[type-arg]
         method: str = handler_call_details.method
         if handler is None or handler.unary_unary is None:
             return handler  # every ContextService method is unary; others pass through
-        if not method.startswith(f"/{SERVICE_NAME}/"):
+        if not method.startswith((f"/{SERVICE_NAME}/", f"/{TOOL_OUTPUT_SERVICE_NAME}/")):
             return handler
         behavior = handler.unary_unary
         admitted = not self._draining
@@ -261,6 +266,11 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             ),
             PageTokens(store.page_token_key()),
         )
+        service.tool_output_limits = ToolOutputLimits(
+            inline_bytes=settings.tool_output_inline_bytes,
+            compress_bytes=settings.tool_output_compress_bytes,
+            max_bytes=settings.tool_output_max_bytes,
+        )
         workers = futures.ThreadPoolExecutor(
             max_workers=settings.workers, thread_name_prefix="contextd-rpc"
         )
@@ -293,10 +303,19 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         kpb_grpc.add_KeyServiceServicer_to_server(  # type: ignore[no-untyped-call]
             KeyServicer(service, servicer), server
         )
+        tpb_grpc.add_ToolOutputServiceServicer_to_server(  # type: ignore[no-untyped-call]
+            ToolOutputServicer(service, servicer), server
+        )
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, KEY_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                KEY_SERVICE_NAME,
+                TOOL_OUTPUT_SERVICE_NAME,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
             server,
         )
         credentials = server_credentials(settings)
@@ -325,7 +344,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
         status = health_pb2.HealthCheckResponse.SERVING
         if not serving:
             status = health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, TOOL_OUTPUT_SERVICE_NAME):
             health_servicer.set(name, status)  # ignored once shutdown has begun
 
     follow_store(True)

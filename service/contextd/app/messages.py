@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from contextd.app.base import MessagePage, UseCases
 from contextd.app.paging import page_size
+from contextd.app.tool_outputs import ToolOutputCalls
 from contextd.domain.batches import prepare_batch
 from contextd.domain.errors import (
     InvalidArgument,
@@ -61,6 +62,8 @@ class MessageCalls(UseCases):
             check_message(m, i, self._limits.max_message_bytes, latest_allowed)
             for i, m in enumerate(messages)
         ]
+        if isinstance(self, ToolOutputCalls):  # large tool results go aside (tool_outputs.py)
+            messages = self.keep_tool_results_aside(key, messages)
         model = self._model_of(tenant, key.agent)
         ttl_us = self._ttl_of(tenant, key.agent, key.scope)
         for _ in range(3):

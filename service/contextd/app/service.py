@@ -17,6 +17,7 @@ from contextd.app.retention import RetentionCalls
 from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
+from contextd.app.tool_outputs import ToolOutputCalls
 from contextd.domain.limits import Limits, check_overrides
 
 __all__ = ["ContextService", "Limits", "MessagePage", "check_overrides"]
@@ -32,5 +33,6 @@ class ContextService(
     SnapshotCalls,
     KeyCalls,
     RetentionCalls,
+    ToolOutputCalls,
 ):
     """Every call of the API (see the mixins for each group)."""

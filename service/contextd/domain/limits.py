@@ -223,3 +223,56 @@ def check_message(
             field=f"messages[{index}].source_time",
         )
     return ids
+
+
+# ------------------------------------------------------------------ tool outputs
+# (see domain/tool_outputs.py and proto/contextd/v1/tool_output_service.proto)
+
+# Results at most this size are kept in the pointer's row; larger ones in chunks.
+TOOL_OUTPUT_INLINE_BYTES = 32 << 10
+# Stored results above this size are compressed (zstd), a chunk at a time.
+TOOL_OUTPUT_COMPRESS_BYTES = 64 << 10
+# The largest result a stream may carry, and the largest a unary put may.
+TOOL_OUTPUT_MAX_BYTES = 1 << 30
+TOOL_OUTPUT_MAX_UNARY_BYTES = 4 << 20
+# Results are stored, streamed and read in chunks of this many bytes (the last shorter);
+# a streamed piece may be at most this long.
+TOOL_OUTPUT_CHUNK_BYTES = 1 << 20
+MAX_TOOL_NAME_CHARS = 128
+MAX_TOOL_DESCRIPTION_CHARS = 4096
+MAX_TOOL_ARGS_BYTES = 64 << 10
+MAX_TOOL_TAG_CHARS = 128  # task_id and query_id
+MAX_GET_TOOL_OUTPUT_IDS = 100
+DEFAULT_READ_BYTES = 64 << 10
+MAX_READ_BYTES = 1 << 20
+MAX_GREP_PATTERN_CHARS = 256
+MAX_GREP_CONTEXT_LINES = 20
+DEFAULT_GREP_MATCHES = 20
+MAX_GREP_MATCHES = 100
+MAX_GREP_SCAN_BYTES = 64 << 20
+MAX_GREP_LINE_CHARS = 1000
+MAX_QUERY_BYTES = 64 << 10
+DEFAULT_RELEVANT_K = 10
+MAX_RELEVANT_K = 100
+# A selection ranks at most this many outputs of its filter (the newest).
+MAX_RELEVANCE_CANDIDATES = 10_000
+# What of a result BM25 indexes: its first and last characters.
+INDEX_HEAD_CHARS = 12_000
+INDEX_TAIL_CHARS = 4_000
+MAX_EXCERPT_TOKENS = 32_000
+# Excerpts look for matches in at most this many bytes of a result (head and tail are
+# always read), in passages of about this many characters.
+MAX_EXCERPT_SCAN_BYTES = 16 << 20
+EXCERPT_PASSAGE_CHARS = 1200
+# A TOOL_RESULT kept aside on append keeps this many characters of its head and tail.
+PREVIEW_HEAD_CHARS = 1500
+PREVIEW_TAIL_CHARS = 1500
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutputLimits:
+    """The server's tool-output settings (config.py sets them; tests shrink them)."""
+
+    inline_bytes: int = TOOL_OUTPUT_INLINE_BYTES
+    compress_bytes: int = TOOL_OUTPUT_COMPRESS_BYTES
+    max_bytes: int = TOOL_OUTPUT_MAX_BYTES

@@ -43,6 +43,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.snapshots import SnapshotInfo
 from contextd.domain.window import WindowSpec
+from contextd.ports.tool_outputs import ToolOutputStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +380,7 @@ class Store(
     EventStore,
     SnapshotStore,
     RetentionStore,
+    ToolOutputStore,
     RequestLog,
     Protocol,
 ):

@@ -302,4 +302,42 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE threads ADD COLUMN expired_through BIGINT NOT NULL DEFAULT 0",
         ],
     ),
+    (
+        14,
+        [
+            # Tool outputs kept aside (see tool_outputs.py): one row per output, its result
+            # inline (inline_data) or in a file under the data directory (path), with
+            # each chunk's stored length. `scope_key` names (tenant, agent, scope) in one
+            # column, for the index. (Versions 12 and 13 are other features'.)
+            """
+            CREATE TABLE tool_outputs (
+                id VARCHAR NOT NULL PRIMARY KEY,
+                output_key VARCHAR NOT NULL,
+                tenant VARCHAR NOT NULL,
+                agent VARCHAR NOT NULL,
+                scope VARCHAR NOT NULL,
+                thread VARCHAR NOT NULL,
+                tool_name VARCHAR NOT NULL,
+                tool_description VARCHAR NOT NULL,
+                args_json VARCHAR NOT NULL,
+                task_id VARCHAR,
+                query_id VARCHAR,
+                size_bytes BIGINT NOT NULL,
+                token_count BIGINT NOT NULL,
+                create_time_us BIGINT NOT NULL,
+                kind UTINYINT NOT NULL,
+                stored_inline BOOLEAN NOT NULL,
+                stored_bytes BIGINT NOT NULL,
+                sha256 VARCHAR NOT NULL,
+                inline_data BLOB,
+                compressed BOOLEAN NOT NULL,
+                chunk_lengths VARCHAR NOT NULL,
+                index_text VARCHAR NOT NULL,
+                scope_key VARCHAR NOT NULL,
+                path VARCHAR
+            )
+            """,
+            "CREATE INDEX tool_outputs_by_scope ON tool_outputs (scope_key)",
+        ],
+    ),
 ]

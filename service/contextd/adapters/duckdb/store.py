@@ -42,6 +42,7 @@ from contextd.adapters.duckdb.thread_counters import (
     PendingCounters,
 )
 from contextd.adapters.duckdb.threads import ThreadsMixin
+from contextd.adapters.duckdb.tool_outputs import ToolOutputsMixin
 from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
@@ -61,6 +62,7 @@ class Store(
     ThreadsMixin,
     SnapshotsMixin,
     RetentionMixin,
+    ToolOutputsMixin,
     WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
@@ -190,6 +192,7 @@ class Store(
         store._data_dir = path.parent
         try:
             store._reconcile_snapshot_files()
+            store._reconcile_tool_output_files()
         except BaseException:
             store.close()
             raise

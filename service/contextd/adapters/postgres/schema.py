@@ -221,6 +221,54 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE threads ADD COLUMN expired_through bigint NOT NULL DEFAULT 0",
         ],
     ),
+    (
+        6,
+        [
+            # Tool outputs kept aside (see tool_outputs.py): pointers, with results up to
+            # the inline threshold in the row, larger ones as chunk rows of up to 1 MiB.
+            # (Versions 4 and 5 are other features'.)
+            """
+            CREATE TABLE tool_outputs (
+                tenant text NOT NULL,
+                id text NOT NULL,
+                output_key text NOT NULL,
+                agent text NOT NULL,
+                scope text NOT NULL,
+                thread text NOT NULL,
+                tool_name text NOT NULL,
+                tool_description text NOT NULL,
+                args_json text NOT NULL,
+                task_id text,
+                query_id text,
+                size_bytes bigint NOT NULL,
+                token_count bigint NOT NULL,
+                create_time_us bigint NOT NULL,
+                kind smallint NOT NULL,
+                stored_inline boolean NOT NULL,
+                stored_bytes bigint NOT NULL,
+                sha256 text NOT NULL,
+                inline_data bytea,
+                compressed boolean NOT NULL,
+                chunk_lengths text NOT NULL,
+                index_text text NOT NULL,
+                PRIMARY KEY (tenant, id)
+            )
+            """,
+            "CREATE INDEX tool_outputs_by_scope ON tool_outputs "
+            "(tenant, agent, scope, create_time_us, id)",
+            """
+            CREATE TABLE tool_output_chunks (
+                tenant text NOT NULL,
+                output_id text NOT NULL,
+                seq integer NOT NULL,
+                data bytea NOT NULL,
+                PRIMARY KEY (tenant, output_id, seq)
+            )
+            """,
+            # Chunks are compressed (or are not worth it) already.
+            "ALTER TABLE tool_output_chunks ALTER COLUMN data SET STORAGE EXTERNAL",
+        ],
+    ),
 ]
 
 

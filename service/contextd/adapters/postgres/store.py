@@ -24,6 +24,7 @@ from contextd.adapters.postgres.schema import migrate
 from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
+from contextd.adapters.postgres.tool_outputs import ToolOutputsMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import StoreUnavailable
 from contextd.domain.idempotency import (
@@ -46,6 +47,7 @@ class PostgresStore(
     StatusMixin,
     SnapshotsMixin,
     RetentionMixin,
+    ToolOutputsMixin,
 ):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 

@@ -1,0 +1,248 @@
+"""Tool outputs on PostgreSQL: pointers and results in the database, so every replica
+reads what any other stored.
+
+A large result goes in as chunk rows (`tool_output_chunks`, one bytea row per chunk of up
+to 1 MiB) inside one transaction on one connection, held for the upload; the pointer's
+row joins the same transaction and the commit makes both visible at once. A stream that
+is cut off (or a server killed mid-put) rolls the transaction back: nothing remains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+
+from contextd.adapters.blobs.codec import decode_chunk, encode_chunk, unreadable
+from contextd.adapters.blobs.rows import (
+    POINTER_COLUMNS,
+    STORAGE_COLUMNS,
+    filter_sql,
+    pointer_from_row,
+    pointer_values,
+)
+from contextd.adapters.postgres.base import (
+    RETRY_AFTER_S,
+    Conn,
+    PostgresBase,
+    _remembered,
+    store_error,
+)
+from contextd.adapters.postgres.base import (
+    first as first_row,
+)
+from contextd.domain.errors import Unavailable
+from contextd.domain.idempotency import AlreadyDone, RequestRecord, replay
+from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+
+
+class ChunkUpload:
+    """A result being inserted as chunk rows in a transaction of its own connection."""
+
+    def __init__(self, store: ToolOutputsMixin, tenant: str, output_id: str, compress: bool):
+        self._store = store
+        self.tenant = tenant
+        self.output_id = output_id
+        self.compress = compress
+        self.chunk_lengths: list[int] = []
+        self._stored = 0
+        self.conn: Conn | None = store._pool.getconn()
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._stored
+
+    def write(self, chunk: bytes) -> None:
+        stored = encode_chunk(chunk, self.compress)
+        assert self.conn is not None, "write after the upload ended"
+        try:
+            self.conn.execute(
+                "INSERT INTO tool_output_chunks (tenant, output_id, seq, data) "
+                "VALUES (%s, %s, %s, %s)",
+                [self.tenant, self.output_id, len(self.chunk_lengths), stored],
+            )
+        except psycopg.Error as exc:
+            self.abort()
+            raise store_error(exc) or exc from exc
+        self.chunk_lengths.append(len(stored))
+        self._stored += len(stored)
+
+    def abort(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
+        self._store._pool.putconn(conn)
+
+
+def _insert_pointer(
+    conn: Conn,
+    pointer: ToolOutputPointer,
+    inline: bytes | None,
+    compressed: bool,
+    lengths: list[int],
+    index_text: str,
+) -> None:
+    values = [*pointer_values(pointer), inline, compressed, json.dumps(lengths), index_text]
+    conn.execute(
+        f"INSERT INTO tool_outputs ({POINTER_COLUMNS}, {STORAGE_COLUMNS}) "
+        f"VALUES ({', '.join(['%s'] * len(values))})",
+        values,
+    )
+
+
+class ToolOutputsMixin(PostgresBase):
+    def begin_tool_output_blob(self, tenant: str, output_id: str, compress: bool) -> ChunkUpload:
+        if self._closed:
+            raise Unavailable(
+                "the server is shutting down", reason="SHUTTING_DOWN", retry_after_s=RETRY_AFTER_S
+            )
+        return ChunkUpload(self, tenant, output_id, compress)
+
+    def save_tool_output(
+        self,
+        pointer: ToolOutputPointer,
+        inline: bytes | None,
+        upload: Any,
+        index_text: str,
+        record: RequestRecord | None = None,
+    ) -> ToolOutputPointer:
+        if not isinstance(upload, ChunkUpload):
+
+            def insert(conn: Conn) -> ToolOutputPointer:
+                _insert_pointer(conn, pointer, inline, False, [], index_text)
+                return pointer
+
+            return self._write(insert, record)
+        conn = upload.conn
+        assert conn is not None, "save after the upload ended"
+        try:
+            if record is not None:
+                found = _remembered(conn, record.tenant, record.request_id)
+                if found is not None:
+                    raise AlreadyDone(replay(record, found))
+            _insert_pointer(conn, pointer, None, upload.compress, upload.chunk_lengths, index_text)
+            if record is not None:
+                conn.execute(
+                    "INSERT INTO request_records (tenant, request_id, method, fingerprint, "
+                    "payload, create_time_us) VALUES (%s, %s, %s, %s, %s, %s)",
+                    [
+                        record.tenant,
+                        record.request_id,
+                        record.method,
+                        record.fingerprint,
+                        record.encode(pointer),
+                        self.clock.tick(),
+                    ],
+                )
+            conn.commit()
+        except pg_errors.UniqueViolation as exc:
+            upload.abort()
+            if record is None:
+                raise
+            # A concurrent put under the same request id committed first: answer as it.
+            with self._reading() as reader:
+                found = _remembered(reader, record.tenant, record.request_id)
+            if found is None:
+                raise
+            raise AlreadyDone(replay(record, found)) from exc
+        except BaseException:
+            upload.abort()
+            raise
+        upload.conn = None
+        self._pool.putconn(conn)
+        return pointer
+
+    def list_tool_outputs(
+        self, where: ToolOutputFilter, after: tuple[int, str] | None, limit: int
+    ) -> list[ToolOutputPointer]:
+        conditions, params = filter_sql(where, "%s")
+        if after is not None:
+            conditions += " AND (create_time_us, id) > (%s, %s)"
+            params += [after[0], after[1]]
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE {conditions} "
+                "ORDER BY create_time_us, id LIMIT %s",
+                [*params, limit],
+            ).fetchall()
+        return [pointer_from_row(r) for r in rows]
+
+    def tool_output_index(
+        self, where: ToolOutputFilter, limit: int
+    ) -> list[tuple[ToolOutputPointer, str]]:
+        conditions, params = filter_sql(where, "%s")
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT * FROM (SELECT {POINTER_COLUMNS}, index_text FROM tool_outputs "
+                f"WHERE {conditions} ORDER BY create_time_us DESC, id DESC LIMIT %s) newest "
+                "ORDER BY create_time_us, id",
+                [*params, limit],
+            ).fetchall()
+        return [(pointer_from_row(r), str(r[-1])) for r in rows]
+
+    def find_tool_outputs(
+        self, tenant: str, agent: str, scope: str, ids: Sequence[str]
+    ) -> list[ToolOutputPointer]:
+        if not ids:
+            return []
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE tenant = %s AND "
+                "agent = %s AND scope = %s AND id = ANY(%s)",
+                [tenant, agent, scope, list(ids)],
+            ).fetchall()
+        return [pointer_from_row(r) for r in rows]
+
+    def read_tool_output_chunks(
+        self, pointer: ToolOutputPointer, first: int, count: int
+    ) -> list[bytes]:
+        with self._reading() as conn:
+            row = first_row(
+                conn,
+                "SELECT inline_data, compressed, chunk_lengths FROM tool_outputs "
+                "WHERE tenant = %s AND id = %s",
+                [pointer.tenant, pointer.id],
+            )
+            if row is None:
+                return []  # deleted meanwhile
+            if pointer.stored_inline:
+                return [bytes(row[0])] if first == 0 and count > 0 else []
+            compressed, total = bool(row[1]), len(json.loads(row[2]))
+            last = min(total, first + count)
+            if first >= last:
+                return []
+            rows = conn.execute(
+                "SELECT seq, data FROM tool_output_chunks WHERE tenant = %s AND "
+                "output_id = %s AND seq >= %s AND seq < %s ORDER BY seq",
+                [pointer.tenant, pointer.id, first, last],
+            ).fetchall()
+        if [int(r[0]) for r in rows] != list(range(first, last)):
+            raise unreadable(pointer.id, "chunks are missing")
+        return [decode_chunk(bytes(r[1]), compressed, pointer.id) for r in rows]
+
+    def delete_tool_outputs(
+        self, where: ToolOutputFilter, record: RequestRecord | None = None
+    ) -> int:
+        conditions, params = filter_sql(where, "%s")
+
+        def delete(conn: Conn) -> int:
+            ids = [
+                str(r[0])
+                for r in conn.execute(
+                    f"DELETE FROM tool_outputs WHERE {conditions} RETURNING id", params
+                ).fetchall()
+            ]
+            if ids:
+                conn.execute(
+                    "DELETE FROM tool_output_chunks WHERE tenant = %s AND output_id = ANY(%s)",
+                    [where.tenant, ids],
+                )
+            return len(ids)
+
+        return self._write(delete, record)

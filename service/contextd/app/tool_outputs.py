@@ -1,0 +1,680 @@
+"""Tool outputs kept aside: store, list, load, read, grep, delete, rank, excerpt.
+
+Results are handled a chunk at a time (TOOL_OUTPUT_CHUNK_BYTES): a put re-chunks what
+the client sends, hashes and classifies it on the way and hands each chunk to the
+store's blob port; every read asks the store for the chunks it needs and no more. So no
+call holds a large result whole, and each call's work is bounded by domain/limits.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from contextd import core
+from contextd.app.base import UseCases
+from contextd.app.paging import page_size
+from contextd.domain.errors import InvalidArgument
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.limits import (
+    DEFAULT_GREP_MATCHES,
+    DEFAULT_READ_BYTES,
+    DEFAULT_RELEVANT_K,
+    EXCERPT_PASSAGE_CHARS,
+    INDEX_HEAD_CHARS,
+    INDEX_TAIL_CHARS,
+    MAX_EXCERPT_SCAN_BYTES,
+    MAX_EXCERPT_TOKENS,
+    MAX_GREP_CONTEXT_LINES,
+    MAX_GREP_LINE_CHARS,
+    MAX_GREP_MATCHES,
+    MAX_GREP_PATTERN_CHARS,
+    MAX_GREP_SCAN_BYTES,
+    MAX_READ_BYTES,
+    MAX_RELEVANCE_CANDIDATES,
+    MAX_RELEVANT_K,
+    PREVIEW_HEAD_CHARS,
+    PREVIEW_TAIL_CHARS,
+    TOOL_OUTPUT_CHUNK_BYTES,
+    ToolOutputLimits,
+)
+from contextd.domain.model import ContextKey, NewMessage, Page, Role
+from contextd.domain.tool_outputs import (
+    KindSniffer,
+    NewToolOutput,
+    ToolOutputFilter,
+    ToolOutputKind,
+    ToolOutputPointer,
+    check_filter,
+    check_new_output,
+    check_output_id,
+    check_output_ids,
+    check_query,
+    new_output_id,
+    output_key,
+    preview_text,
+    too_large,
+    tool_output_handle,
+    tool_output_not_found,
+    with_tool_output,
+)
+from contextd.ports.tool_outputs import BlobUpload
+
+CHUNK = TOOL_OUTPUT_CHUNK_BYTES
+# A line longer than this is cut into pieces by grep (a result without line breaks must
+# not become one line held whole).
+_MAX_GREP_LINE_BYTES = 1 << 20
+
+RecordFor = Callable[[str], RequestRecord | None]
+"""The request record of a put, given the SHA-256 of its result (a retry must send the
+same bytes), or None without a request id."""
+
+
+@dataclass(frozen=True, slots=True)
+class Excerpt:
+    output_id: str
+    offset: int
+    length: int
+    text: str
+    part: str  # "whole", "head", "match" or "tail"
+
+
+@dataclass(frozen=True, slots=True)
+class Relevant:
+    pointer: ToolOutputPointer
+    score: float
+    excerpts: tuple[Excerpt, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GrepMatch:
+    line_number: int
+    offset: int
+    line: str
+    before: tuple[str, ...]
+    after: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class GrepResult:
+    matches: list[GrepMatch]
+    next_offset: int
+    next_line_number: int
+    scanned_bytes: int
+
+
+def _chars(data: bytes) -> int:
+    """Unicode code points in UTF-8 bytes: the bytes that are not continuation bytes."""
+    if not data:
+        return 0
+    array = np.frombuffer(data, dtype=np.uint8)
+    return int(np.count_nonzero((array & 0xC0) != 0x80))
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def _align(data: bytes, i: int) -> int:
+    """`i` moved forward past UTF-8 continuation bytes (a character's start)."""
+    while 0 < i < len(data) and (data[i] & 0xC0) == 0x80:
+        i += 1
+    return i
+
+
+class _Intake:
+    """What a put learns from a result on its way through, without keeping it."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.chars = 0
+        self.sniffer = KindSniffer()
+        self.head = bytearray()
+        self.tail = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.sha.update(data)
+        self.size += len(data)
+        self.chars += _chars(data)
+        self.sniffer.feed(data)
+        room = 4 * INDEX_HEAD_CHARS - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+        self.tail += data[-4 * INDEX_TAIL_CHARS :]
+        if len(self.tail) > 4 * INDEX_TAIL_CHARS:
+            del self.tail[: len(self.tail) - 4 * INDEX_TAIL_CHARS]
+
+    def result_text(self, kind: ToolOutputKind) -> str:
+        """What of the result ranking indexes: its first and last characters."""
+        if kind == ToolOutputKind.BINARY:
+            return ""
+        head = bytes(self.head).decode("utf-8", "ignore")[:INDEX_HEAD_CHARS]
+        if self.size <= len(self.head):
+            return head
+        tail = bytes(self.tail).decode("utf-8", "ignore")[-INDEX_TAIL_CHARS:]
+        return f"{head}\n{tail}"
+
+
+class ToolOutputCalls(UseCases):
+    """Tool outputs (see proto/contextd/v1/tool_output_service.proto)."""
+
+    # The server's settings (api/server.py sets them from config.py).
+    tool_output_limits: ToolOutputLimits = ToolOutputLimits()
+
+    # ------------------------------------------------------------------ appends
+
+    def keep_tool_results_aside(
+        self, key: ContextKey, messages: Sequence[NewMessage]
+    ) -> list[NewMessage]:
+        """The messages of an append, with every TOOL_RESULT over the inline threshold
+        stored aside (its content becomes a preview with the handle) and every reference
+        to a stored output resolved (an empty content becomes its preview)."""
+        out = list(messages)
+        limit = min(self.tool_output_limits.inline_bytes, CHUNK)
+        for i, m in enumerate(messages):
+            handle = tool_output_handle(m.metadata) if m.metadata else None
+            if handle is not None and m.role != Role.TOOL_RESULT:
+                raise InvalidArgument(
+                    "only a TOOL_RESULT may name a tool output",
+                    field=f"messages[{i}].tool_output_id",
+                )
+            if m.role != Role.TOOL_RESULT:
+                continue
+            if handle is not None:
+                found = self._store.find_tool_outputs(key.tenant, key.agent, key.scope, [handle[0]])
+                if not found:
+                    error = tool_output_not_found(handle[0])
+                    error.field = f"messages[{i}].tool_output_id"
+                    raise error
+                content = m.content or self._preview(found[0])
+                metadata = with_tool_output(m.metadata, handle[0], found[0].size_bytes, i)
+                out[i] = replace(m, content=content, metadata=metadata)
+                continue
+            if len(m.content) <= limit // 4 or len(m.content.encode()) <= limit:
+                continue
+            data = m.content.encode()
+            pointer = self.put_tool_output(
+                NewToolOutput(
+                    tenant=key.tenant,
+                    agent=key.agent,
+                    scope=key.scope,
+                    thread=key.thread,
+                    tool_name="tool_result",
+                    tool_description="a tool result appended to the conversation",
+                    args_json=json.dumps({"tool_call_id": m.tool_call_id}),
+                ),
+                [data],
+            )
+            out[i] = replace(
+                m,
+                content=self._preview(pointer, data),
+                metadata=with_tool_output(m.metadata, pointer.id, pointer.size_bytes, i),
+            )
+        return out
+
+    def _preview(self, pointer: ToolOutputPointer, data: bytes | None = None) -> str:
+        """Head, handle and tail of a stored result (read from the store unless given);
+        the whole text when it is short."""
+        size = pointer.size_bytes
+        head_bytes, tail_bytes = 4 * PREVIEW_HEAD_CHARS, 4 * PREVIEW_TAIL_CHARS
+        if size <= head_bytes + tail_bytes:
+            return _text(data if data is not None else self.read_range(pointer, 0, size))
+        if data is not None:
+            head_data, tail_data = data[:head_bytes], data[-tail_bytes:]
+        else:
+            head_data = self.read_range(pointer, 0, head_bytes)
+            tail_data = self.read_range(pointer, size - tail_bytes, tail_bytes)
+        head = head_data.decode("utf-8", "ignore")[:PREVIEW_HEAD_CHARS]
+        tail = tail_data.decode("utf-8", "ignore")[-PREVIEW_TAIL_CHARS:]
+        return preview_text(pointer.id, head, tail, len(head.encode()), size)
+
+    # ------------------------------------------------------------------ writes
+
+    def put_tool_output(
+        self,
+        output: NewToolOutput,
+        pieces: Iterable[bytes],
+        record_for: RecordFor | None = None,
+        max_bytes: int | None = None,
+    ) -> ToolOutputPointer:
+        """Store a result given in pieces of any size; returns its pointer once durable.
+
+        The result is re-chunked here; at most one chunk and one piece are held at a
+        time. Small results stay inline in the pointer's row. When `pieces` raises (the
+        client went away) or the result passes `max_bytes`, nothing is stored.
+        """
+        output = check_new_output(output)
+        limits = self.tool_output_limits
+        limit = limits.max_bytes if max_bytes is None else max_bytes
+        inline_limit = min(limits.inline_bytes, CHUNK)
+        output_id = new_output_id()
+        intake = _Intake()
+        buffer = bytearray()
+        upload: BlobUpload | None = None
+        try:
+            for piece in pieces:
+                if not piece:
+                    continue
+                intake.feed(piece)
+                if intake.size > limit:
+                    raise too_large(intake.size, limit, "result" if max_bytes else "chunk")
+                buffer += piece
+                while len(buffer) >= CHUNK and intake.size > inline_limit:
+                    if upload is None:
+                        upload = self._store.begin_tool_output_blob(
+                            output.tenant, output_id, compress=limits.compress_bytes < CHUNK
+                        )
+                    upload.write(bytes(buffer[:CHUNK]))
+                    del buffer[:CHUNK]
+            inline: bytes | None = None
+            if upload is None and intake.size <= inline_limit:
+                inline = bytes(buffer)
+            else:
+                if upload is None:
+                    upload = self._store.begin_tool_output_blob(
+                        output.tenant,
+                        output_id,
+                        compress=intake.size > limits.compress_bytes,
+                    )
+                if buffer:
+                    upload.write(bytes(buffer))
+            buffer.clear()
+            kind = intake.sniffer.kind(inline)
+            now = self._clock.tick()
+            digest = intake.sha.hexdigest()
+            pointer = ToolOutputPointer(
+                id=output_id,
+                key=output_key(output.tool_name, output.args_json, now),
+                tenant=output.tenant,
+                agent=output.agent,
+                scope=output.scope,
+                thread=output.thread,
+                tool_name=output.tool_name,
+                tool_description=output.tool_description,
+                args_json=output.args_json,
+                task_id=output.task_id,
+                query_id=output.query_id,
+                size_bytes=intake.size,
+                # The character estimate (chars + 3) // 4 (of the bytes, when binary).
+                token_count=((intake.size if kind == ToolOutputKind.BINARY else intake.chars) + 3)
+                // 4,
+                create_time_us=now,
+                kind=kind,
+                stored_inline=inline is not None,
+                stored_bytes=intake.size if upload is None else upload.stored_bytes,
+                sha256=digest,
+            )
+            index_text = "\n".join(
+                (
+                    output.tool_name,
+                    output.tool_description,
+                    output.args_json,
+                    intake.result_text(kind),
+                )
+            )
+            record = record_for(digest) if record_for is not None else None
+            saved = self._store.save_tool_output(pointer, inline, upload, index_text, record)
+            upload = None  # saved (or aborted by the store): no longer ours to drop
+            return saved
+        finally:
+            if upload is not None:
+                upload.abort()
+
+    def delete_tool_outputs(
+        self, where: ToolOutputFilter, record: RequestRecord | None = None
+    ) -> int:
+        return self._store.delete_tool_outputs(check_filter(where), record)
+
+    # ------------------------------------------------------------------ reads
+
+    def list_tool_outputs(
+        self, where: ToolOutputFilter, requested_size: int, token: str
+    ) -> Page[ToolOutputPointer]:
+        check_filter(where)
+        size = page_size(requested_size)
+        params = (
+            "tool_outputs",
+            where.tenant,
+            where.agent,
+            where.scope,
+            where.thread,
+            where.task_id,
+            where.query_id,
+            where.tool_name,
+        )
+        position = self._pages.decode(token, params, (int, str))
+        after = (int(position.position[0]), str(position.position[1])) if position else None
+        rows = self._store.list_tool_outputs(where, after, size + 1)
+        return Page(*self._pages.cut(rows, size, params, lambda p: (p.create_time_us, p.id)))
+
+    def tool_output(self, tenant: str, agent: str, scope: str, output_id: str) -> ToolOutputPointer:
+        check_output_id(output_id)
+        found = self._store.find_tool_outputs(tenant, agent, scope, [output_id])
+        if not found:
+            raise tool_output_not_found(output_id)
+        return found[0]
+
+    def find_tool_outputs(
+        self, tenant: str, agent: str, scope: str, ids: list[str]
+    ) -> tuple[list[ToolOutputPointer], list[str]]:
+        """The pointers of `ids` found in this agent and scope, in the order asked, and
+        the ids not found."""
+        ids = check_output_ids(ids)
+        found = {p.id: p for p in self._store.find_tool_outputs(tenant, agent, scope, ids)}
+        return [found[i] for i in ids if i in found], [i for i in ids if i not in found]
+
+    def result_chunks(self, pointer: ToolOutputPointer) -> Iterator[bytes]:
+        """The whole result, a chunk at a time; DATA_LOSS at the end when it is not the
+        result stored (its SHA-256 differs) or is cut short."""
+        sha = hashlib.sha256()
+        size = 0
+        index = 0
+        while size < pointer.size_bytes:
+            chunks = self._store.read_tool_output_chunks(pointer, index, 1)
+            if not chunks:
+                break
+            sha.update(chunks[0])
+            size += len(chunks[0])
+            index += 1
+            yield chunks[0]
+        if size != pointer.size_bytes or sha.hexdigest() != pointer.sha256:
+            from contextd.adapters.blobs.codec import unreadable  # domain error, no I/O
+
+            raise unreadable(pointer.id, "it is not the result stored")
+
+    def read_range(self, pointer: ToolOutputPointer, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the result (shorter at its end)."""
+        end = min(pointer.size_bytes, offset + length)
+        if end <= offset:
+            return b""
+        first, last = offset // CHUNK, (end - 1) // CHUNK
+        chunks = self._store.read_tool_output_chunks(pointer, first, last - first + 1)
+        data = b"".join(chunks)
+        return data[offset - first * CHUNK : end - first * CHUNK]
+
+    def read_tool_output(
+        self, tenant: str, agent: str, scope: str, output_id: str, offset: int, length: int
+    ) -> tuple[ToolOutputPointer, bytes]:
+        if offset < 0:
+            raise InvalidArgument("offset must not be negative", field="offset")
+        if length < 0 or length > MAX_READ_BYTES:
+            raise InvalidArgument(
+                f"length must be 0 (for {DEFAULT_READ_BYTES:,}) to {MAX_READ_BYTES:,} bytes",
+                field="length",
+            )
+        pointer = self.tool_output(tenant, agent, scope, output_id)
+        if offset > pointer.size_bytes:
+            raise InvalidArgument(
+                f"offset {offset:,} is past the end of the result ({pointer.size_bytes:,} bytes)",
+                field="offset",
+            )
+        return pointer, self.read_range(pointer, offset, length or DEFAULT_READ_BYTES)
+
+    def grep_tool_output(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        output_id: str,
+        pattern: str,
+        context_lines: int = 0,
+        ignore_case: bool = False,
+        max_matches: int = 0,
+        offset: int = 0,
+        line_number: int = 0,
+    ) -> GrepResult:
+        if not pattern or len(pattern) > MAX_GREP_PATTERN_CHARS:
+            raise InvalidArgument(
+                f"pattern must be 1 to {MAX_GREP_PATTERN_CHARS} characters", field="pattern"
+            )
+        if not 0 <= context_lines <= MAX_GREP_CONTEXT_LINES:
+            raise InvalidArgument(
+                f"context_lines must be 0 to {MAX_GREP_CONTEXT_LINES}", field="context_lines"
+            )
+        if not 0 <= max_matches <= MAX_GREP_MATCHES:
+            raise InvalidArgument(
+                f"max_matches must be 0 (for {DEFAULT_GREP_MATCHES}) to {MAX_GREP_MATCHES}",
+                field="max_matches",
+            )
+        if offset < 0 or line_number < 0:
+            raise InvalidArgument("offset and line_number must not be negative", field="offset")
+        pointer = self.tool_output(tenant, agent, scope, output_id)
+        if offset > pointer.size_bytes:
+            raise InvalidArgument("offset is past the end of the result", field="offset")
+        return _grep(
+            self._lines(pointer, offset),
+            pattern,
+            context_lines,
+            ignore_case,
+            max_matches or DEFAULT_GREP_MATCHES,
+            offset,
+            line_number or 1,
+        )
+
+    def _lines(self, pointer: ToolOutputPointer, offset: int) -> Iterator[tuple[int, bytes]]:
+        """(offset, line without its break) from `offset` on, a chunk read at a time;
+        lines longer than _MAX_GREP_LINE_BYTES come in pieces."""
+        index = offset // CHUNK
+        skip = offset - index * CHUNK
+        pending = bytearray()
+        start = offset
+        while True:
+            chunks = self._store.read_tool_output_chunks(pointer, index, 1)
+            if not chunks:
+                break
+            data = chunks[0][skip:]
+            skip = 0
+            index += 1
+            position = 0
+            while position < len(data):
+                newline = data.find(b"\n", position)
+                end = len(data) if newline < 0 else newline
+                pending += data[position:end]
+                if newline < 0:
+                    position = len(data)
+                    if len(pending) >= _MAX_GREP_LINE_BYTES:
+                        yield start, bytes(pending)
+                        start += len(pending)
+                        pending.clear()
+                    continue
+                yield start, bytes(pending)
+                start += len(pending) + 1
+                pending.clear()
+                position = newline + 1
+        if pending:
+            yield start, bytes(pending)
+
+    # ------------------------------------------------------------------ relevance
+
+    def select_relevant(
+        self,
+        query: str,
+        where: ToolOutputFilter,
+        k: int = 0,
+        keyword: bool = False,
+        excerpt_tokens: int = 0,
+    ) -> tuple[list[Relevant], bool]:
+        """The k outputs of the filter most relevant to `query`, highest first, and
+        whether this is the fallback (nothing matched: the filter's outputs, oldest
+        first, at most k)."""
+        check_query(query)
+        check_filter(where)
+        if not 0 <= k <= MAX_RELEVANT_K:
+            raise InvalidArgument(f"k must be 0 (for {DEFAULT_RELEVANT_K}) to {MAX_RELEVANT_K}")
+        if not 0 <= excerpt_tokens <= MAX_EXCERPT_TOKENS:
+            raise InvalidArgument(
+                f"excerpt_tokens must be 0 to {MAX_EXCERPT_TOKENS:,}", field="excerpt_tokens"
+            )
+        k = k or DEFAULT_RELEVANT_K
+        candidates = self._store.tool_output_index(where, MAX_RELEVANCE_CANDIDATES)
+        ranked = rank(query, candidates, k, keyword)
+        fallback = not ranked
+        if fallback:
+            ranked = [(p, 0.0) for p, _ in candidates[:k]]
+        return [
+            Relevant(p, score, tuple(self.excerpts(p, query, excerpt_tokens)))
+            for p, score in ranked
+        ], fallback
+
+    def excerpts(self, pointer: ToolOutputPointer, query: str, budget_tokens: int) -> list[Excerpt]:
+        """Parts of a result within about `budget_tokens` tokens: the whole result when it
+        fits; else its head, the passages that best match `query` and its tail, in result
+        order. Looks for matches in at most MAX_EXCERPT_SCAN_BYTES after the head."""
+        if budget_tokens <= 0 or pointer.kind == ToolOutputKind.BINARY:
+            return []
+        budget = 4 * budget_tokens  # characters, about bytes for mostly-ASCII text
+        size = pointer.size_bytes
+        if size <= budget:
+            data = self.read_range(pointer, 0, size)
+            return [Excerpt(pointer.id, 0, size, _text(data), "whole")]
+        quarter = budget // 4
+        head = self.read_range(pointer, 0, quarter)
+        head_end = _align(head, len(head) - 1) if len(head) < size else len(head)
+        cut = head.rfind(b"\n", 0, head_end)
+        head_end = cut + 1 if cut > quarter // 2 else _last_char_start(head, head_end)
+        tail_start = max(head_end, size - quarter)
+        tail = self.read_range(pointer, tail_start, size - tail_start)
+        skip = _align(tail, 0)
+        newline = tail.find(b"\n", 0, len(tail) // 2)
+        skip = newline + 1 if newline >= 0 else skip
+        tail, tail_start = tail[skip:], tail_start + skip
+        parts = [Excerpt(pointer.id, 0, head_end, _text(head[:head_end]), "head")]
+        room = budget - head_end - len(tail)
+        middle_end = min(tail_start, head_end + MAX_EXCERPT_SCAN_BYTES)
+        if room > 0 and middle_end > head_end:
+            parts += self._matching_passages(pointer, query, head_end, middle_end, room)
+        parts.append(Excerpt(pointer.id, tail_start, len(tail), _text(tail), "tail"))
+        return sorted(parts, key=lambda e: e.offset)
+
+    def _range_pieces(self, pointer: ToolOutputPointer, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end) of the result, one stored chunk read at a time."""
+        index = start // CHUNK
+        while start < end:
+            chunks = self._store.read_tool_output_chunks(pointer, index, 1)
+            if not chunks:
+                return
+            base = index * CHUNK
+            yield chunks[0][start - base : end - base]
+            index += 1
+            start = base + CHUNK
+
+    def _matching_passages(
+        self, pointer: ToolOutputPointer, query: str, start: int, end: int, room: int
+    ) -> list[Excerpt]:
+        """The passages of [start, end) that best match `query` (BM25 over passages of
+        about EXCERPT_PASSAGE_CHARS bytes cut at line breaks) within `room` bytes."""
+        offsets: list[int] = []
+        texts: list[str] = []
+        pending = bytearray()
+        position = start  # the offset of pending[0]
+        for data in self._range_pieces(pointer, start, end):
+            pending += data
+            while len(pending) >= 2 * EXCERPT_PASSAGE_CHARS:
+                stop = _passage_end(pending)
+                offsets.append(position)
+                texts.append(_text(bytes(pending[:stop])))
+                del pending[:stop]
+                position += stop
+        if pending:
+            offsets.append(position)
+            texts.append(_text(bytes(pending)))
+        index = core.Bm25Index()
+        index.add(list(range(len(texts))), texts)
+        ids, _scores = index.search(query, min(len(texts), 64))
+        chosen: list[Excerpt] = []
+        for i in ids:
+            text = texts[i]
+            length = len(text.encode("utf-8", "replace"))
+            if length > room:
+                continue
+            room -= length
+            chosen.append(Excerpt(pointer.id, offsets[i], length, text, "match"))
+        return chosen
+
+
+def _passage_end(data: bytearray) -> int:
+    """Where the passage at the start of `data` ends: after its last line break within
+    EXCERPT_PASSAGE_CHARS bytes, else there (at a character's start)."""
+    cut = data.rfind(b"\n", 0, EXCERPT_PASSAGE_CHARS)
+    if cut >= EXCERPT_PASSAGE_CHARS // 2:
+        return cut + 1
+    return max(1, _last_char_start(bytes(data[: EXCERPT_PASSAGE_CHARS + 1]), EXCERPT_PASSAGE_CHARS))
+
+
+def _last_char_start(data: bytes, i: int) -> int:
+    """`i` moved back to a character's start."""
+    while 0 < i < len(data) and (data[i] & 0xC0) == 0x80:
+        i -= 1
+    return i
+
+
+def rank(
+    query: str, candidates: list[tuple[ToolOutputPointer, str]], k: int, keyword: bool
+) -> list[tuple[ToolOutputPointer, float]]:
+    """The best k candidates for `query`, highest score first (ties: older first), only
+    those that match at all. BM25 over each candidate's index text, or keyword overlap
+    with its tool description."""
+    if not candidates:
+        return []
+    if keyword:
+        scores = core.keyword_scores(query, [p.tool_description for p, _ in candidates])
+        order = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i))
+        return [(candidates[i][0], float(scores[i])) for i in order[:k]]
+    index = core.Bm25Index()
+    index.add(list(range(len(candidates))), [text for _, text in candidates])
+    ids, values = index.search(query, k)
+    return [(candidates[i][0], float(s)) for i, s in zip(ids, values, strict=True) if s > 0]
+
+
+def _grep(
+    lines: Iterator[tuple[int, bytes]],
+    pattern: str,
+    context: int,
+    ignore_case: bool,
+    max_matches: int,
+    offset: int,
+    line_number: int,
+) -> GrepResult:
+    """Scan lines for a literal pattern; stop at max_matches (after their context lines)
+    or at MAX_GREP_SCAN_BYTES, at a line's start."""
+    needle = pattern.lower() if ignore_case else pattern
+    before: deque[str] = deque(maxlen=context or 1)
+    matches: list[GrepMatch] = []
+    waiting: list[GrepMatch] = []  # matches still taking lines after them
+    scanned = 0
+    next_offset, next_line = offset, line_number
+    number = line_number
+    for start, raw in lines:
+        line = _text(raw)
+        for match in waiting:
+            match.after.append(line[:MAX_GREP_LINE_CHARS])
+        waiting = [m for m in waiting if len(m.after) < context]
+        if len(matches) >= max_matches and not waiting:
+            return GrepResult(matches, start, number, scanned)
+        if len(matches) < max_matches and needle in (line.lower() if ignore_case else line):
+            found = GrepMatch(
+                number,
+                start,
+                line[:MAX_GREP_LINE_CHARS],
+                tuple(before) if context else (),
+                [],
+            )
+            matches.append(found)
+            if context:
+                waiting.append(found)
+        if context:
+            before.append(line[:MAX_GREP_LINE_CHARS])
+        scanned += len(raw) + 1
+        number += 1
+        next_offset, next_line = start + len(raw) + 1, number
+        if scanned >= MAX_GREP_SCAN_BYTES:
+            return GrepResult(matches, next_offset, next_line, scanned)
+        if len(matches) >= max_matches and not waiting:
+            return GrepResult(matches, next_offset, next_line, scanned)
+    return GrepResult(matches, 0, next_line, scanned)

@@ -1,0 +1,76 @@
+"""Tool outputs as the use cases see them: pointers in the store, results behind a blob
+port (see domain/tool_outputs.py).
+
+What every engine must do:
+- A result is written a chunk at a time (`BlobUpload.write`: raw chunks of exactly
+  TOOL_OUTPUT_CHUNK_BYTES, the last one shorter) and never held whole; it becomes
+  visible only with its pointer (`save_tool_output`), whole, or not at all: an upload
+  aborted, or cut off by a crash, leaves nothing a read can see.
+- Reads name the tenant, agent and scope: an output of another one is never returned.
+- `read_tool_output_chunks` returns raw chunks (decompressed); DataLoss when stored data
+  is missing or does not decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from contextd.domain.idempotency import RequestRecord
+from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+
+
+class BlobUpload(Protocol):
+    """A result being stored, chunk by chunk, not yet visible."""
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes written to storage so far (after compression)."""
+
+    def write(self, chunk: bytes) -> None:
+        """Store the next raw chunk."""
+
+    def abort(self) -> None:
+        """Drop what was written (idempotent; also after a failed save)."""
+
+
+class ToolOutputStore(Protocol):
+    def begin_tool_output_blob(self, tenant: str, output_id: str, compress: bool) -> BlobUpload:
+        """Start storing a large result; nothing is visible until `save_tool_output`."""
+
+    def save_tool_output(
+        self,
+        pointer: ToolOutputPointer,
+        inline: bytes | None,
+        upload: BlobUpload | None,
+        index_text: str,
+        record: RequestRecord | None = None,
+    ) -> ToolOutputPointer:
+        """Make the output visible: its pointer with the inline result, or with the
+        upload's chunks, both or neither. `index_text` is what relevance ranking reads."""
+
+    def list_tool_outputs(
+        self, where: ToolOutputFilter, after: tuple[int, str] | None, limit: int
+    ) -> list[ToolOutputPointer]:
+        """By (create time, id), strictly after `after`."""
+
+    def tool_output_index(
+        self, where: ToolOutputFilter, limit: int
+    ) -> list[tuple[ToolOutputPointer, str]]:
+        """The newest `limit` outputs of the filter with their index texts, oldest first."""
+
+    def find_tool_outputs(
+        self, tenant: str, agent: str, scope: str, ids: Sequence[str]
+    ) -> list[ToolOutputPointer]:
+        """The outputs of these ids in this agent and scope (others are left out)."""
+
+    def read_tool_output_chunks(
+        self, pointer: ToolOutputPointer, first: int, count: int
+    ) -> list[bytes]:
+        """Raw chunks `first` .. `first + count - 1` of the result (an inline result is
+        chunk 0)."""
+
+    def delete_tool_outputs(
+        self, where: ToolOutputFilter, record: RequestRecord | None = None
+    ) -> int:
+        """Delete the pointers and their stored data; returns how many."""
