@@ -55,6 +55,8 @@ class Settings:
     insecure: bool = False
     # Most calls a second per tenant on this server (0: no limit).
     tenant_max_rps: float = 0.0
+    # Most bytes one tenant stores, messages and snapshots (0: no limit).
+    tenant_max_bytes: int = 0
 
     @property
     def uses_postgres(self) -> bool:
@@ -92,6 +94,9 @@ _SERVE_OPTIONS: dict[str, str] = {
     "the default tenant, with every role)",
     "tenant_max_rps": "most calls per second of one tenant on this server, in bursts of as "
     "many (0: no limit); beyond it RESOURCE_EXHAUSTED (TENANT_RATE_LIMITED) with a retry delay",
+    "tenant_max_bytes": "most bytes one tenant stores: content + tool_calls + metadata of its "
+    "messages, and its snapshots (0: no limit); a write that would pass it is "
+    "RESOURCE_EXHAUSTED (TENANT_STORAGE_EXHAUSTED)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -104,7 +109,7 @@ _SERVE_OPTIONS: dict[str, str] = {
 _CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
 _MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
-_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps"}
+_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps", "tenant_max_bytes"}
 
 
 def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | float]:

@@ -80,4 +80,5 @@ class AgentCalls(UseCases):
         check_name(name, "name")
         deleted = self._store.delete_agent(tenant, name, etag, record)
         self._models.pop((tenant, name), None)
+        self._quota.forget(tenant)  # its threads and snapshots no longer count
         return deleted

@@ -26,6 +26,7 @@ from contextd.domain.model import (
     MessageReceipt,
     NewMessage,
 )
+from contextd.domain.quota import stored_bytes
 from contextd.domain.validation import (
     check_name,
 )
@@ -61,12 +62,14 @@ class MessageCalls(UseCases):
             for i, m in enumerate(messages)
         ]
         model = self._model_of(tenant, key.agent)
+        adding = stored_bytes(messages) if self._quota.limit else 0
         for _ in range(3):
             batch = prepare_batch(messages, model, call_ids)
             try:
-                return self._store.append(
-                    key, batch, AgentSettings() if create_agent else None, record
-                )
+                with self._quota.admitting(tenant, adding, "this append"):
+                    return self._store.append(
+                        key, batch, AgentSettings() if create_agent else None, record
+                    )
             except StaleModel as changed:
                 # Another replica changed the agent's model since this one cached it.
                 model = changed.model

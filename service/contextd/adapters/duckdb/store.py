@@ -41,6 +41,7 @@ from contextd.adapters.duckdb.thread_counters import (
     PendingCounters,
 )
 from contextd.adapters.duckdb.threads import ThreadsMixin
+from contextd.adapters.duckdb.usage import UsageMixin
 from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
@@ -53,7 +54,14 @@ from contextd.domain.model import (
 
 @_failures_translated
 class Store(
-    AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, SnapshotsMixin, WriterMixin
+    AccessMixin,
+    AgentsMixin,
+    MessagesMixin,
+    StatusMixin,
+    ThreadsMixin,
+    SnapshotsMixin,
+    UsageMixin,
+    WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 

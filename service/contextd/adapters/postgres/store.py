@@ -23,6 +23,7 @@ from contextd.adapters.postgres.schema import migrate
 from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
+from contextd.adapters.postgres.usage import UsageMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import StoreUnavailable
 from contextd.domain.idempotency import (
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @failures_translated
 class PostgresStore(
-    AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin, SnapshotsMixin
+    AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin, SnapshotsMixin, UsageMixin
 ):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
