@@ -62,6 +62,8 @@ class Settings:
     tool_output_inline_bytes: int = 32 << 10
     tool_output_compress_bytes: int = 64 << 10
     tool_output_max_bytes: int = 1 << 30
+    # Most bytes one tenant stores, messages and snapshots (0: no limit).
+    tenant_max_bytes: int = 0
 
     @property
     def uses_postgres(self) -> bool:
@@ -106,6 +108,9 @@ _SERVE_OPTIONS: dict[str, str] = {
     "pointer's row (at most 1 MiB); larger ones are stored in 1 MiB chunks",
     "tool_output_compress_bytes": "stored tool outputs over this many bytes are compressed (zstd)",
     "tool_output_max_bytes": "largest tool output a StreamPutToolOutput may store",
+    "tenant_max_bytes": "most bytes one tenant stores: content + tool_calls + metadata of its "
+    "messages, and its snapshots (0: no limit); a write that would pass it is "
+    "RESOURCE_EXHAUSTED (TENANT_STORAGE_EXHAUSTED)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -118,7 +123,7 @@ _SERVE_OPTIONS: dict[str, str] = {
 _CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
 _MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
-_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps", "sweep_interval_seconds"}
+_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps", "sweep_interval_seconds", "tenant_max_bytes"}
 
 
 def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | float]:

@@ -263,6 +263,7 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
                 max_batch_messages=settings.max_batch_messages,
                 snapshot_max_messages=settings.snapshot_max_messages,
                 snapshot_max_bytes=settings.snapshot_max_bytes,
+                tenant_max_bytes=settings.tenant_max_bytes,
             ),
             PageTokens(store.page_token_key()),
         )

@@ -82,4 +82,5 @@ class AgentCalls(UseCases):
         check_name(name, "name")
         deleted = self._store.delete_agent(tenant, name, etag, record)
         self._forget_agent(tenant, name)
+        self._quota.forget(tenant)  # its threads and snapshots no longer count
         return deleted

@@ -14,6 +14,7 @@ from contextd.app.build.summarizer import (
     Summarizer,
 )
 from contextd.app.paging import PageTokens
+from contextd.app.quota import TenantBytes
 from contextd.domain.idempotency import Remembered
 from contextd.domain.limits import (
     Limits,
@@ -58,6 +59,10 @@ class UseCases:
         # process only (fine for a service object that lives and dies with its caller).
         self._pages = page_tokens or PageTokens(secrets.token_bytes(32))
         self._builder = ContextBuilder(store, summarizer)
+        # Stored bytes per tenant, checked before writes that store bytes (see quota.py).
+        self._quota = TenantBytes(
+            store.tenant_stored_bytes, self._clock, self._limits.tenant_max_bytes
+        )
         # The model of each agent, read on every append to count its tokens. Invalidated on
         # update and delete here; an engine shared by replicas checks it in the append
         # transaction (StaleModel), so a stale entry costs a recount, never a wrong count.

@@ -28,6 +28,7 @@ from contextd.domain.model import (
     MessageReceipt,
     NewMessage,
 )
+from contextd.domain.quota import stored_bytes
 from contextd.domain.validation import (
     check_name,
 )
@@ -66,12 +67,14 @@ class MessageCalls(UseCases):
             messages = self.keep_tool_results_aside(key, messages)
         model = self._model_of(tenant, key.agent)
         ttl_us = self._ttl_of(tenant, key.agent, key.scope)
+        adding = stored_bytes(messages) if self._quota.limit else 0
         for _ in range(3):
             batch = replace(prepare_batch(messages, model, call_ids), ttl_us=ttl_us)
             try:
-                return self._store.append(
-                    key, batch, AgentSettings() if create_agent else None, record
-                )
+                with self._quota.admitting(tenant, adding, "this append"):
+                    return self._store.append(
+                        key, batch, AgentSettings() if create_agent else None, record
+                    )
             except StaleModel as changed:
                 # Another replica changed the agent's model since this one cached it.
                 model = changed.model

@@ -35,6 +35,7 @@ from contextd.domain.model import (
     Page,
     StoredMessage,
 )
+from contextd.domain.quota import stored_bytes
 from contextd.domain.snapshots import (
     SnapshotContents,
     SnapshotInfo,
@@ -107,7 +108,8 @@ class SnapshotCalls(UseCases):
                 )
         info = info_of(new_snapshot_id(), found, scope, thread, now, description, summary, messages)
         document = encode_document(SnapshotContents(info, tuple(messages), found, tuple(specifics)))
-        return self._store.save_snapshot(info, document, found.create_time_us, record)
+        with self._quota.admitting(tenant, info.size_bytes, "this snapshot"):
+            return self._store.save_snapshot(info, document, found.create_time_us, record)
 
     def _read_cut(
         self, where: ThreadFilter, window: WindowSpec
@@ -182,7 +184,9 @@ class SnapshotCalls(UseCases):
         check_name(scope, "scope", allow_empty=True)
         check_snapshot_id(snapshot_id)
         self._store.get_agent(tenant, agent)
-        return self._store.delete_snapshot(tenant, agent, scope, snapshot_id, record)
+        deleted = self._store.delete_snapshot(tenant, agent, scope, snapshot_id, record)
+        self._quota.forget(tenant)  # its bytes no longer count
+        return deleted
 
     def restore_snapshot(
         self,
@@ -232,6 +236,7 @@ class SnapshotCalls(UseCases):
             )
         model = self._model_of(tenant, agent)
         ttl_us = self._ttl_of(tenant, agent, scope)  # a restore restarts an expired thread
+        adding = sum(stored_bytes(new) for _, new, _ in plan) if self._quota.limit else 0
         for _ in range(3):
             parts = [
                 (
@@ -243,7 +248,8 @@ class SnapshotCalls(UseCases):
                 for key, new, ids in plan
             ]
             try:
-                receipts = self._store.append_many(parts, record)
+                with self._quota.admitting(tenant, adding, "this restore"):
+                    receipts = self._store.append_many(parts, record)
             except StaleModel as changed:
                 # Another replica changed the agent's model since this one cached it.
                 model = changed.model

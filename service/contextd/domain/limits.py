@@ -50,6 +50,8 @@ class Limits:
     # metadata in UTF-8): its document is written, read and restored whole.
     snapshot_max_messages: int = 10_000
     snapshot_max_bytes: int = 16 << 20
+    # Most bytes one tenant stores (messages and snapshots; see domain/quota.py); 0: none.
+    tenant_max_bytes: int = 0
 
 
 OPTION_PATHS = frozenset(f"build_options.{name}" for name in BuildOverrides.__slots__)

@@ -365,6 +365,15 @@ class KeyStore(Protocol):
         """Whether any tenant has an active key (then every call needs one)."""
 
 
+class UsageStore(Protocol):
+    """What a tenant stores (see contextd.domain.quota)."""
+
+    def tenant_stored_bytes(self, tenant: str) -> int:
+        """Content, tool_calls and metadata bytes (UTF-8) of every message of the
+        tenant's threads, plus the size_bytes of its snapshots; read from per-thread
+        counters, never by scanning messages."""
+
+
 class RequestLog(Protocol):
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
         """The recorded request of this id (the fast path of a retry)."""
@@ -381,6 +390,7 @@ class Store(
     SnapshotStore,
     RetentionStore,
     ToolOutputStore,
+    UsageStore,
     RequestLog,
     Protocol,
 ):

@@ -61,8 +61,8 @@ P = ParamSpec("P")
 ID_BLOCK = 10_000
 
 # Adds per-context counts (`{counts}`: a table or subquery of context_id, n, tokens,
-# first_us, last_us) to the threads' counters: the flush of pending counts and the recount
-# after a crash.
+# first_us, last_us, min_source_us, bytes) to the threads' counters: the flush of pending
+# counts and the recount after a crash.
 _ADD_TO_THREAD_COUNTERS = (
     "UPDATE threads SET message_count = threads.message_count + d.n, "
     "token_estimate = threads.token_estimate + d.tokens, "
@@ -70,7 +70,8 @@ _ADD_TO_THREAD_COUNTERS = (
     "last_message_time_us = greatest(threads.last_message_time_us, d.last_us), "
     "last_sequence = threads.last_sequence + d.n, "
     "min_source_time_us = least(threads.min_source_time_us, "
-    f"nullif(d.min_source_us, {NO_SOURCE_TIME})) "
+    f"nullif(d.min_source_us, {NO_SOURCE_TIME})), "
+    "stored_bytes = threads.stored_bytes + d.bytes "
     "FROM {counts} d WHERE threads.context_id = d.context_id"
 )
 
@@ -88,7 +89,8 @@ _LIVE_THREADS = f"""
                t.last_clear_us,
                t.last_sequence + coalesce(p.n, 0) AS last_sequence,
                least(t.min_source_time_us, nullif(p.min_source_us, {NO_SOURCE_TIME}))
-                   AS min_source_time_us
+                   AS min_source_time_us,
+               t.stored_bytes + coalesce(p.bytes, 0) AS stored_bytes
         FROM threads t LEFT JOIN contextd_pending p ON p.context_id = t.context_id
     )
 """

@@ -48,6 +48,7 @@ from contextd.domain.model import (
     Role,
     StoredMessage,
 )
+from contextd.domain.quota import stored_bytes
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 from contextd.ports.store import ContextRef, ThreadFilter
 
@@ -339,7 +340,7 @@ class MessagesMixin(DuckDBBase):
     ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
         """Insert and commit the group; return its receipts and, per context id, the
         counts it adds to its thread ([messages, tokens, first time, last time, oldest
-        source time]), which the caller leaves pending (see thread_counters.py).
+        source time, bytes]), which the caller leaves pending (see thread_counters.py).
 
         Each call gets one commit time from the server's clock (client times never move
         it) and its thread's next sequence numbers. Sequences are numbered here from the
@@ -350,7 +351,7 @@ class MessagesMixin(DuckDBBase):
         """
         columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
         all_receipts: list[list[MessageReceipt]] = []
-        # per context: [count, tokens, first commit, last commit, oldest source time]
+        # per context: [count, tokens, first commit, last commit, oldest source time, bytes]
         thread_deltas: dict[ContextKey, list[int]] = {}
         numbered: dict[int, int] = {}  # context id -> its last sequence in this group
         new_contexts: dict[ContextKey, int] = {}
@@ -563,9 +564,10 @@ class MessagesMixin(DuckDBBase):
                 ids, batch.token_estimates, batch.token_counts, sequences, strict=True
             )
         )
-        delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME])
+        delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME, 0])
         delta[0] += n
         delta[1] += sum(batch.token_estimates)
+        delta[5] += stored_bytes(messages)
         delta[3] = commit_time
         given = [t for t in sources if t is not None]
         if given:

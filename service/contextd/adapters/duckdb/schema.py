@@ -303,6 +303,27 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
     (
+        13,
+        [
+            # Bytes of content, tool_calls and metadata (UTF-8) of each thread's messages,
+            # a lazy counter like message_count (see thread_counters.py): a tenant's
+            # stored bytes are the sum of its threads' and its snapshots' sizes, read
+            # without scanning messages (see domain/quota.py). Like the other counters it
+            # includes the messages up to thread_counters_through_id.
+            "ALTER TABLE threads ADD COLUMN stored_bytes BIGINT DEFAULT 0",
+            """
+            UPDATE threads SET stored_bytes = s.b
+            FROM (SELECT context_id,
+                         sum(strlen(content) + strlen(tool_calls) + strlen(metadata)) AS b
+                  FROM messages
+                  WHERE id <= (SELECT value FROM store_state
+                               WHERE key = 'thread_counters_through_id')
+                  GROUP BY context_id) s
+            WHERE threads.context_id = s.context_id
+            """,
+        ],
+    ),
+    (
         14,
         [
             # Tool outputs kept aside (see tool_outputs.py): one row per output, its result

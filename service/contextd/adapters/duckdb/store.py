@@ -43,6 +43,7 @@ from contextd.adapters.duckdb.thread_counters import (
 )
 from contextd.adapters.duckdb.threads import ThreadsMixin
 from contextd.adapters.duckdb.tool_outputs import ToolOutputsMixin
+from contextd.adapters.duckdb.usage import UsageMixin
 from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
@@ -63,6 +64,7 @@ class Store(
     SnapshotsMixin,
     RetentionMixin,
     ToolOutputsMixin,
+    UsageMixin,
     WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.

@@ -42,6 +42,8 @@ PENDING_SCHEMA = pa.schema(
         ("last_us", pa.int64()),
         # The oldest source_time among the messages; NO_SOURCE_TIME when none has one.
         ("min_source_us", pa.int64()),
+        # Bytes of content, tool_calls and metadata (UTF-8): the tenant's stored bytes.
+        ("bytes", pa.int64()),
     ]
 )
 # "No message has a source_time" in the min_source_us column (SQL reads it as NULL).
@@ -49,8 +51,8 @@ NO_SOURCE_TIME = 2**63 - 1
 
 
 class PendingCounters:
-    """Per context id: [messages, tokens, first time, last time, oldest source time] not
-    yet in the table."""
+    """Per context id: [messages, tokens, first time, last time, oldest source time,
+    bytes] not yet in the table."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -69,6 +71,7 @@ class PendingCounters:
         first_us: int,
         last_us: int,
         min_source_us: int = NO_SOURCE_TIME,
+        nbytes: int = 0,
     ) -> None:
         with self._lock:
             if not self._deltas:
@@ -77,13 +80,14 @@ class PendingCounters:
                 self._waiting_since = time.monotonic()
             delta = self._deltas.get(context_id)
             if delta is None:
-                self._deltas[context_id] = [n, tokens, first_us, last_us, min_source_us]
+                self._deltas[context_id] = [n, tokens, first_us, last_us, min_source_us, nbytes]
             else:
                 delta[0] += n
                 delta[1] += tokens
                 delta[2] = min(delta[2], first_us)
                 delta[3] = max(delta[3], last_us)
                 delta[4] = min(delta[4], min_source_us)
+                delta[5] += nbytes
 
     def count_of(self, context_id: int) -> int:
         """Messages of a context not yet counted in the table (the writer adds them to the
@@ -125,4 +129,4 @@ class PendingCounters:
     def _table(self) -> pa.Table:
         ids = list(self._deltas)
         values = list(self._deltas.values())
-        return pa.table([ids, *([v[i] for v in values] for i in range(5))], schema=PENDING_SCHEMA)
+        return pa.table([ids, *([v[i] for v in values] for i in range(6))], schema=PENDING_SCHEMA)

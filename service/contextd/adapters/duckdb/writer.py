@@ -232,7 +232,8 @@ class WriterMixin(DuckDBBase):
         uncounted = """(
             SELECT context_id, count(*) AS n, sum(token_estimate) AS tokens,
                    min(create_time_us) AS first_us, max(create_time_us) AS last_us,
-                   min(source_time_us) AS min_source_us
+                   min(source_time_us) AS min_source_us,
+                   sum(strlen(content) + strlen(tool_calls) + strlen(metadata)) AS bytes
             FROM messages
             WHERE id > (SELECT value FROM store_state WHERE key = 'thread_counters_through_id')
             GROUP BY context_id)"""
@@ -370,8 +371,8 @@ class WriterMixin(DuckDBBase):
             for job in jobs:
                 self._commit_new_appends(writer, [job])
             return
-        for context_id, (n, tokens, first_us, last_us, min_source_us) in counted.items():
-            self._pending.add(context_id, n, tokens, first_us, last_us, min_source_us)
+        for context_id, (n, tokens, first_us, last_us, min_source_us, nbytes) in counted.items():
+            self._pending.add(context_id, n, tokens, first_us, last_us, min_source_us, nbytes)
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
 

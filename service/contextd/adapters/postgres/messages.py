@@ -31,6 +31,7 @@ from contextd.domain.model import (
     Role,
     StoredMessage,
 )
+from contextd.domain.quota import stored_bytes
 from contextd.domain.retention import policy_for, retention_of
 from contextd.domain.window import WindowSpec
 from contextd.ports.store import ContextRef, ThreadFilter
@@ -254,6 +255,7 @@ class MessagesMixin(PostgresBase):
             "message_count = message_count + %s, token_estimate = token_estimate + %s, "
             "last_message_time_us = %s, "
             "min_source_time_us = least(min_source_time_us, %s::bigint), "
+            "stored_bytes = stored_bytes + %s, "
             "latest_summary_id = CASE WHEN %s THEN %s ELSE latest_summary_id END "
             "WHERE tenant = %s AND context_id = %s",
             [
@@ -262,6 +264,7 @@ class MessagesMixin(PostgresBase):
                 sum(batch.token_estimates),
                 commit_time,
                 min(sources) if sources else None,
+                stored_bytes(batch.messages),
                 summary is not None,
                 ids[-1],
                 tenant,

@@ -222,6 +222,24 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
     (
+        5,
+        [
+            # Bytes of content, tool_calls and metadata (UTF-8) of each thread's messages,
+            # kept current by every append in the thread row it already locks: a tenant's
+            # stored bytes are the sum of its threads' and snapshots' sizes, and no append
+            # waits on a row of the whole tenant (see domain/quota.py).
+            "ALTER TABLE threads ADD COLUMN stored_bytes bigint NOT NULL DEFAULT 0",
+            """
+            UPDATE threads t SET stored_bytes = s.b
+            FROM (SELECT tenant, context_id,
+                         sum(octet_length(content) + octet_length(tool_calls)
+                             + octet_length(metadata)) AS b
+                  FROM messages GROUP BY tenant, context_id) s
+            WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+            """,
+        ],
+    ),
+    (
         6,
         [
             # Tool outputs kept aside (see tool_outputs.py): pointers, with results up to

@@ -25,6 +25,7 @@ from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
 from contextd.adapters.postgres.tool_outputs import ToolOutputsMixin
+from contextd.adapters.postgres.usage import UsageMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import StoreUnavailable
 from contextd.domain.idempotency import (
@@ -48,6 +49,7 @@ class PostgresStore(
     SnapshotsMixin,
     RetentionMixin,
     ToolOutputsMixin,
+    UsageMixin,
 ):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
