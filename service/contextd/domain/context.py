@@ -220,8 +220,8 @@ class StrategyOptions:
     summarize
         checkpoint compaction: when the window does not fit, fold everything older than the
         recent part into one checkpoint message. In a build the recent part is everything
-        that fits beside the checkpoint's reserve (``min(4,096, budget / 4)`` tokens, or
-        the previous checkpoint's size up to half the budget when larger): at least as
+        that fits beside the checkpoint's reserve (``min(4,096, history budget / 4)``
+        tokens, or the previous checkpoint's size up to half of it when larger): at least as
         much as truncation keeps under the budget less that reserve.
         ``keep_recent_messages`` (10 by default) and ``keep_recent_tokens``, capped at
         ``keep_recent_share`` of the budget, choose the recent part of ``CompactContext``.

@@ -87,6 +87,7 @@ def replace_blobs(text: str, message_id: int) -> str:
         return stub(f"base64 {kind}", len(match.group(0)), size, message_id)
 
     text = _BASE64.sub(b64, text)
+
     def hexdump(match: re.Match[str]) -> str:
         run = match.group(0)
         if _entropy(run.lower()) < MIN_HEX_ENTROPY:
