@@ -437,3 +437,20 @@ def test_a_summarizing_build_keeps_the_current_request_verbatim() -> None:
     assert ctx.summary is not None
     assert request.id in [it.id for it in ctx.history]
     assert ctx.stats.rendered_tokens <= 8_000
+
+
+def test_wrapped_base64_and_binary_text_are_stubbed_and_the_words_around_them_stay() -> None:
+    wrapped = base64.encodebytes(random.Random(1).randbytes(2_000)).decode()  # 76-char lines
+    binary = "".join(chr(c) for c in random.Random(2).randbytes(600)).replace("\n", "\x01")
+    history = [
+        HistoryItem(3, Role.USER, "Attached\n" + wrapped + "Done here\nok"),
+        HistoryItem(4, Role.USER, binary),
+    ]
+    ctx = assemble(system_prompt="", history=history, budget=50_000, count_tokens=GPT)
+    assert ctx.history[0].content == (
+        "Attached\n[base64 data, 2,703 chars, about 2,000 bytes, omitted; "
+        "full text: message:3]\nDone here\nok"
+    )
+    assert ctx.history[1].content.startswith("[binary data, 600 chars, about ")
+    assert ctx.history[1].content.endswith("full text: message:4]")
+    assert ctx.stats.elided_ids == (3, 4)

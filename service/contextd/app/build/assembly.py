@@ -199,7 +199,7 @@ def assemble(
         base, status_c, new_c = sys_t + docs_t, status_t if status else 0, new_t if new else 0
     if base + (1 if new else 0) > limit:
         raise BudgetTooSmallError(
-            f"system prompt and docs need {base} tokens; the budget is {limit}"
+            f"the system prompt and docs need {base} tokens as rendered; the budget is {limit}"
         )
     new_truncated = False
     if new is not None and new_c > limit - base:

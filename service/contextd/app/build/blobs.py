@@ -9,15 +9,16 @@ whole text; the text around it stays.
 What counts as a blob:
 
 * base64: a run of at least :data:`MIN_BASE64_CHARS` characters of the base64 alphabet
-  (line breaks allowed inside), holding upper and lower case letters and digits, with
-  the character entropy of encoded data (at least :data:`MIN_BASE64_ENTROPY` bits per
-  character: hex, words and paths stay well below it). A ``data:<type>;base64,`` prefix
+  (line breaks allowed inside; a short line at either end is text next to it), holding
+  upper and lower case letters and digits, with the character entropy of encoded data
+  (at least :data:`MIN_BASE64_ENTROPY` bits per character: hex, words and paths stay
+  well below it). A ``data:<type>;base64,`` prefix
   names the kind; else the decoded first bytes do (PNG, JPEG, GIF, PDF, ZIP, gzip ...);
 * hex: a run of at least :data:`MIN_HEX_CHARS` hex digits with no break, with the
   entropy of encoded bytes (at least :data:`MIN_HEX_ENTROPY` bits per character);
 * binary: a text of at least :data:`MIN_BINARY_CHARS` characters of which at least a
-  tenth are control characters (other than tab and line breaks) or U+FFFD (bytes that
-  did not decode): the whole text is the blob.
+  tenth are control characters (C0 other than tab and line breaks, DEL, C1) or U+FFFD
+  (bytes that did not decode): the whole text is the blob.
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ MIN_HEX_ENTROPY = 3.5
 MIN_BINARY_CHARS = 256
 
 _BASE64 = re.compile(
-    r"(data:([\w.+-]+/[\w.+-]+);base64,)?"
-    r"([A-Za-z0-9+/]{4,}(?:[\r\n]*[A-Za-z0-9+/]{4,})*={0,2})"
+    rf"(data:([\w.+-]+/[\w.+-]+);base64,)?([A-Za-z0-9+/=\r\n]{{{MIN_BASE64_CHARS},}})"
 )
-_ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffd]")
+_ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
 _HEX = re.compile(rf"[0-9a-fA-F]{{{MIN_HEX_CHARS},}}")
 _MAGIC = (
     (b"\x89PNG", "image/png"),
@@ -78,13 +78,14 @@ def replace_blobs(text: str, message_id: int) -> str:
         return stub("binary data", len(text), len(text.encode("utf-8", "replace")), message_id)
 
     def b64(match: re.Match[str]) -> str:
-        body = match.group(3)
+        head, body, tail = _core(match.group(3))
         compact = "".join(body.split())
         if len(compact) < MIN_BASE64_CHARS or not _looks_encoded(compact):
             return match.group(0)
         kind = match.group(2) or _sniff(compact)
         size = len(compact) * 3 // 4 - compact.count("=")
-        return stub(f"base64 {kind}", len(match.group(0)), size, message_id)
+        chars = len(match.group(0)) - len(head) - len(tail)
+        return head + stub(f"base64 {kind}", chars, size, message_id) + tail
 
     text = _BASE64.sub(b64, text)
 
@@ -95,6 +96,21 @@ def replace_blobs(text: str, message_id: int) -> str:
         return stub("hex data", len(run), len(run) // 2, message_id)
 
     return _HEX.sub(hexdump, text)
+
+
+def _core(run: str) -> tuple[str, str, str]:
+    """A run of base64 characters split into what surrounds the data and the data: line
+    breaks at either end, and a short first or last line (a word next to the blob, not
+    part of it: encoded lines are long, and a last one may be short only with padding)."""
+    lines = run.split("\n")
+    first, last = 0, len(lines)
+    while first < last and len(lines[first].strip()) < 16:
+        first += 1
+    while last > first and len(lines[last - 1].strip()) < 16 and "=" not in lines[last - 1]:
+        last -= 1
+    head = "\n".join(lines[:first]) + ("\n" if first else "")
+    tail = ("\n" if last < len(lines) else "") + "\n".join(lines[last:])
+    return head, "\n".join(lines[first:last]), tail
 
 
 def stub(kind: str, chars: int, size_bytes: int, message_id: int) -> str:
