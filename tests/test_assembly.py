@@ -4,6 +4,7 @@ newest-turn and tool-pair invariants on random histories for every strategy."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextd import core
-from contextd.app.build.assembly import BudgetTooSmallError, assemble, render_docs, status_preamble
+from contextd.app.build.assembly import (
+    BudgetTooSmallError,
+    assemble,
+    cut_text,
+    render_docs,
+    status_preamble,
+)
+from contextd.app.build.compaction import split_summary
 from contextd.domain.context import (
     AssembledContext,
     Budget,
@@ -159,7 +167,9 @@ def check_context(
     assert stats.new_message_tokens == count([ctx.new_message or ""])[0]
     assert all(it.token_count == count([it.counted_text])[0] for it in ctx.history)
     check_pairs([it for it in ctx.history if not it.is_summary])
-    if new_message:
+    if new_message and not new_message.strip():
+        assert ctx.new_message is None  # whitespace only: no new message
+    elif new_message:
         assert ctx.new_message is not None
         if stats.new_message_truncated:
             assert new_message.startswith(ctx.new_message.split("\n[…")[0])
@@ -173,7 +183,16 @@ def check_context(
     for item in history:
         placed = (item.id in kept) + (item.id in dropped) + (lo <= item.id <= hi)
         assert placed == 1, f"message {item.id} kept/dropped/summarized {placed} times"
-    if history and not new_message:
+    # The ranges name exactly the dropped messages, as runs of the window's order.
+    _, rest = split_summary(history)
+    order = [it.id for it in rest]
+    in_ranges: list[int] = []
+    for first, last in stats.dropped_ranges:
+        run = order[order.index(first) : order.index(last) + 1]
+        assert run and all(i in dropped for i in run)
+        in_ranges.extend(run)
+    assert sorted(in_ranges) == sorted(dropped) and len(in_ranges) == len(set(in_ranges))
+    if history and not (new_message and new_message.strip()):
         newest = history[-1].id
         assert newest in kept or stats.newest_turn_dropped, "newest turn dropped silently"
     for item in ctx.history:
@@ -361,8 +380,8 @@ def test_summarization_stays_under_limit_and_keeps_10_recent_unchanged() -> None
     assert ctx.stats.summarizer_path == "fallback"  # no LLM given: the extractive summary
     lo, hi = ctx.stats.summarized_range or (0, 0)
     assert lo == 1 and hi == recent[0].id - 1
-    assert "User asked: message 49 lorem" in ctx.history[0].content
-    assert "(5 earlier requests omitted)" in ctx.history[0].content  # 25 asked, 20 listed
+    assert f"message {hi} lorem" in ctx.history[0].content  # the newest folded one
+    assert "earlier requests omitted)" in ctx.history[0].content  # 20 of them listed
 
 
 def test_seed_002_budget_is_window_minus_reserve_minus_20_percent() -> None:
@@ -412,13 +431,30 @@ def test_parallel_tool_group_over_budget_is_shrunk_not_split() -> None:
     check_pairs(ctx.history)
 
 
-def test_long_messages_are_cut_to_max_chars_with_a_handle() -> None:
-    history = [user(1, "a" * 9000), assistant(2, "ok")]
+def test_long_messages_keep_head_and_tail_within_max_chars_with_a_handle() -> None:
+    # A "4,000-character" cut yields at most 4,000 characters, marker included, and keeps
+    # the tail (where the error usually is) as well as the head.
+    text = "START of output\n" + "line of log output\n" * 600 + "Error: the end is here"
+    history = [user(1, text), assistant(2, "ok")]
     ctx = assemble(system_prompt="", history=history, budget=100_000, count_tokens=estimate_counter)
     first = ctx.history[0]
-    assert first.content.startswith("a" * 4000) and "a" * 4001 not in first.content
-    assert "5000 more chars truncated; full text: message:1" in first.content
+    assert 3_990 <= len(first.content) <= 4_000
+    assert first.content.startswith("START of output\nline of log output")
+    assert first.content.endswith("Error: the end is here")
+    match = re.search(r"\n\[… (\d+) more chars truncated; full text: message:1\]\n", first.content)
+    assert match is not None
+    assert int(match.group(1)) == len(text) - (len(first.content) - len(match.group(0)))
     assert ctx.stats.truncated_ids == (1,)
+
+
+@pytest.mark.parametrize("limit", [1, 40, 80, 100, 999, 4_000])
+def test_a_cut_never_exceeds_its_limit_once_the_marker_fits(limit: int) -> None:
+    text = "x" * 5_000
+    cut = cut_text(text, limit, 12345)
+    marker_only = "\n[… 5000 more chars truncated; full text: message:12345]\n"
+    assert len(cut) <= max(limit, len(marker_only))
+    assert "full text: message:12345" in cut
+    assert cut_text("short", 10, 1) == "short"
 
 
 def test_new_message_is_truncated_when_it_alone_exceeds_and_status_goes_first() -> None:

@@ -191,7 +191,7 @@ class BuildAccounting(RuleBasedStateMachine):
 
     @rule(
         thread=st.sampled_from(THREADS),
-        budget=st.integers(1, 3_000),
+        budget=st.integers(3, 3_000),  # the OpenAI reply priming alone costs 3
         truncate=st.booleans(),
         summarize=st.booleans(),
         elide=st.booleans(),
@@ -257,6 +257,14 @@ class BuildAccounting(RuleBasedStateMachine):
         summarized = [i for i in window if lo <= i <= hi]
         dropped = list(stats.dropped_ids)
         assert sorted(kept + dropped + summarized) == sorted(window), (kept, dropped, summarized)
+        # The ranges name the dropped messages exactly, as runs of the window's order.
+        named: list[int] = []
+        for first, last in stats.dropped_ranges:
+            run = window[window.index(first) : window.index(last) + 1]
+            assert set(run) <= set(dropped), (first, last, dropped)
+            named.extend(run)
+        assert sorted(named) == sorted(dropped)
+        assert stats.rendered_tokens <= budget
         rest = [i for i in window if i not in set(summarized)]
         assert kept == rest[len(rest) - len(kept) :], "kept is the newest part, in order"
         # Orphans are rewritten before anything else: then kept, dropped or summarized.

@@ -193,7 +193,23 @@ def test_history_tokens_are_exact_under_the_builds_model(
     client.append("a1", *texts)
     ctx = _build(client, model=build_model)
     assert len(ctx.messages) == 40
-    expected = core.count_tokens_for_model_batch([m.content for m in ctx.messages], build_model)
+    # Each message costs what it costs in the request its model is sent: for OpenAI
+    # models the chat accounting (3 per message, the role, the content), for Claude the
+    # count of its JSON in the Messages request (o200k_base times the margin).
+    if build_model.startswith("claude"):
+        framed = [
+            json.dumps(
+                {"role": "user", "content": [{"type": "text", "text": m.content}]},
+                ensure_ascii=False,
+            )
+            + ", "
+            for m in ctx.messages
+        ]
+        expected = core.count_tokens_for_model_batch(framed, build_model)
+    else:
+        bare = core.count_tokens_for_model_batch([m.content for m in ctx.messages], build_model)
+        expected = [3 + 1 + n for n in bare]  # "user" is one token
+    assert [m.token_count for m in ctx.messages] == expected
     assert ctx.stats.history_tokens == sum(expected)
     assert ctx.stats.tokenizer == core.model_info(build_model).tokenizer
 

@@ -38,6 +38,7 @@ _RESULTS: dict[str, type[Any]] = {
     "contextd.v1.ContextStats": t.ContextStats,
     "contextd.v1.ContextMessage": t.ContextMessage,
     "contextd.v1.BuildStats": t.BuildStats,
+    "contextd.v1.MessageIdRange": t.MessageIdRange,
     "contextd.v1.Rendering": t.Rendering,
     "contextd.v1.BuildContextResponse": t.BuiltContext,
     "contextd.v1.CompactContextResponse": t.Compaction,

@@ -254,6 +254,14 @@ class ContextMessage:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageIdRange:
+    """A run of a thread's window messages, by the ids of its first and last message."""
+
+    first_id: int
+    last_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class BuildStats:
     """What a build did (see the proto's BuildStats for each field)."""
 
@@ -279,6 +287,11 @@ class BuildStats:
     strategy: str
     user_message_truncated: bool
     messages_loaded: int
+    rendered_tokens: int
+    rendered_format: str
+    status_truncated: bool
+    status_dropped: bool
+    dropped_ranges: tuple[MessageIdRange, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,6 +270,11 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         user_message_truncated=s.new_message_truncated,
         messages_loaded=result.messages_loaded,
         orphaned_ids=result.orphaned_ids,
+        rendered_tokens=s.rendered_tokens,
+        rendered_format=s.rendered_format,
+        status_truncated=s.status_truncated,
+        status_dropped=s.status_dropped,
+        dropped_ranges=[pb.MessageIdRange(first_id=a, last_id=b) for a, b in s.dropped_ranges],
     )
     if not full:
         return pb.BuildContextResponse(stats=stats, renderings=renderings)

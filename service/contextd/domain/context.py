@@ -213,13 +213,18 @@ class StrategyOptions:
     resort, whatever is chosen, because the budget is a hard limit.
 
     truncate
-        Cut any message longer than ``max_chars_per_message`` , so one huge
-        paste or tool output does not evict the whole conversation.
+        Cut any message longer than ``max_chars_per_message`` characters to at most that
+        many, marker included: its head and its tail (errors are usually at the end) with
+        a note between them naming what was cut and the ``message:<id>`` handle, so one
+        huge paste or tool output does not evict the whole conversation.
     summarize
         checkpoint compaction: when the window does not fit, fold everything older than the
-        recent part into one checkpoint message. The recent part is at least
-        ``keep_recent_messages`` (10 by default) and about ``keep_recent_tokens``, capped at
-        ``keep_recent_share`` of the history budget so the summary always has room.
+        recent part into one checkpoint message. In a build the recent part is everything
+        that fits beside the checkpoint's reserve (``min(4,096, history budget / 4)``
+        tokens, or the previous checkpoint's size up to half of it when larger): at least as
+        much as truncation keeps under the budget less that reserve.
+        ``keep_recent_messages`` (10 by default) and ``keep_recent_tokens``, capped at
+        ``keep_recent_share`` of the budget, choose the recent part of ``CompactContext``.
     elide_tool_results
         Tool results older than the ``elide_keep_recent_turns`` most recent turns (a turn
         starts at a user message) and longer than ``elide_threshold_chars`` become a stub
@@ -266,6 +271,9 @@ class BuildStats:
     messages_before: int = 0
     messages_after: int = 0
     dropped_ids: tuple[int, ...] = ()
+    dropped_ranges: tuple[tuple[int, int], ...] = ()
+    """``dropped_ids`` as (first, last) id of each run of consecutive window messages
+    that were all dropped, oldest first."""
     truncated_ids: tuple[int, ...] = ()
     elided_ids: tuple[int, ...] = ()
     repaired_ids: tuple[int, ...] = ()
@@ -274,6 +282,14 @@ class BuildStats:
     summarizer_error: str | None = None
     new_message_truncated: bool = False
     status_dropped: bool = False
+    status_truncated: bool = False
+    """The status preamble was cut (from its end) so the newest turn and the current
+    request keep their room; ``status_dropped``: it was left out for them."""
+    rendered_tokens: int = 0
+    """The request as its provider counts it (the largest over the renderings counted;
+    0 when the build counted bare texts only)."""
+    rendered_format: str = ""
+    """Which rendering ``rendered_tokens`` is ("openai", "anthropic", "text")."""
     newest_turn_dropped: bool = False
     """Only when the budget cannot hold even the newest turn's tool calls: it is then
     listed in ``dropped_ids`` and flagged here, never dropped silently."""

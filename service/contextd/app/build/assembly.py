@@ -5,23 +5,30 @@
 (The renderings put the status, which changes with every build, after the history so
 that everything before it stays byte-stable for prompt caches.)
 
-Every part is counted with the caller's :data:`~contextd.domain.context.TokenCounter`
-(estimate or exact tokenizer: the caller's choice), and the sum never exceeds the budget.
+What is counted. With ``formats`` (the builder always passes them), every part costs what
+it costs in those renderings as their providers count them (:class:`Framing`: per-message
+framing, roles, tool_call JSON, the placeholder a rendering may insert), and the finished
+context is rendered and counted once more before it is returned: the rendered request
+never exceeds the budget. Without ``formats``, parts cost their bare text counts.
+
 Priorities when it does not all fit: the system prompt and docs are the agent's
 configuration and are never cut (a budget too small for them is an error, not a silent
 mutilation); the new user message comes next and is truncated only if it alone is too
-big; the status preamble is dropped before the new message is cut; the history
-(the compressor, :func:`compress_history`) takes what is left, and its newest turn
-is kept, truncated if need be, never dropped without being recorded in the stats.
+big; then the newest turn of the history (and, when the build has no new message, the
+thread's latest user message, the current request): the status preamble is shortened,
+then dropped, before they would have to yield; the history (the compressor,
+:func:`compress_history`) takes what is left, and its newest turn is kept, truncated if
+need be, never dropped without being recorded in the stats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from contextd import core
+from contextd.app.build.blobs import stub_blobs
 from contextd.app.build.compaction import (
     elide_tool_results,
     make_summary_item,
@@ -33,7 +40,8 @@ from contextd.app.build.compaction import (
     trim_columns,
     valid_cuts,
 )
-from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer
+from contextd.app.build.render import Framing, joined_system, render_docs
+from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer, SummaryResult
 from contextd.domain.context import (
     AssembledContext,
     Budget,
@@ -45,24 +53,39 @@ from contextd.domain.context import (
     ThreadActivity,
     TokenCounter,
 )
-from contextd.domain.model import AgentDoc
+from contextd.domain.model import AgentDoc, Role
+
+__all__ = [
+    "NO_CHAR_LIMIT",
+    "BudgetTooSmallError",
+    "assemble",
+    "compress_history",
+    "cut_text",
+    "render_docs",
+    "status_preamble",
+]
 
 NO_CHAR_LIMIT = 2**62
 """``max_chars_per_message`` for the Rust trimmer when per-message truncation is off."""
 
 SUMMARY_RESERVE_TOKENS = 4_096
 """Room kept for a new checkpoint when choosing the cut (at most a quarter of the
-history budget): about what a summary of ``max_tokens`` 2,048 plus its ledger costs."""
+history budget, or the previous checkpoint's size when that is larger, up to half):
+about what a summary of ``max_tokens`` 2,048 plus its ledger costs."""
+
+NEW_MESSAGE_NOTE = "\n[… message truncated to fit the context]"
+STATUS_NOTE = "- … (status shortened to fit the context)"
+RENDER_CHECKS = 6
+"""How often a build may tighten the history budget after counting its rendering (the
+item-by-item costs are exact for OpenAI and an upper estimate otherwise: this is a net)."""
+
+ItemCost = Callable[[Sequence[HistoryItem]], list[int]]
+"""What each history item costs as rendered (see :meth:`Framing.items`)."""
 
 
 class BudgetTooSmallError(ValueError):
     """The budget cannot hold the system prompt and docs (plus one token of the new
     message). Surfaced as an error because any context built anyway would be wrong."""
-
-
-def render_docs(docs: Sequence[AgentDoc]) -> str:
-    """The docs part as the model sees it; what is counted is exactly what is sent."""
-    return "\n\n".join(f'<document name="{d.name}">\n{d.content}\n</document>' for d in docs)
 
 
 def status_preamble(
@@ -134,6 +157,7 @@ class CompressedHistory:
     summarizer_path: SummarizerPath | None = None
     summarizer_error: str | None = None
     newest_turn_dropped: bool = False
+    order: tuple[int, ...] = ()
 
 
 def assemble(
@@ -148,6 +172,7 @@ def assemble(
     options: StrategyOptions | None = None,
     previous_summary: HistoryItem | None = None,
     summarizer: Summarizer | None = None,
+    formats: Sequence[str] = (),
 ) -> AssembledContext:
     """Build the context in its documented order within ``budget`` (see the module docstring).
 
@@ -155,58 +180,86 @@ def assemble(
     (the latest one in effect is reused, the messages it covers are skipped), or pass
     the summary as ``previous_summary``. ``summarizer`` is used only when
     ``options.summarize`` is set and the window does not fit; without one the extractive
-    summary is used. Raises :class:`BudgetTooSmallError` when the system prompt and docs
-    alone do not fit.
+    summary is used. ``formats`` (``"openai"``, ``"anthropic"``, ``"text"``) are the
+    renderings whose provider counts the budget bounds. Raises
+    :class:`BudgetTooSmallError` when the system prompt and docs alone do not fit. A
+    whitespace-only ``new_message`` is no new message.
     """
     opts = options or StrategyOptions()
     limit = budget.prompt_budget if isinstance(budget, Budget) else budget
+    framing = Framing(count_tokens, tuple(formats))
     docs = tuple(docs)
     docs_text = render_docs(docs)
-    new = new_message or None
+    new = new_message if new_message and new_message.strip() else None
     sys_t, docs_t, status_t, new_t = count_tokens([system_prompt, docs_text, status, new or ""])
-    if sys_t + docs_t + (1 if new else 0) > limit:
+    if framing.formats:
+        parts = framing.parts(joined_system(system_prompt, docs_text), status, new)
+        base, status_c, new_c = parts.base, parts.status, parts.new_message
+    else:
+        base, status_c, new_c = sys_t + docs_t, status_t if status else 0, new_t if new else 0
+    if base + (1 if new else 0) > limit:
         raise BudgetTooSmallError(
-            f"system prompt and docs need {sys_t + docs_t} tokens; the budget is {limit}"
+            f"the system prompt and docs need {base} tokens as rendered; the budget is {limit}"
         )
-    status_dropped = False
-    if status and sys_t + docs_t + status_t + new_t > limit:
-        status, status_t, status_dropped = "", 0, True
-    room = limit - sys_t - docs_t - status_t
     new_truncated = False
-    if new is not None and new_t > room:
-        cut = _fit_text(new, room, count_tokens, "\n[… message truncated to fit the context]")
+    if new is not None and new_c > limit - base:
+        cut = _fit_text(new, limit - base, _part_cost(framing, "new"), NEW_MESSAGE_NOTE)
         if cut is None:
             raise BudgetTooSmallError(f"no room for the new message within {limit} tokens")
-        new, new_t, new_truncated = cut[0], cut[1], True
-    hist = compress_history(
-        history,
-        room - new_t,
-        count_tokens,
-        opts,
-        previous_summary=previous_summary,
-        summarizer=summarizer,
-    )
-    stats = BuildStats(
-        budget=limit,
-        system_tokens=sys_t,
-        docs_tokens=docs_t,
-        status_tokens=status_t,
-        history_tokens=hist.tokens,
-        new_message_tokens=new_t,
-        messages_before=hist.messages_before,
-        messages_after=len(hist.items),
-        dropped_ids=hist.dropped_ids,
-        truncated_ids=hist.truncated_ids,
-        elided_ids=hist.elided_ids,
-        repaired_ids=hist.repaired_ids,
-        summarized_range=hist.summarized_range,
-        summarizer_path=hist.summarizer_path,
-        summarizer_error=hist.summarizer_error,
-        new_message_truncated=new_truncated,
-        status_dropped=status_dropped,
-        newest_turn_dropped=hist.newest_turn_dropped and new is None,
-    )
-    return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
+        new, new_c, new_truncated = cut[0], cut[1], True
+        new_t = count_tokens([new])[0]
+    room = limit - base - new_c
+    prepared = _prepare(history, opts, framing.items, previous_summary)
+    status_dropped = status_truncated = False
+    if status:
+        keep = room - prepared.protected_cost(with_request=new is None)
+        if status_c > keep:
+            status, status_c = _shrink_status(status, keep, _part_cost(framing, "status"))
+            status_truncated, status_dropped = bool(status), not status
+            status_t = count_tokens([status])[0] if status else 0
+    if not status:
+        status_t = status_c = 0
+    engine = _Once(summarizer if summarizer is not None else ExtractiveSummarizer())
+    history_budget = room - status_c
+    for check in range(RENDER_CHECKS + 1):
+        hist = _compress(prepared, history_budget, framing.items, opts, engine)
+        stats = BuildStats(
+            budget=limit,
+            system_tokens=sys_t,
+            docs_tokens=docs_t,
+            status_tokens=status_t,
+            history_tokens=hist.tokens,
+            new_message_tokens=new_t,
+            messages_before=hist.messages_before,
+            messages_after=len(hist.items),
+            dropped_ids=hist.dropped_ids,
+            dropped_ranges=id_ranges(hist.order, hist.dropped_ids),
+            truncated_ids=hist.truncated_ids,
+            elided_ids=hist.elided_ids,
+            repaired_ids=hist.repaired_ids,
+            summarized_range=hist.summarized_range,
+            summarizer_path=hist.summarizer_path,
+            summarizer_error=hist.summarizer_error,
+            new_message_truncated=new_truncated,
+            status_dropped=status_dropped,
+            status_truncated=status_truncated,
+            newest_turn_dropped=hist.newest_turn_dropped and new is None,
+        )
+        ctx = AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
+        if not framing.formats:
+            return ctx
+        rendered, fmt = framing.rendered(ctx)
+        if rendered <= limit:
+            return replace(ctx, stats=replace(stats, rendered_tokens=rendered, rendered_format=fmt))
+        if history_budget > 0:  # tighten by the excess; the last check keeps no history
+            excess = rendered - limit
+            history_budget = 0 if check == RENDER_CHECKS - 1 else max(0, history_budget - excess)
+        elif status:
+            status, status_t, status_c, status_dropped, status_truncated = "", 0, 0, True, False
+            history_budget = room
+        else:
+            break
+    raise BudgetTooSmallError(f"the rendered request needs more than the budget of {limit} tokens")
 
 
 def compress_history(
@@ -217,14 +270,57 @@ def compress_history(
     *,
     previous_summary: HistoryItem | None = None,
     summarizer: Summarizer | None = None,
+    item_cost: ItemCost | None = None,
 ) -> CompressedHistory:
-    """Make the window fit ``budget`` tokens: repair pairs, elide, summarize, truncate,
-    then let the Rust trimmer drop the oldest whole turns. The summary (if any) heads the
-    result; every returned item's ``token_count`` is its cost under ``count_tokens``."""
-    budget = max(0, budget)
+    """Make the window fit ``budget`` tokens: repair pairs, stub blobs, elide, summarize,
+    truncate, then let the Rust trimmer drop the oldest whole turns. The summary (if any)
+    heads the result; every returned item's ``token_count`` is its cost under
+    ``item_cost`` (default: its text under ``count_tokens``)."""
+    cost = item_cost or Framing(count_tokens, ()).items
+    prepared = _prepare(history, options, cost, previous_summary)
+    engine = summarizer if summarizer is not None else ExtractiveSummarizer()
+    return _compress(prepared, budget, cost, options, engine)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """The window made ready to fit: pair-repaired, blobs stubbed, elided, counted."""
+
+    summary: HistoryItem | None
+    work: _Columns
+    before: int
+    repaired: list[int]
+    elided: list[int]
+    order: tuple[int, ...]
+
+    def protected_cost(self, *, with_request: bool) -> int:
+        """What the newest turn costs (as it would be kept, per-message cuts applied);
+        with ``with_request``, from the latest user message on (the current request)."""
+        items = self.work.items
+        if not items:
+            return 0
+        start = newest_unit_start(items)
+        if with_request:
+            cuts = valid_cuts(items)
+            for k in range(start - 1, -1, -1):
+                if items[k].role is Role.USER and not items[k].is_summary:
+                    if cuts[k]:
+                        start = k
+                    break
+        return sum(self.work.costs[start:])
+
+
+def _prepare(
+    history: Sequence[HistoryItem],
+    options: StrategyOptions,
+    cost: ItemCost,
+    previous_summary: HistoryItem | None,
+) -> _Prepared:
     summary, raw = split_summary(history, previous_summary)
+    order = tuple(it.id for it in raw)
     before = len(raw)
     raw, repaired = repair_tool_pairs(raw)
+    raw, stubbed = stub_blobs(raw)
     elided: list[int] = []
     if options.elide_tool_results:
         raw, elided = elide_tool_results(
@@ -232,45 +328,78 @@ def compress_history(
             threshold_chars=options.elide_threshold_chars,
             keep_recent_turns=options.elide_keep_recent_turns,
         )
+    seen = set(elided)
+    elided = [i for i in order if i in seen or i in stubbed]
     max_chars = options.max_chars_per_message if options.truncate else NO_CHAR_LIMIT
-    work = _Columns.build(raw, max_chars, count_tokens)
+    if summary is not None:
+        summary = replace(summary, token_count=cost([summary])[0])
+    work = _Columns.build(raw, max_chars, cost)
+    return _Prepared(summary, work, before, repaired, elided, order)
 
-    path: SummarizerPath | None = None
+
+class _Once:
+    """A summarizer asked at most once per input within one assembly (a build that
+    tightens its budget after counting the rendering must not call the LLM again)."""
+
+    def __init__(self, inner: Summarizer) -> None:
+        self._inner = inner
+        self._done: dict[tuple[tuple[int, ...], str | None], SummaryResult] = {}
+
+    def summarize(
+        self, items: Sequence[HistoryItem], previous_summary: str | None
+    ) -> SummaryResult:
+        key = (tuple(it.id for it in items), previous_summary)
+        if key not in self._done:
+            self._done[key] = self._inner.summarize(items, previous_summary)
+        return self._done[key]
+
+
+def _compress(
+    prepared: _Prepared,
+    budget: int,
+    cost: ItemCost,
+    options: StrategyOptions,
+    engine: Summarizer,
+) -> CompressedHistory:
+    budget = max(0, budget)
+    work = prepared.work
+    summary = prepared.summary
+    path: SummarizerPath | None = "reused" if summary is not None else None
     error: str | None = None
     summarized: tuple[int, int] | None = None
     folded: list[int] = []
-    if summary is not None:
-        summary = replace(summary, token_count=count_tokens([summary.content])[0])
-        path = "reused"
     summary_t = summary.token_count if summary is not None else 0
     reserve = min(SUMMARY_RESERVE_TOKENS, budget // 4)
+    if summary is not None:
+        reserve = max(reserve, min(summary_t, budget // 2))
     if options.summarize and work.items and summary_t + sum(work.costs) > budget:
+        # The recent part is everything that fits beside the reserve: as much as
+        # truncation would keep under the budget less the reserve.
+        recent = max(0, budget - reserve)
         plan = plan_compaction(
             work.items,
             work.costs,
             previous_summary=summary,
-            keep_recent_tokens=min(
-                options.keep_recent_tokens, int(budget * options.keep_recent_share)
-            ),
-            keep_recent_messages=options.keep_recent_messages,
-            max_recent_tokens=budget - reserve,
+            keep_recent_tokens=recent,
+            keep_recent_messages=0,
+            max_recent_tokens=recent,
         )
         if plan.to_summarize and plan.covers is not None:
-            engine = summarizer if summarizer is not None else ExtractiveSummarizer()
             previous = summary_body(summary) if summary is not None else None
             result = engine.summarize(plan.to_summarize, previous)
-            summary = make_summary_item(result, plan.covers, count_tokens)
+            summary = make_summary_item(result, plan.covers, lambda texts: [0] * len(texts))
+            summary = replace(summary, token_count=cost([summary])[0])
             path, error, summarized = result.path, result.error, plan.covers
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
     if summary is not None:
         # The recent part comes first; the summary gets what is left, at least `reserve`.
         cap = max(budget - sum(work.costs), reserve)
-        summary = _fit_item(summary, cap, count_tokens) if summary.token_count > cap else summary
-    out, dropped, truncated = _trim(work, budget, summary, count_tokens)
+        summary = _fit_item(summary, cap, cost) if summary.token_count > cap else summary
+    out, dropped, truncated = _trim(work, budget, summary, cost)
     if out is None and summary is not None:
         summary = None  # the newest turn outranks the summary
-        out, dropped, truncated = _trim(work, budget, None, count_tokens)
+        out, dropped, truncated = _trim(work, budget, None, cost)
     if out is None:
         out, dropped = [], [it.id for it in work.items]  # recorded, not silent
     if summary is None and path is not None:
@@ -285,16 +414,38 @@ def compress_history(
         items=tuple(items),
         tokens=tokens,
         summary=summary if summary is not None and summary in items else None,
-        messages_before=before,
+        messages_before=prepared.before,
         dropped_ids=tuple(all_dropped),
         truncated_ids=tuple(truncated),
-        elided_ids=tuple(elided),
-        repaired_ids=tuple(repaired),
+        elided_ids=tuple(prepared.elided),
+        repaired_ids=tuple(prepared.repaired),
         summarized_range=summarized,
         summarizer_path=path,
         summarizer_error=error,
         newest_turn_dropped=bool(work.items) and work.items[-1].id in all_dropped,
+        order=prepared.order,
     )
+
+
+def id_ranges(order: Sequence[int], dropped: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """``dropped`` as the first and last id of each run of consecutive entries of
+    ``order`` (the window, oldest first) that were all dropped."""
+    if not dropped:
+        return ()
+    gone = set(dropped)
+    runs: list[tuple[int, int]] = []
+    first: int | None = None
+    last = 0
+    for i in order:
+        if i in gone:
+            first = i if first is None else first
+            last = i
+        elif first is not None:
+            runs.append((first, last))
+            first = None
+    if first is not None:
+        runs.append((first, last))
+    return tuple(runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,13 +460,13 @@ class _Columns:
     max_chars: int
 
     @classmethod
-    def build(cls, raw: list[HistoryItem], max_chars: int, count: TokenCounter) -> _Columns:
-        tokens = count([it.counted_text for it in raw]) if raw else []
+    def build(cls, raw: list[HistoryItem], max_chars: int, cost: ItemCost) -> _Columns:
+        tokens = cost(raw) if raw else []
         items = [replace(it, token_count=t) for it, t in zip(raw, tokens, strict=True)]
         chars = [len(it.content) for it in items]
         long = [i for i, c in enumerate(chars) if c > max_chars]
         cut_items = [_cut(items[i], max_chars) for i in long]
-        cut_tokens = count([it.counted_text for it in cut_items]) if cut_items else []
+        cut_tokens = cost(cut_items) if cut_items else []
         cut = {
             i: replace(it, token_count=t)
             for i, it, t in zip(long, cut_items, cut_tokens, strict=True)
@@ -336,7 +487,7 @@ class _Columns:
 
 
 def _trim(
-    work: _Columns, budget: int, summary: HistoryItem | None, count: TokenCounter
+    work: _Columns, budget: int, summary: HistoryItem | None, cost: ItemCost
 ) -> tuple[list[HistoryItem] | None, list[int], list[int]]:
     """The kept items, dropped ids and truncated ids; ``None`` when the newest turn cannot
     be made to fit even truncated."""
@@ -361,7 +512,7 @@ def _trim(
             if i in work.cut and cuts[i] >= work.max_chars:
                 out.append(work.cut[i])
             else:  # the newest message alone, cut to the budget: fit with the real counter
-                fitted = _fit_item(items[i], avail, count)
+                fitted = _fit_item(items[i], avail, cost)
                 if fitted is None:
                     return None, [], []
                 out.append(fitted)
@@ -370,25 +521,20 @@ def _trim(
     # Nothing fits, not even the newest turn whole (a tool group, or one message): shrink
     # the contents of the newest turn's messages to share the budget.
     start = newest_unit_start(items)
-    unit = _fit_unit(items[start:], avail, count)
+    unit = _fit_unit(items[start:], avail, cost)
     if unit is None:
         return None, [], []
     changed = [new.id for new, old in zip(unit, items[start:], strict=True) if new != old]
     return unit, [it.id for it in items[:start]], changed
 
 
-def _fit_unit(
-    unit: list[HistoryItem], budget: int, count: TokenCounter
-) -> list[HistoryItem] | None:
+def _fit_unit(unit: list[HistoryItem], budget: int, cost: ItemCost) -> list[HistoryItem] | None:
     """Cut the contents of ``unit``'s messages so their sum fits ``budget``: each keeps its
     fixed cost (tool calls, the truncation note) plus a share of the rest in proportion
     to its size. ``None`` when even the fixed costs do not fit."""
     emptied = [_cut(it, 0) for it in unit]
     # A short message costs less whole than emptied with a note: its floor is the smaller.
-    fixed = [
-        min(whole.token_count, cost)
-        for whole, cost in zip(unit, count([it.counted_text for it in emptied]), strict=True)
-    ]
+    fixed = [min(whole.token_count, c) for whole, c in zip(unit, cost(emptied), strict=True)]
     spare = budget - sum(fixed)
     if spare < 0:
         return None
@@ -399,7 +545,7 @@ def _fit_unit(
         if it.token_count <= allowance:
             out.append(it)
             continue
-        fitted = _fit_item(it, allowance, count)
+        fitted = _fit_item(it, allowance, cost)
         if fitted is None:
             return None
         out.append(fitted)
@@ -426,21 +572,42 @@ def _enforce(items: list[HistoryItem], budget: int) -> tuple[list[HistoryItem], 
     return items, dropped
 
 
-def _cut(item: HistoryItem, keep_chars: int) -> HistoryItem:
-    """``item`` with its content cut to ``keep_chars`` plus a note saying how to get the
-    whole text back (stored messages only; a summary has no handle)."""
-    removed = len(item.content) - keep_chars
-    if item.id > 0 and not item.is_summary:
-        note = f"\n[… {removed} more chars truncated; full text: message:{item.id}]"
-    else:
-        note = "\n[… truncated]"
-    return replace(item, content=item.content[:keep_chars] + note)
+def cut_marker(item_id: int, removed: int) -> str:
+    """The note that stands where a cut took text out: how much, and the handle that
+    fetches the whole text (stored messages only; a summary has no handle)."""
+    if item_id > 0:
+        return f"\n[… {removed} more chars truncated; full text: message:{item_id}]\n"
+    return f"\n[… {removed} chars truncated]\n"
 
 
-def _fit_item(item: HistoryItem, max_tokens: int, count: TokenCounter) -> HistoryItem | None:
-    """The longest cut of ``item`` costing at most ``max_tokens`` under the real counter
-    (binary search: token counts are not proportional to characters)."""
-    full = count([item.counted_text])[0]
+def cut_text(text: str, limit: int, item_id: int) -> str:
+    """``text`` cut to at most ``limit`` characters, marker included: its head and its
+    tail (where errors usually are) with :func:`cut_marker` between them. A text within
+    the limit is returned as is; a limit shorter than the marker gives the marker alone."""
+    if len(text) <= limit:
+        return text
+    body = max(0, limit - len(cut_marker(item_id, len(text))))
+    for _ in range(2):  # the marker's length depends on the count it names
+        body = max(0, limit - len(cut_marker(item_id, len(text) - body)))
+    head = body // 2
+    tail = body - head
+    marker = cut_marker(item_id, len(text) - body)
+    return text[:head] + marker + (text[len(text) - tail :] if tail else "")
+
+
+def _cut(item: HistoryItem, limit: int) -> HistoryItem:
+    """``item`` with its content cut to ``limit`` characters (see :func:`cut_text`)."""
+    item_id = item.id if not item.is_summary else 0
+    content = item.content
+    if len(content) <= limit:  # a cut asked of a short text still marks it as cut
+        return replace(item, content=content[:limit] + cut_marker(item_id, 0))
+    return replace(item, content=cut_text(content, limit, item_id))
+
+
+def _fit_item(item: HistoryItem, max_tokens: int, cost: ItemCost) -> HistoryItem | None:
+    """The longest cut of ``item`` costing at most ``max_tokens`` as rendered (binary
+    search: token counts are not proportional to characters)."""
+    full = cost([item])[0]
     if full <= max_tokens:
         return replace(item, token_count=full)
     best: HistoryItem | None = None
@@ -448,12 +615,41 @@ def _fit_item(item: HistoryItem, max_tokens: int, count: TokenCounter) -> Histor
     while lo <= hi:
         mid = (lo + hi) // 2
         cand = _cut(item, mid)
-        cost = count([cand.counted_text])[0]
-        if cost <= max_tokens:
-            best, lo = replace(cand, token_count=cost), mid + 1
+        c = cost([cand])[0]
+        if c <= max_tokens:
+            best, lo = replace(cand, token_count=c), mid + 1
         else:
             hi = mid - 1
     return best
+
+
+def _part_cost(framing: Framing, part: str) -> TokenCounter:
+    """What texts cost as the status preamble or the new message, one by one."""
+
+    def count(texts: list[str]) -> list[int]:
+        if not framing.formats:
+            return framing.count(texts)
+        out = []
+        for text in texts:
+            costs = framing.parts(
+                "", text if part == "status" else "", text if part == "new" else None
+            )
+            out.append(costs.status if part == "status" else costs.new_message)
+        return out
+
+    return count
+
+
+def _shrink_status(status: str, max_tokens: int, count: TokenCounter) -> tuple[str, int]:
+    """The status cut line by line from its end (with a note) to fit ``max_tokens``;
+    ``("", 0)`` when not even its first two lines fit."""
+    lines = status.split("\n")
+    for k in range(len(lines) - 1, 1, -1):
+        cand = "\n".join([*lines[:k], STATUS_NOTE])
+        c = count([cand])[0]
+        if c <= max_tokens:
+            return cand, c
+    return "", 0
 
 
 def _fit_text(text: str, max_tokens: int, count: TokenCounter, note: str) -> tuple[str, int] | None:

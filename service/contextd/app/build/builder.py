@@ -30,7 +30,7 @@ from contextd.app.build.compaction import (
     repair_tool_pairs,
     summary_body,
 )
-from contextd.app.build.render import to_anthropic, to_openai, to_text
+from contextd.app.build.render import render
 from contextd.app.build.summarizer import Summarizer
 from contextd.domain.batches import prepare_batch, stored_tokenizer
 from contextd.domain.context import (
@@ -148,6 +148,8 @@ class _Window:
     # Window messages (loaded or not) whose tool call or results are missing from the
     # history being built, in window order.
     orphaned_ids: tuple[int, ...] = ()
+    # Every window message's id, in window order (summarized ones included).
+    window_ids: npt.NDArray[np.int64] | None = None
 
 
 class ContextBuilder:
@@ -202,6 +204,7 @@ class ContextBuilder:
                 options=plan.options,
                 previous_summary=window.previous_summary,
                 summarizer=self._summarizer,
+                formats=governing_formats(plan.model, request.formats),
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -236,7 +239,7 @@ class ContextBuilder:
                 summarizer_path=stats.summarizer_path or "",
                 summarizer_error=stats.summarizer_error,
             )
-        renderings = {f: _render(f, context) for f in request.formats}
+        renderings = {f: render(f, context) for f in request.formats}
         return BuildResult(
             context,
             core.model_info(plan.model).tokenizer,
@@ -389,7 +392,7 @@ class ContextBuilder:
         ids = all_ids[rest]
         summarized = _summarized_ids(all_ids, rest)
         if len(ids) == 0:
-            return _Window([], previous, (), stamps, summarized_ids=summarized)
+            return _Window([], previous, (), stamps, summarized_ids=summarized, window_ids=all_ids)
         roles, groups, orphans = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
@@ -430,6 +433,7 @@ class ContextBuilder:
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
             summarized,
             tuple(orphaned),
+            all_ids,
         )
 
     def _outside_calls(
@@ -688,12 +692,39 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         lost = window.summarized_ids
     elif summarized is None:
         summarized = context.summary.summary_of
+    dropped = lost + window.not_loaded_ids + stats.dropped_ids
     return replace(
         stats,
         messages_before=stats.messages_before + len(window.not_loaded_ids),
-        dropped_ids=lost + window.not_loaded_ids + stats.dropped_ids,
+        dropped_ids=dropped,
+        dropped_ranges=_runs(window.window_ids, dropped),
         summarized_range=summarized,
     )
+
+
+def _runs(
+    order: npt.NDArray[np.int64] | None, dropped: Sequence[int]
+) -> tuple[tuple[int, int], ...]:
+    """The dropped ids as (first, last) of each run of consecutive window messages that
+    were all dropped: every dropped message is in exactly one run and no other window
+    message is. Vectorised, as the window may hold a million messages."""
+    if order is None or not dropped or len(order) == 0:
+        return ()
+    gone = np.isin(order, np.asarray(dropped, dtype=np.int64))
+    edges = np.diff(np.concatenate(([False], gone, [False])).astype(np.int8))
+    starts = np.flatnonzero(edges == 1)
+    ends = np.flatnonzero(edges == -1) - 1
+    return tuple(
+        (int(order[a]), int(order[b])) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    )
+
+
+def governing_formats(model: str, asked: Sequence[str]) -> tuple[str, ...]:
+    """The renderings whose provider counts a build's budget bounds: those asked for,
+    and the model's own provider's (Anthropic for Claude models, else OpenAI), so a build
+    that asks for none still fits the request its model will be sent."""
+    native = "anthropic" if core.model_info(model).name.startswith("claude") else "openai"
+    return tuple(dict.fromkeys([native, *asked]))
 
 
 def _strategy(options: StrategyOptions) -> str:
@@ -705,11 +736,3 @@ def _strategy(options: StrategyOptions) -> str:
     if options.elide_tool_results:
         used.append("elide_tool_results")
     return ",".join(used)
-
-
-def _render(fmt: str, context: AssembledContext) -> str:
-    if fmt == "anthropic":
-        return json.dumps(to_anthropic(context), ensure_ascii=False)
-    if fmt == "openai":
-        return json.dumps(to_openai(context), ensure_ascii=False)
-    return to_text(context)

@@ -1,0 +1,151 @@
+"""Base64 and binary-like blobs in message text, replaced by a stub. Pure functions.
+
+A model reads nothing in a base64 image or a binary dump, but each costs about a token
+per 1.5 to 4 characters, and cutting one in half (truncation) keeps the noise and loses
+the size. So before anything is counted, every such blob in a stored message becomes
+one line naming its kind, its size and the ``message:<id>`` handle that fetches the
+whole text; the text around it stays.
+
+What counts as a blob:
+
+* base64: a run of at least :data:`MIN_BASE64_CHARS` characters of the base64 alphabet
+  (line breaks allowed inside; a short line at either end is text next to it), holding
+  upper and lower case letters and digits, with the character entropy of encoded data
+  (at least :data:`MIN_BASE64_ENTROPY` bits per character: hex, words and paths stay
+  well below it). A ``data:<type>;base64,`` prefix
+  names the kind; else the decoded first bytes do (PNG, JPEG, GIF, PDF, ZIP, gzip ...);
+* hex: a run of at least :data:`MIN_HEX_CHARS` hex digits with no break, with the
+  entropy of encoded bytes (at least :data:`MIN_HEX_ENTROPY` bits per character);
+* binary: a text of at least :data:`MIN_BINARY_CHARS` characters of which at least a
+  tenth are control characters (C0 other than tab and line breaks, DEL, C1) or U+FFFD
+  (bytes that did not decode): the whole text is the blob.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from contextd.domain.context import HistoryItem
+
+MIN_BASE64_CHARS = 256
+MIN_BASE64_ENTROPY = 4.9
+MIN_HEX_CHARS = 512
+MIN_HEX_ENTROPY = 3.5
+MIN_BINARY_CHARS = 256
+
+_BASE64 = re.compile(
+    rf"(data:([\w.+-]+/[\w.+-]+);base64,)?([A-Za-z0-9+/=\r\n]{{{MIN_BASE64_CHARS},}})"
+)
+_ODD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ufffd]")
+_HEX = re.compile(rf"[0-9a-fA-F]{{{MIN_HEX_CHARS},}}")
+_MAGIC = (
+    (b"\x89PNG", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF8", "image/gif"),
+    (b"%PDF", "application/pdf"),
+    (b"PK\x03\x04", "application/zip"),
+    (b"\x1f\x8b", "application/gzip"),
+    (b"\x7fELF", "application/x-elf"),
+    (b"RIFF", "audio/video (RIFF)"),
+)
+
+
+def stub_blobs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:
+    """``items`` with every blob of a stored message replaced by its stub, and the ids
+    of the messages changed. Summaries (not stored messages yet) are left alone."""
+    out: list[HistoryItem] = []
+    changed: list[int] = []
+    for item in items:
+        text = item.content if item.id > 0 and not item.is_summary else ""
+        stubbed = replace_blobs(text, item.id) if len(text) >= MIN_BASE64_CHARS else text
+        if stubbed != text:
+            out.append(replace(item, content=stubbed))
+            changed.append(item.id)
+        else:
+            out.append(item)
+    return out, changed
+
+
+def replace_blobs(text: str, message_id: int) -> str:
+    """``text`` with its blobs replaced by stubs naming ``message:<message_id>``."""
+    if _is_binary(text):
+        return stub("binary data", len(text), len(text.encode("utf-8", "replace")), message_id)
+
+    def b64(match: re.Match[str]) -> str:
+        head, body, tail = _core(match.group(3))
+        compact = "".join(body.split())
+        if len(compact) < MIN_BASE64_CHARS or not _looks_encoded(compact):
+            return match.group(0)
+        kind = match.group(2) or _sniff(compact)
+        size = len(compact) * 3 // 4 - compact.count("=")
+        chars = len(match.group(0)) - len(head) - len(tail)
+        return head + stub(f"base64 {kind}", chars, size, message_id) + tail
+
+    text = _BASE64.sub(b64, text)
+
+    def hexdump(match: re.Match[str]) -> str:
+        run = match.group(0)
+        if _entropy(run.lower()) < MIN_HEX_ENTROPY:
+            return run
+        return stub("hex data", len(run), len(run) // 2, message_id)
+
+    return _HEX.sub(hexdump, text)
+
+
+def _core(run: str) -> tuple[str, str, str]:
+    """A run of base64 characters split into what surrounds the data and the data: line
+    breaks at either end, and a short first or last line (a word next to the blob, not
+    part of it: encoded lines are long, and a last one may be short only with padding)."""
+    lines = run.split("\n")
+    first, last = 0, len(lines)
+    while first < last and len(lines[first].strip()) < 16:
+        first += 1
+    while last > first and len(lines[last - 1].strip()) < 16 and "=" not in lines[last - 1]:
+        last -= 1
+    head = "\n".join(lines[:first]) + ("\n" if first else "")
+    tail = ("\n" if last < len(lines) else "") + "\n".join(lines[last:])
+    return head, "\n".join(lines[first:last]), tail
+
+
+def stub(kind: str, chars: int, size_bytes: int, message_id: int) -> str:
+    """The line that stands for a blob."""
+    handle = f"message:{message_id}" if message_id > 0 else "not stored"
+    return f"[{kind}, {chars:,} chars, about {size_bytes:,} bytes, omitted; full text: {handle}]"
+
+
+def _looks_encoded(s: str) -> bool:
+    if not (any(c.isdigit() for c in s) and any(c.isupper() for c in s)):
+        return False
+    if not any(c.islower() for c in s):
+        return False
+    return _entropy(s) >= MIN_BASE64_ENTROPY
+
+
+def _entropy(s: str) -> float:
+    """Bits per character of ``s``'s character distribution."""
+    n = len(s)
+    return -sum(c / n * math.log2(c / n) for c in Counter(s).values())
+
+
+def _sniff(s: str) -> str:
+    head = s[:24]
+    try:
+        raw = base64.b64decode(head[: len(head) // 4 * 4], validate=True)
+    except (binascii.Error, ValueError):
+        return "data"
+    for magic, kind in _MAGIC:
+        if raw.startswith(magic):
+            return kind
+    return "data"
+
+
+def _is_binary(text: str) -> bool:
+    if len(text) < MIN_BINARY_CHARS:
+        return False
+    return len(_ODD.findall(text)) * 10 >= len(text)
