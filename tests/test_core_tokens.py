@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import corpus
 from contextd import core
 from core_reference import chars_div4, estimate, tiktoken_encoding
 
@@ -99,12 +100,33 @@ def test_large_batch_takes_the_parallel_path_and_still_matches(
     assert core.count_tokens_batch(texts, name) == expected  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("kind", corpus.TEXT_CLASSES)
+def test_exact_counts_equal_tiktoken_on_every_text_class(
+    tiktoken_enc: tuple[str, Any], kind: str
+) -> None:
+    """The benchmark's classes (prose, code, JSON, CJK, emoji, base64, logs), new text per
+    seed: counted once (the memo of short pieces cold for these pieces) and again (warm),
+    one by one and as a batch large enough for the thread pool."""
+    name, enc = tiktoken_enc
+    for seed in (101, 102):
+        texts = corpus.class_texts(kind, 70_000, seed=seed)
+        expected = [len(enc.encode_ordinary(t)) for t in texts]
+        for _ in range(2):
+            assert core.count_tokens_batch(texts, name) == expected  # type: ignore[arg-type]
+        for text, n in zip(texts[:40], expected, strict=False):
+            assert core.count_tokens(text, name) == n, text[:80]  # type: ignore[arg-type]
+
+
 # Random Unicode, plus a small alphabet that piles up the pre-tokenizer's edge cases:
 # whitespace runs before words, contractions, digit runs, punctuation, case changes.
-TRICKY = st.text(alphabet=" \n\t\r\u00a0\u3000aZé'’s1234.,!?/_-你🙂\u0301", max_size=200)
+TRICKY = st.text(
+    alphabet=" \n\t\r\u00a0\u3000\u0085\u2028aZé'’sſSLlrRe1234٣².,!?/_-"
+    "你日ひカ한🙂\u200d\ufe0f\u0301ʰǅ",
+    max_size=200,
+)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(text=st.one_of(st.text(max_size=400), TRICKY))
 def test_exact_counts_equal_tiktoken_on_random_text(text: str) -> None:
     for name in EXACT:

@@ -5,23 +5,26 @@
 //! never touches the network or the file system. Its counts equal `tiktoken`'s token for
 //! token (the Python tests check this against `tiktoken` itself).
 //!
-//! A count is the sum, over the pretokenizer's pieces, of each piece's BPE count. Two
-//! things make it faster than `bpe_openai::Tokenizer::count` while giving the same
-//! pieces and so the same counts:
-//! - most text is ASCII, and for ASCII the pretokenizer regex reduces to a few rules on
-//!   byte classes, which [`ascii_piece_end`] applies directly; anything that depends on a
-//!   non-ASCII character is left to the crate's regex;
-//! - most pieces are short, frequent words, so a bounded per-thread cache from piece to
-//!   count ([`PieceCache`]) skips the BPE for repeats, as tiktoken's and Hugging Face
-//!   tokenizers' caches do.
+//! A count is the sum, over the pretokenizer's pieces, of each piece's BPE count, as in
+//! tiktoken. Both halves are done here rather than with the crate's `Tokenizer::count`,
+//! for speed on text seen for the first time (no cache is involved):
+//! - the pretokenizer regexes are written out by hand over a table of Unicode character
+//!   classes ([`scan`], [`classes`]), checked piece for piece against the crate's regex;
+//! - a piece that is one token is found with one hash lookup, a short one is merged with
+//!   tiktoken's rule over a fast rank table, and only long pieces go to the crate's
+//!   backtracking counter ([`ranks`]).
 
 use std::cell::RefCell;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
-use bpe_openai::byte_pair_encoding::BytePairEncoding;
-use bpe_openai::Tokenizer;
-use hashbrown::HashMap;
 use rayon::prelude::*;
+
+mod classes;
+mod ranks;
+mod scan;
+
+use ranks::{Memo, Ranks};
 
 use crate::error::{CoreError, CoreResult};
 use crate::estimate::{estimate_tokens, estimate_tokens_chars_div4};
@@ -65,14 +68,8 @@ impl Encoding {
     /// Token count of one text.
     pub fn count(self, text: &str) -> u64 {
         match self {
-            Encoding::O200kBase | Encoding::Cl100kBase => {
-                let o200k = self == Encoding::O200kBase;
-                let slot = usize::from(o200k);
-                CACHES
-                    .try_with(|caches| count_exact(o200k, &mut caches.borrow_mut()[slot], text))
-                    // Only while this thread is being torn down: count without the cache.
-                    .unwrap_or_else(|_| count_exact(o200k, &mut PieceCache::default(), text))
-            }
+            Encoding::O200kBase => count_exact(true, text),
+            Encoding::Cl100kBase => count_exact(false, text),
             Encoding::Estimate => estimate_tokens(text),
             Encoding::CharsDiv4 => estimate_tokens_chars_div4(text),
         }
@@ -117,249 +114,68 @@ pub fn count_tokens_batch<S: AsRef<str> + Sync>(
     Ok(encoding.parse::<Encoding>()?.count_batch(texts))
 }
 
-thread_local! {
-    /// One piece cache per exact encoding (index 0: cl100k_base, 1: o200k_base) and per
-    /// thread, so rayon workers and Python threads never contend for it.
-    static CACHES: RefCell<[PieceCache; 2]> = RefCell::default();
+/// One exact encoding's tables, built on first use.
+struct Exact {
+    o200k: bool,
+    ranks: Ranks,
 }
 
-/// Exact token count of `text` with o200k_base (`o200k`) or cl100k_base.
-///
-/// Same result as `bpe_openai`'s `Tokenizer::count`: the same pieces (its `split`, or the
-/// equivalent [`ascii_piece_end`]) and the same BPE count for each. Neither encoding
-/// normalizes its input (the crate's `nfc` flag is false for both), so there is no
-/// normalization to repeat here.
-fn count_exact(o200k: bool, cache: &mut PieceCache, text: &str) -> u64 {
-    let tok: &Tokenizer = if o200k {
-        bpe_openai::o200k_base()
+fn exact(o200k: bool) -> &'static Exact {
+    static O200K: OnceLock<Exact> = OnceLock::new();
+    static CL100K: OnceLock<Exact> = OnceLock::new();
+    let (cell, tok) = if o200k {
+        (&O200K, bpe_openai::o200k_base())
     } else {
-        bpe_openai::cl100k_base()
+        (&CL100K, bpe_openai::cl100k_base())
     };
+    cell.get_or_init(|| Exact {
+        o200k,
+        ranks: Ranks::new(&tok.bpe),
+    })
+}
+
+/// Exact token count of `text` with o200k_base (`o200k`) or cl100k_base: the sum over
+/// the pretokenizer's pieces ([`scan`]) of each piece's BPE count ([`Ranks`]), which is
+/// what tiktoken computes. Neither encoding normalizes its input, so there is no
+/// normalization to repeat here.
+fn count_exact(o200k: bool, text: &str) -> u64 {
+    MEMOS
+        .try_with(|memos| count_with(o200k, &mut memos.borrow_mut()[usize::from(o200k)], text))
+        // Only while this thread is being torn down: count without the memo.
+        .unwrap_or_else(|_| count_with(o200k, &mut Memo::default(), text))
+}
+
+thread_local! {
+    /// One memo per exact encoding (index 0: cl100k_base, 1: o200k_base) and per thread,
+    /// so rayon workers and Python threads never contend for it.
+    static MEMOS: RefCell<[Memo; 2]> = RefCell::default();
+}
+
+fn count_with(o200k: bool, memo: &mut Memo, text: &str) -> u64 {
+    let enc = exact(o200k);
+    let table = classes::table();
     let bytes = text.as_bytes();
     let mut total = 0;
     let mut start = 0;
     while start < bytes.len() {
-        let end = match ascii_piece_end(bytes, start, o200k) {
-            Some(end) => end,
-            // The regex is anchored at the start of what it is given, so its first piece
-            // of the rest of the text is the piece its own `split` would yield here.
-            // `start` is a char boundary: every piece ends on one.
-            None => match tok.split(&text[start..]).next() {
-                Some(piece) if !piece.is_empty() => start + piece.len(),
-                // Never happens (every char matches some alternative, and no match is
-                // empty); if it did, the rest would count as one piece rather than the
-                // loop stopping short or never ending.
-                _ => bytes.len(),
-            },
+        let end = if enc.o200k {
+            scan::o200k(bytes, start, table)
+        } else {
+            scan::cl100k(bytes, start, table)
         };
-        total += cache.count(&tok.bpe, &bytes[start..end]);
+        // Every piece holds at least one char; if a scanner ever failed that, the rest
+        // would count as one piece rather than the loop never ending.
+        let end = if end > start { end } else { bytes.len() };
+        total += enc.ranks.piece_count(memo, bytes, start, end);
         start = end;
     }
     total
 }
 
-/// What the pretokenizer regexes need to know about a byte.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Class {
-    Lower,
-    Upper,
-    Digit,
-    /// `\r` or `\n`.
-    Newline,
-    /// Other ASCII white space (`\s`): space, tab, vertical tab, form feed.
-    Space,
-    /// Any other ASCII byte (punctuation, control characters): `[^\s\p{L}\p{N}]`.
-    Punct,
-    /// Part of a non-ASCII character: only the regex knows its Unicode classes.
-    NonAscii,
-    /// Past the end of the text.
-    End,
-}
-
-fn class(bytes: &[u8], i: usize) -> Class {
-    match bytes.get(i) {
-        None => Class::End,
-        Some(b'a'..=b'z') => Class::Lower,
-        Some(b'A'..=b'Z') => Class::Upper,
-        Some(b'0'..=b'9') => Class::Digit,
-        Some(b'\r' | b'\n') => Class::Newline,
-        Some(b' ' | b'\t' | 0x0b | 0x0c) => Class::Space,
-        Some(0x80..) => Class::NonAscii,
-        Some(_) => Class::Punct,
-    }
-}
-
-/// The first index at or after `i` whose class fails `keep`.
-fn run_end(bytes: &[u8], mut i: usize, keep: impl Fn(Class) -> bool) -> usize {
-    while keep(class(bytes, i)) {
-        i += 1;
-    }
-    i
-}
-
-/// End of the pretokenizer piece that starts at `start`, or `None` when it depends on a
-/// non-ASCII character (the caller then asks the regex).
-///
-/// These are the o200k_base / cl100k_base patterns restricted to ASCII, where `\p{L}` is
-/// `[A-Za-z]` (upper and lower case disjoint), `\p{N}` is `[0-9]` and `\s` is
-/// `[ \t\n\x0b\x0c\r]`. The alternatives are tried in the patterns' order, as the
-/// leftmost-first regex does:
-/// 1. (cl100k only) a contraction: `'s|'t|'re|'ve|'m|'ll|'d`, any case;
-/// 2. letters, after at most one char that is not a newline, letter or digit; o200k
-///    takes upper case then lower case letters and then a contraction;
-/// 3. one to three digits;
-/// 4. an optional space, punctuation, then `\r`, `\n` (and `/` for o200k);
-/// 5. white space up to its last newline; else white space to the end of the text; else
-///    a white space run without its last char (`\s+(?!\S)`); else one white space char.
-///
-/// Every run is checked to end on an ASCII byte or the end of the text, because a
-/// non-ASCII letter, digit, mark or space could extend it.
-fn ascii_piece_end(bytes: &[u8], start: usize, o200k: bool) -> Option<usize> {
-    use Class::*;
-    let first = class(bytes, start);
-    if !o200k {
-        let n = contraction_len(bytes, start)?;
-        if n > 0 {
-            return Some(start + n);
-        }
-    }
-    let letters = match first {
-        Lower | Upper => Some(start),
-        Space | Punct => match class(bytes, start + 1) {
-            Lower | Upper => Some(start + 1),
-            NonAscii => return None,
-            _ => None,
-        },
-        _ => None,
-    };
-    if let Some(letters) = letters {
-        let end = if o200k {
-            let upper_end = run_end(bytes, letters, |c| c == Upper);
-            run_end(bytes, upper_end, |c| c == Lower)
-        } else {
-            run_end(bytes, letters, |c| matches!(c, Lower | Upper))
-        };
-        if class(bytes, end) == NonAscii {
-            return None;
-        }
-        return Some(if o200k {
-            end + contraction_len(bytes, end)?
-        } else {
-            end
-        });
-    }
-    match first {
-        Digit => {
-            // Look at no more than three digits, so a long number stays linear.
-            let end = (start..start + 3)
-                .find(|&i| class(bytes, i) != Digit)
-                .unwrap_or(start + 3);
-            (end == start + 3 || class(bytes, end) != NonAscii).then_some(end)
-        }
-        // The optional prefix is a literal space, not any white space.
-        Punct | Space
-            if first == Punct || (bytes[start] == b' ' && class(bytes, start + 1) == Punct) =>
-        {
-            let punct = if first == Punct { start } else { start + 1 };
-            let end = run_end(bytes, punct, |c| c == Punct);
-            if class(bytes, end) == NonAscii {
-                return None;
-            }
-            let mut end = end;
-            while matches!(bytes.get(end), Some(b'\r' | b'\n'))
-                || (o200k && bytes.get(end) == Some(&b'/'))
-            {
-                end += 1;
-            }
-            Some(end)
-        }
-        Space | Newline => {
-            let end = run_end(bytes, start, |c| matches!(c, Space | Newline));
-            if class(bytes, end) == NonAscii {
-                return None;
-            }
-            if let Some(last) = bytes[start..end]
-                .iter()
-                .rposition(|&b| matches!(b, b'\r' | b'\n'))
-            {
-                Some(start + last + 1)
-            } else if end == bytes.len() || end == start + 1 {
-                Some(end)
-            } else {
-                Some(end - 1)
-            }
-        }
-        _ => None,
-    }
-}
-
-/// Length of the contraction (`'s|'t|'re|'ve|'m|'ll|'d`, any case) at `i`, 0 if there is
-/// none, or `None` if a non-ASCII char decides it (`(?i)s` also matches `ſ`).
-fn contraction_len(bytes: &[u8], i: usize) -> Option<usize> {
-    if bytes.get(i) != Some(&b'\'') {
-        return Some(0);
-    }
-    let at = |k: usize| bytes.get(i + k).map(u8::to_ascii_lowercase);
-    let second = |want: u8| match at(2) {
-        Some(b) if b == want => Some(3),
-        Some(0x80..) => None,
-        _ => Some(0),
-    };
-    match at(1) {
-        Some(b's' | b't' | b'm' | b'd') => Some(2),
-        Some(b'r' | b'v') => second(b'e'),
-        Some(b'l') => second(b'l'),
-        Some(0x80..) => None,
-        _ => Some(0),
-    }
-}
-
-/// Longest piece the cache holds: its bytes and length pack into one `u128` key, which
-/// hashes and compares much faster than a heap-allocated byte string. Longer pieces are
-/// rare and seldom repeat.
-const CACHED_PIECE_MAX: usize = 15;
-
-/// Entries at which a cache is emptied, so its memory stays bounded. It is hashbrown's
-/// capacity for 2^16 buckets of 33 bytes, so a cache never takes more than about 2 MB.
-/// Emptying is cheap and frequent pieces come back at once.
-const CACHE_MAX_ENTRIES: usize = (1 << 16) / 8 * 7;
-
-/// A bounded memo of BPE counts of pretokenizer pieces, for one encoding.
-#[derive(Default)]
-struct PieceCache {
-    counts: HashMap<u128, u8>,
-}
-
-impl PieceCache {
-    /// BPE count of one piece, from the cache when it was seen before.
-    fn count(&mut self, bpe: &BytePairEncoding, piece: &[u8]) -> u64 {
-        match piece.len() {
-            // Every single byte is a token of these byte-level vocabularies.
-            1 => 1,
-            2..=CACHED_PIECE_MAX => {
-                let mut key = [0u8; 16];
-                key[..piece.len()].copy_from_slice(piece);
-                key[15] = piece.len() as u8;
-                let key = u128::from_le_bytes(key);
-                if let Some(&n) = self.counts.get(&key) {
-                    return n.into();
-                }
-                // At most one token per byte, so the count fits a u8.
-                let n = bpe.count(piece) as u8;
-                if self.counts.len() >= CACHE_MAX_ENTRIES {
-                    self.counts.clear();
-                }
-                self.counts.insert(key, n);
-                n.into()
-            }
-            _ => bpe.count(piece) as u64,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bpe_openai::Tokenizer;
 
     // Known counts, checked against tiktoken 0.14.
     #[test]
@@ -438,14 +254,18 @@ mod tests {
         }
     }
 
-    /// The pieces `count_exact` counts: ASCII rules, else the regex.
+    /// The pieces `count_exact` counts.
     fn pieces(o200k: bool, text: &str) -> Vec<&str> {
+        let table = classes::table();
         let mut out = Vec::new();
         let mut start = 0;
         while start < text.len() {
-            let end = ascii_piece_end(text.as_bytes(), start, o200k).unwrap_or_else(|| {
-                start + tokenizer(o200k).split(&text[start..]).next().unwrap().len()
-            });
+            let end = if o200k {
+                scan::o200k(text.as_bytes(), start, table)
+            } else {
+                scan::cl100k(text.as_bytes(), start, table)
+            };
+            assert!(end > start, "empty piece at {start} in {text:?}");
             out.push(&text[start..end]);
             start = end;
         }
@@ -474,9 +294,9 @@ mod tests {
     /// Characters whose classes matter to the patterns, including non-ASCII ones that
     /// continue a run (letters of each category, a mark, a digit, spaces) or a
     /// contraction (`ſ` folds to `s`).
-    const NON_ASCII: [char; 14] = [
+    const NON_ASCII: [char; 16] = [
         'é', 'É', 'ǅ', 'ʰ', '中', '\u{301}', '٣', '\u{a0}', '\u{85}', '\u{3000}', 'ſ', '—', '🙂',
-        '\u{2028}',
+        '\u{2028}', 'K', '\u{200d}',
     ];
 
     /// Longer runs than random characters make.
@@ -486,10 +306,10 @@ mod tests {
     ];
 
     #[test]
-    fn ascii_rules_match_the_regex_on_all_short_strings() {
+    fn scanners_match_the_regex_on_all_short_strings() {
         let alphabet = [
             'a', 'Z', 's', 'L', 'e', '7', ' ', '\t', '\n', '\r', '\x0b', '!', '/', '\'', 'é', 'ſ',
-            '\u{a0}', '٣',
+            '\u{a0}', '٣', 'ʰ', '\u{301}', 'ǅ', '中',
         ];
         let mut text = String::new();
         for len in 1..=4u32 {
@@ -505,7 +325,37 @@ mod tests {
     }
 
     #[test]
-    fn ascii_rules_match_the_regex_for_every_ascii_char() {
+    fn scanners_match_the_regex_for_every_assigned_code_point() {
+        // Each code point in the contexts where its classes decide a piece's end: after
+        // and before letters of each case, marks, digits, spaces, newlines, punctuation,
+        // and inside contractions. Every code point of the planes where characters are
+        // assigned (0 to 3, and 14), and a sample of the rest (unassigned or private use:
+        // runs of one class), 64 code points per text to keep the test quick.
+        let every =
+            |cp: u32| cp < 0x4_0000 || (0xE_0000..0xE_1000).contains(&cp) || cp.is_multiple_of(97);
+        let cps: Vec<char> = (0..0x11_0000u32)
+            .filter(|&cp| every(cp))
+            .filter_map(char::from_u32)
+            .collect();
+        let mut text = String::new();
+        for chunk in cps.chunks(64) {
+            text.clear();
+            for &c in chunk {
+                for ctx in [
+                    "a", "A", "ʰ", "\u{301}", "1", "  ", "\n", "!", "'", "'r", "é",
+                ] {
+                    text.push_str(ctx);
+                    text.push(c);
+                    text.push(c);
+                }
+                text.push(' ');
+            }
+            assert_same_pieces(&text);
+        }
+    }
+
+    #[test]
+    fn scanners_match_the_regex_for_every_ascii_char() {
         for b in 0u8..128 {
             let c = b as char;
             for text in [
@@ -529,7 +379,7 @@ mod tests {
     }
 
     #[test]
-    fn ascii_rules_match_the_regex_on_random_strings() {
+    fn scanners_match_the_regex_on_random_strings() {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let mut text = String::new();
         for _ in 0..30_000 {
@@ -546,7 +396,25 @@ mod tests {
         }
     }
 
-    /// Texts of every kind, including long pieces the cache skips.
+    #[test]
+    fn scanners_match_the_regex_on_random_unicode() {
+        let mut rng = Rng(7);
+        let mut text = String::new();
+        for _ in 0..20_000 {
+            text.clear();
+            for _ in 0..rng.below(40) {
+                let c = match rng.below(3) {
+                    0 => char::from_u32(rng.below(0x11_0000) as u32),
+                    1 => char::from_u32(rng.below(0x3000) as u32),
+                    _ => Some(NON_ASCII[rng.below(NON_ASCII.len())]),
+                };
+                text.push(c.unwrap_or(' '));
+            }
+            assert_same_pieces(&text);
+        }
+    }
+
+    /// Texts of every kind, including long pieces the merge loop hands on.
     fn mixed_texts() -> Vec<String> {
         let mut texts: Vec<String> = [
             "",
@@ -570,17 +438,32 @@ mod tests {
         ]
         .map(String::from)
         .to_vec();
-        for unit in ["a", " ", "\n", "ab", "!", "0", "é", "你", "🙂", " a", "aA"] {
+        for unit in [
+            "a", " ", "\n", "ab", "!", "0", "é", "你", "🙂", " a", "aA", "的是",
+        ] {
             texts.push(unit.repeat(3000));
         }
         let mut rng = Rng(42);
         let b64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
         texts.push((0..50_000).map(|_| b64[rng.below(64)] as char).collect());
+        // Runs of letters of every length across the merge loop's limit.
+        let han = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下";
+        let han: Vec<char> = han.chars().collect();
+        for len in 1..80 {
+            let word: String = (0..len)
+                .map(|_| (b'a' + rng.below(26) as u8) as char)
+                .collect();
+            texts.push(format!(" {word} {}", word.to_uppercase()));
+            let cjk: String = (0..len / 2 + 1)
+                .map(|_| han[rng.below(han.len())])
+                .collect();
+            texts.push(cjk);
+        }
         texts
     }
 
     #[test]
-    fn exact_counts_equal_the_crates_and_cache_hits_change_nothing() {
+    fn exact_counts_equal_the_crates_and_memo_hits_change_nothing() {
         let texts = mixed_texts();
         for o200k in [true, false] {
             let enc = if o200k {
@@ -592,17 +475,51 @@ mod tests {
                 .iter()
                 .map(|t| tokenizer(o200k).count(t.as_str()) as u64)
                 .collect();
-            // Fresh cache, then the same cache again (all hits), then the thread's cache.
-            let mut cache = PieceCache::default();
+            // A fresh memo, then the same memo again (hits), then the thread's memo.
+            let mut memo = Memo::default();
             for _ in 0..2 {
                 let got: Vec<u64> = texts
                     .iter()
-                    .map(|t| count_exact(o200k, &mut cache, t))
+                    .map(|t| count_with(o200k, &mut memo, t))
                     .collect();
                 assert_eq!(got, want, "o200k={o200k}");
             }
-            assert!(!cache.counts.is_empty());
+            assert!(Ranks::memo_len(&memo) > 0);
             assert_eq!(enc.count_batch(&texts), want, "o200k={o200k}");
+        }
+    }
+
+    #[test]
+    fn merge_loop_equals_the_crates_counter_on_random_pieces() {
+        // Pieces of every length up to the merge loop's limit, from byte alphabets that
+        // make many merges (letters, CJK, emoji), so ties and long merge chains occur.
+        let mut rng = Rng(99);
+        for o200k in [true, false] {
+            let enc = exact(o200k);
+            let bpe = &tokenizer(o200k).bpe;
+            for alphabet in [
+                "abcdefghijklmnopqrstuvwxyz",
+                "aaab",
+                "的一是不了人我在有他",
+                "🙂🚀👍",
+                "QWERTYuiop+/0123",
+            ] {
+                let chars: Vec<char> = alphabet.chars().collect();
+                for _ in 0..3_000 {
+                    let mut piece = String::new();
+                    let len = 1 + rng.below(ranks::MERGE_MAX);
+                    while piece.len() < len {
+                        piece.push(chars[rng.below(chars.len())]);
+                    }
+                    let bytes = piece.as_bytes();
+                    assert_eq!(
+                        enc.ranks
+                            .piece_count(&mut Memo::default(), bytes, 0, bytes.len()),
+                        bpe.count(bytes) as u64,
+                        "o200k={o200k} {piece:?}"
+                    );
+                }
+            }
         }
     }
 
@@ -613,22 +530,6 @@ mod tests {
                 assert_eq!(tokenizer(o200k).bpe.count(&[b]), 1, "byte {b}");
             }
         }
-    }
-
-    #[test]
-    fn cache_stays_bounded() {
-        let bpe = &tokenizer(true).bpe;
-        let mut cache = PieceCache::default();
-        for i in 0..CACHE_MAX_ENTRIES as u64 * 3 {
-            let piece = format!("x{i:x}");
-            assert_eq!(
-                cache.count(bpe, piece.as_bytes()),
-                bpe.count(piece.as_bytes()) as u64
-            );
-            assert!(cache.counts.len() <= CACHE_MAX_ENTRIES);
-        }
-        // Emptied rather than grown: the table never reallocates past its first size.
-        assert_eq!(cache.counts.capacity(), CACHE_MAX_ENTRIES);
     }
 
     #[test]

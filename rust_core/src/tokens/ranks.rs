@@ -1,0 +1,267 @@
+//! BPE token counts of pretokenizer pieces, with tiktoken's merge rule and a fast rank
+//! lookup.
+//!
+//! tiktoken encodes a piece by looking it up whole in the vocabulary and otherwise
+//! merging byte pairs: start from single bytes and repeatedly merge the adjacent pair
+//! whose concatenation has the lowest rank (the leftmost on ties) until no adjacent pair
+//! is a token. [`Ranks::piece_count`] does the same, counting the parts left at the end.
+//! What makes it fast is the lookup: a token of up to 15 bytes is packed with its length
+//! into one `u128`, so looking up a slice of the text is a 16-byte load, a multiply-fold
+//! hash and a probe of a compact table (see [`Ranks`]), with no allocation. Longer tokens
+//! (a few percent of the vocabulary) are compared byte by byte.
+//!
+//! Pieces longer than 15 bytes (a run of CJK text, a long word) are handed to the `bpe`
+//! crate's backtracking counter, which is linear where the merge loop is quadratic and
+//! measured faster on them; it gives the same counts (it is built to, and the tests
+//! check it against the merge loop).
+
+use bpe_openai::byte_pair_encoding::BytePairEncoding;
+
+/// Longest piece the merge loop handles (and the memo keeps); longer ones go to the
+/// `bpe` crate, which is faster on them.
+pub const MERGE_MAX: usize = PACKED_MAX;
+
+/// Longest token packed into a `u128` key (the 16th byte holds the length).
+const PACKED_MAX: usize = 15;
+
+const K1: u64 = 0x9e37_79b9_7f4a_7c15;
+const K2: u64 = 0xc2b2_ae3d_27d4_eb4f;
+
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = (a as u128).wrapping_mul(b as u128);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+/// The hash bits a slot keeps, in the bits above its rank.
+#[inline(always)]
+fn fingerprint(h: u64) -> u32 {
+    (h as u32) & !RANK_MASK
+}
+
+#[inline(always)]
+fn hash_packed(key: u128) -> u64 {
+    fold((key as u64) ^ K1, ((key >> 64) as u64) ^ K2)
+}
+
+fn hash_bytes(bytes: &[u8]) -> u64 {
+    let mut h = bytes.len() as u64;
+    for chunk in bytes.chunks(16) {
+        h = hash_packed(pack(chunk) ^ h as u128);
+    }
+    h
+}
+
+/// `bytes` (at most 16 of them) little-endian in a `u128`, the length in the top byte
+/// when there are fewer than 16.
+#[inline(always)]
+fn pack(bytes: &[u8]) -> u128 {
+    let mut buf = [0u8; 16];
+    buf[..bytes.len()].copy_from_slice(bytes);
+    if bytes.len() < 16 {
+        buf[15] = bytes.len() as u8;
+    }
+    u128::from_le_bytes(buf)
+}
+
+/// `text[s..e]` packed as by [`pack`] (`e - s <= 15`), reading 16 bytes at once when the
+/// text has them.
+#[inline(always)]
+fn pack_at(text: &[u8], s: usize, e: usize) -> u128 {
+    let len = e - s;
+    match text.get(s..s + 16) {
+        Some(window) => {
+            let mut buf = [0u8; 16];
+            buf.copy_from_slice(window);
+            let v = u128::from_le_bytes(buf);
+            let mask = (1u128 << (8 * len)) - 1;
+            (v & mask) | ((len as u128) << 120)
+        }
+        None => pack(&text[s..e]),
+    }
+}
+
+/// Slots of a memo: direct-mapped, so a lookup is one probe and an insert overwrites,
+/// with no growth, no clearing and a fixed 68 KB per thread and encoding.
+const MEMO_SLOTS: usize = 1 << 12;
+
+/// Per-thread memory of the counts of short multi-token pieces (see
+/// [`Ranks::piece_count`]): the packed piece and its count, in the slot its hash picks.
+/// A packed piece is never 0 (its length byte is at least 2 here), so 0 marks a free
+/// slot.
+pub struct Memo {
+    keys: Box<[u128; MEMO_SLOTS]>,
+    counts: Box<[u8; MEMO_SLOTS]>,
+}
+
+impl Default for Memo {
+    fn default() -> Self {
+        Memo {
+            keys: Box::new([0; MEMO_SLOTS]),
+            counts: Box::new([0; MEMO_SLOTS]),
+        }
+    }
+}
+
+/// Bits of a slot that hold a rank: enough for o200k_base's 200,000 tokens.
+const RANK_BITS: u32 = 18;
+const RANK_MASK: u32 = (1 << RANK_BITS) - 1;
+/// A free slot (its rank bits are past every vocabulary).
+const EMPTY: u32 = u32::MAX;
+/// `keys` entry of a token longer than [`PACKED_MAX`] (no packed key has a top byte of
+/// 0xff), whose bytes are compared in the `bpe` crate's copy instead.
+const LONG: u128 = u128::MAX;
+
+/// Ranks of one vocabulary, for lookups by byte slice.
+///
+/// An open-addressing table of `u32` slots, each a rank and 14 bits of its key's hash,
+/// at most 40% full: a lookup reads one cache line of a table small enough to stay in
+/// the CPU's caches, and only a slot whose hash bits match sends it on to the token's
+/// key. Most lookups are for slices that are not tokens, and they usually end at the
+/// first line.
+pub struct Ranks {
+    slots: Vec<u32>,
+    /// `64 - log2(slots.len())`: the hash's top bits pick the first slot.
+    shift: u32,
+    /// Each token's bytes packed by [`pack`], by rank, or [`LONG`].
+    keys: Vec<u128>,
+    bpe: &'static BytePairEncoding,
+}
+
+impl Ranks {
+    /// The tables of `bpe`'s vocabulary (its token ids are tiktoken's ranks).
+    pub fn new(bpe: &'static BytePairEncoding) -> Self {
+        let n = bpe.num_tokens();
+        // Both vocabularies fit; a bigger one would need wider slots, never wrong counts.
+        assert!(
+            n < RANK_MASK as usize,
+            "vocabulary too large for the rank table"
+        );
+        let bits = (n * 5 / 2).next_power_of_two().trailing_zeros();
+        let mut slots = vec![EMPTY; 1 << bits];
+        let mut keys = Vec::with_capacity(n);
+        let shift = 64 - bits;
+        for rank in 0..n as u32 {
+            let bytes = bpe.token_bytes(rank);
+            let h = if bytes.len() <= PACKED_MAX {
+                let key = pack(bytes);
+                keys.push(key);
+                hash_packed(key)
+            } else {
+                keys.push(LONG);
+                hash_bytes(bytes)
+            };
+            let mut i = (h >> shift) as usize;
+            while slots[i] != EMPTY {
+                i = (i + 1) & (slots.len() - 1);
+            }
+            slots[i] = fingerprint(h) | rank;
+        }
+        Ranks {
+            slots,
+            shift,
+            keys,
+            bpe,
+        }
+    }
+
+    /// Rank of the token `text[s..e]`, or `u32::MAX` if it is not one.
+    #[inline(always)]
+    fn rank(&self, text: &[u8], s: usize, e: usize) -> u32 {
+        let packed = e - s <= PACKED_MAX;
+        let (h, key) = if packed {
+            let key = pack_at(text, s, e);
+            (hash_packed(key), key)
+        } else {
+            (hash_bytes(&text[s..e]), LONG)
+        };
+        let fp = fingerprint(h);
+        let mask = self.slots.len() - 1;
+        let mut i = (h >> self.shift) as usize;
+        loop {
+            let slot = self.slots[i];
+            if slot == EMPTY {
+                return u32::MAX;
+            }
+            if slot & !RANK_MASK == fp {
+                let rank = slot & RANK_MASK;
+                let k = self.keys[rank as usize];
+                if k == key && (packed || self.bpe.token_bytes(rank) == &text[s..e]) {
+                    return rank;
+                }
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    #[cfg(test)]
+    pub fn memo_len(memo: &Memo) -> usize {
+        memo.keys.iter().filter(|&&k| k != 0).count()
+    }
+
+    /// Number of tokens tiktoken encodes the piece `text[s..e]` into (`s < e`).
+    ///
+    /// `memo` remembers the counts of short pieces that are not single tokens (a
+    /// made-up word, a run of emoji): a text repeats those far more often than it is
+    /// long, and a lookup there is cheaper than merging again.
+    #[inline]
+    pub fn piece_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+        let n = e - s;
+        if n == 1 || self.rank(text, s, e) != u32::MAX {
+            // Every byte is a token of these byte-level vocabularies.
+            1
+        } else if n <= MERGE_MAX {
+            let key = pack_at(text, s, e);
+            let slot = (hash_packed(key) >> (64 - MEMO_SLOTS.trailing_zeros())) as usize;
+            if memo.keys[slot] == key {
+                return memo.counts[slot].into();
+            }
+            let count = self.merge_count(text, s, e);
+            memo.keys[slot] = key;
+            // At most one token per byte, so the count fits a u8.
+            memo.counts[slot] = count as u8;
+            count
+        } else {
+            self.bpe.count(&text[s..e]) as u64
+        }
+    }
+
+    /// tiktoken's `byte_pair_merge` on `text[s..e]` (2 to [`MERGE_MAX`] bytes), counting
+    /// the parts it ends with.
+    fn merge_count(&self, text: &[u8], s: usize, e: usize) -> u64 {
+        let n = e - s;
+        // Part boundaries (offsets from `s`) and, for each part, the rank of it merged
+        // with the next one.
+        let mut pos = [0u8; MERGE_MAX + 1];
+        let mut rank = [u32::MAX; MERGE_MAX + 1];
+        for (i, p) in pos.iter_mut().enumerate().take(n + 1) {
+            *p = i as u8;
+        }
+        for (i, r) in rank.iter_mut().enumerate().take(n - 1) {
+            *r = self.rank(text, s + i, s + i + 2);
+        }
+        let mut parts = n;
+        loop {
+            // The lowest rank, then its first position (tiktoken merges the leftmost of
+            // equal ranks).
+            let live = &rank[..parts - 1];
+            let best = live.iter().copied().min().unwrap_or(u32::MAX);
+            if best == u32::MAX {
+                return parts as u64;
+            }
+            let at = live.iter().position(|&r| r == best).unwrap_or(0);
+            // Merge parts `at` and `at + 1`: drop boundary `at + 1`.
+            pos.copy_within(at + 2..=parts, at + 1);
+            rank.copy_within(at + 2..parts, at + 1);
+            parts -= 1;
+            rank[at] = if at + 2 <= parts {
+                self.rank(text, s + pos[at] as usize, s + pos[at + 2] as usize)
+            } else {
+                u32::MAX
+            };
+            if at > 0 {
+                rank[at - 1] = self.rank(text, s + pos[at - 1] as usize, s + pos[at + 1] as usize);
+            }
+        }
+    }
+}
