@@ -13,6 +13,7 @@ from contextd.app.building import BuildCalls
 from contextd.app.events import EventCalls
 from contextd.app.keys import KeyCalls
 from contextd.app.messages import MessageCalls
+from contextd.app.search import SearchCalls
 from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
@@ -30,5 +31,6 @@ class ContextService(
     BuildCalls,
     SnapshotCalls,
     KeyCalls,
+    SearchCalls,
 ):
     """Every call of the API (see the mixins for each group)."""

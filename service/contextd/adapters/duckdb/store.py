@@ -35,6 +35,7 @@ from contextd.adapters.duckdb.base import (
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.schema import MIGRATIONS
+from contextd.adapters.duckdb.search import SearchMixin
 from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin
 from contextd.adapters.duckdb.thread_counters import (
@@ -53,7 +54,14 @@ from contextd.domain.model import (
 
 @_failures_translated
 class Store(
-    AccessMixin, AgentsMixin, MessagesMixin, StatusMixin, ThreadsMixin, SnapshotsMixin, WriterMixin
+    AccessMixin,
+    AgentsMixin,
+    MessagesMixin,
+    StatusMixin,
+    ThreadsMixin,
+    SnapshotsMixin,
+    SearchMixin,
+    WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.
 

@@ -20,6 +20,7 @@ from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
 from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.schema import migrate
+from contextd.adapters.postgres.search import SearchMixin
 from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @failures_translated
 class PostgresStore(
-    AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin, SnapshotsMixin
+    AccessMixin, AgentsMixin, MessagesMixin, ThreadsMixin, StatusMixin, SnapshotsMixin, SearchMixin
 ):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
