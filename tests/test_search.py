@@ -5,6 +5,9 @@ isolation. Every test runs on both engines (the `server` fixture) unless marked
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -346,3 +349,55 @@ def test_search_never_returns_another_tenants_agents_or_scopes_messages(
             assert not written.get((tenant, agent, scope))
             continue
         assert sorted(contents(found)) == sorted(written.get((tenant, agent, scope), []))
+
+
+# ---------------------------------------------------------------------- client and CLI
+
+
+def test_the_client_package_searches(server: InProcessServer, client: Client) -> None:
+    from contextd_client import Client as TypedClient
+    from contextd_client import InvalidArgument, MessageRange
+
+    client.append("a1", *CORPUS)
+    with TypedClient(client.address) as typed:
+        found = typed.search_messages(agent="a1", query="deploy timeout", range=MessageRange.ALL)
+        assert [h.message.content for h in found.hits] == [CORPUS[0], CORPUS[1], CORPUS[3]]
+        assert found.window_start_time is None
+        assert found.hits[1].marked() == "[deploy] finished"
+        assert found.hits[0].message.thread == "t1" and found.hits[0].score > 0
+        with pytest.raises(InvalidArgument) as bad:
+            typed.search_messages(agent="a1", query="deploy", k=101)
+        assert [v.field for v in bad.value.field_violations] == ["k"]
+
+
+def test_the_command_line_searches(server: InProcessServer, client: Client) -> None:
+    client.append("demo", *CORPUS)
+    common = ["--agent", "demo", "--server", client.address]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "contextd",
+            "messages",
+            "search",
+            "deploy timeout",
+            *common,
+            "--json",
+            "-k",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    hits = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [h["message"]["content"] for h in hits] == [CORPUS[0], CORPUS[1]]
+    table = subprocess.run(
+        [sys.executable, "-m", "contextd", "messages", "search", "lunch", *common],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "«lunch» menu for friday" in table
