@@ -134,6 +134,10 @@ class SearchMixin(DuckDBBase):
     def _catch_up(self, entry: _Entry, key: IndexKey) -> None:
         """Index the scope's messages committed since the entry was last brought up to
         date, a chunk at a time (the caller holds the entry's lock)."""
+        if self._next_message_id - 1 <= entry.through_id:
+            # No id above the last one indexed was even issued (ids are issued before
+            # their commit): nothing to read.
+            return
         tenant, agent, _, scope = key
         cur = self._cursor()
         pending = _first(
@@ -178,13 +182,16 @@ class SearchMixin(DuckDBBase):
 
     def _search_rows(self, query: SearchQuery, ids: list[int]) -> dict[int, StoredMessage]:
         """The whole messages of these ids, of the query's scope only."""
+        # The ids as a literal IN list: DuckDB checks it against each row group's min/max
+        # statistics (ids grow with insertion), so only the row groups holding hits are read.
+        marks = ", ".join("?" * len(ids))
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE context_id IN (SELECT "
-                "context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ?) "
-                "AND id IN (SELECT unnest(?::BIGINT[]))",
-                [query.tenant, query.agent, query.scope, ids],
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id IN ({marks}) "
+                "AND context_id IN (SELECT context_id FROM threads WHERE tenant = ? AND agent = ? "
+                "AND scope = ?)",
+                [*ids, query.tenant, query.agent, query.scope],
             )
             .fetchall()
         )
