@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from contextd.adapters.duckdb.base import DuckDBBase, _first, window_predicate
 from contextd.adapters.rows import MESSAGE_COLUMNS, message_from_row
@@ -151,19 +152,15 @@ class SearchMixin(DuckDBBase):
             return
         if len(entry.index) + count > self.search_max_messages:
             raise index_too_large(len(entry.index) + count, self.search_max_messages)
-        after, newest = entry.through_id, int(newest)
-        while after < newest:
-            table = cur.sql(
-                f"SELECT m.id, {_TEXT} AS text {_SCOPE} AND m.id > ? AND m.id <= ? "
-                "ORDER BY m.id LIMIT ?",
-                params=[tenant, agent, scope, after, newest, BUILD_CHUNK_ROWS],
-            ).to_arrow_table()
-            if table.num_rows == 0:
-                break
-            ids: list[int] = table.column("id").to_pylist()
-            entry.index.add(ids, table.column("text").to_pylist())
-            after = ids[-1]
-            entry.through_id = after
+        newest = int(newest)
+        # One query, streamed in record batches (no ORDER BY: a top-N per chunk would
+        # read the rest of the table again for every chunk); the index takes ids as given.
+        reader: pa.RecordBatchReader = cur.sql(
+            f"SELECT m.id, {_TEXT} AS text {_SCOPE} AND m.id > ? AND m.id <= ?",
+            params=[tenant, agent, scope, entry.through_id, newest],
+        ).to_arrow_reader(BUILD_CHUNK_ROWS)
+        for batch in reader:
+            entry.index.add(batch.column(0).to_pylist(), batch.column(1).to_pylist())
         entry.through_id = newest
 
     def _allowed_ids(self, query: SearchQuery, through: int) -> np.ndarray[Any, Any]:
