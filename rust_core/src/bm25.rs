@@ -44,7 +44,7 @@ use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 use rayon::prelude::*;
 
 use crate::error::{CoreError, CoreResult};
-use crate::text::for_each_word;
+use crate::text::for_each_term;
 
 /// Documents a bulk add tokenizes and folds in at a time, so its scratch memory (lowered
 /// copies, term lists) stays near a few megabytes whatever the batch size.
@@ -55,7 +55,16 @@ pub const PARALLEL_MIN_DOCS: usize = 64;
 
 /// Tokenize `texts` (see [`DocTerms::new`]), on all cores when there are enough of them.
 pub fn prepare_all<S: AsRef<str> + Sync>(texts: &[S], stop_words: bool) -> Vec<DocTerms> {
-    let prepare = |t: &S| DocTerms::new(t.as_ref(), stop_words);
+    prepare_all_terms(texts, stop_words, false)
+}
+
+/// [`prepare_all`] with the terms of [`DocTerms::with_terms`].
+pub fn prepare_all_terms<S: AsRef<str> + Sync>(
+    texts: &[S],
+    stop_words: bool,
+    cjk_bigrams: bool,
+) -> Vec<DocTerms> {
+    let prepare = |t: &S| DocTerms::with_terms(t.as_ref(), stop_words, cjk_bigrams);
     if texts.len() >= PARALLEL_MIN_DOCS {
         texts.par_iter().map(prepare).collect()
     } else {
@@ -162,9 +171,15 @@ pub struct DocTerms {
 impl DocTerms {
     /// Tokenize `text` (see [`crate::text`]) and count each distinct word.
     pub fn new(text: &str, stop_words: bool) -> Self {
+        Self::with_terms(text, stop_words, false)
+    }
+
+    /// Tokenize `text` into the terms of [`crate::text::for_each_term`] (CJK runs as
+    /// bigrams when `cjk_bigrams`) and count each distinct term.
+    pub fn with_terms(text: &str, stop_words: bool, cjk_bigrams: bool) -> Self {
         let lowered = text.to_lowercase();
         let mut words: Vec<&str> = Vec::new();
-        for_each_word(&lowered, stop_words, |w| words.push(w));
+        for_each_term(&lowered, stop_words, cjk_bigrams, |w| words.push(w));
         let len = u32::try_from(words.len()).unwrap_or(u32::MAX);
         words.sort_unstable();
         let base = lowered.as_ptr() as usize;
@@ -199,6 +214,7 @@ pub struct Bm25Index {
     k1: f64,
     b: f64,
     stop_words: bool,
+    cjk_bigrams: bool,
     vocab: Vocab,
     postings: Vec<Vec<Posting>>,
     doc_ids: Vec<i64>,
@@ -236,6 +252,13 @@ impl PartialOrd for Hit {
 impl Bm25Index {
     /// An empty index. `k1` must be finite and >= 0, `b` within [0, 1].
     pub fn new(k1: f64, b: f64, stop_words: bool) -> CoreResult<Self> {
+        Self::with_terms(k1, b, stop_words, false)
+    }
+
+    /// An empty index whose documents and queries are cut into the terms of
+    /// [`crate::text::for_each_term`]: with `cjk_bigrams`, CJK runs become overlapping
+    /// pairs of characters, so text without spaces between words is searchable.
+    pub fn with_terms(k1: f64, b: f64, stop_words: bool, cjk_bigrams: bool) -> CoreResult<Self> {
         if !(k1.is_finite() && k1 >= 0.0) {
             return Err(CoreError::InvalidArgument(format!(
                 "k1 must be a finite number >= 0, got {k1}"
@@ -250,6 +273,7 @@ impl Bm25Index {
             k1,
             b,
             stop_words,
+            cjk_bigrams,
             vocab: Vocab::default(),
             postings: Vec::new(),
             doc_ids: Vec::new(),
@@ -309,9 +333,33 @@ impl Bm25Index {
         self.postings.len()
     }
 
+    /// Whether CJK runs are cut into bigrams (see [`Bm25Index::with_terms`]).
+    pub fn cjk_bigrams(&self) -> bool {
+        self.cjk_bigrams
+    }
+
     /// Tokenize a document with this index's settings (no index access: parallelisable).
     pub fn prepare(&self, text: &str) -> DocTerms {
-        DocTerms::new(text, self.stop_words)
+        DocTerms::with_terms(text, self.stop_words, self.cjk_bigrams)
+    }
+
+    /// About how many bytes the index holds (allocated capacity of its tables), so a
+    /// caller keeping many indexes can bound their memory.
+    pub fn memory_bytes(&self) -> usize {
+        let postings: usize = self
+            .postings
+            .iter()
+            .map(|l| l.capacity() * std::mem::size_of::<Posting>())
+            .sum();
+        postings
+            + self.postings.capacity() * std::mem::size_of::<Vec<Posting>>()
+            + self.vocab.arena.capacity()
+            + self.vocab.starts.capacity() * std::mem::size_of::<usize>()
+            + self.vocab.table.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.doc_ids.capacity() * std::mem::size_of::<i64>()
+            + self.doc_len.capacity() * std::mem::size_of::<u32>()
+            + self.alive.capacity()
+            + self.by_id.capacity() * (std::mem::size_of::<(i64, u32)>() + 1)
     }
 
     /// Add a prepared document. An existing document with the same id is replaced.
@@ -396,12 +444,13 @@ impl Bm25Index {
             });
         }
         let stop_words = self.stop_words;
+        let cjk_bigrams = self.cjk_bigrams;
         let n = texts.len();
         self.reserve(n);
         let mut ready = head;
         let mut at = 0;
         if ready.is_empty() && n > 0 {
-            ready = prepare_all(&texts[..n.min(ADD_CHUNK)], stop_words);
+            ready = prepare_all_terms(&texts[..n.min(ADD_CHUNK)], stop_words, cjk_bigrams);
         }
         while at < n {
             let end = at + ready.len();
@@ -412,7 +461,7 @@ impl Bm25Index {
             } else {
                 rayon::join(
                     || self.fold(batch_ids, &ready),
-                    || prepare_all(upcoming, stop_words),
+                    || prepare_all_terms(upcoming, stop_words, cjk_bigrams),
                 )
             };
             if let Err(err) = folded {
@@ -518,12 +567,29 @@ impl Bm25Index {
 
     /// The `k` best documents for `query`: `(id, score)` pairs, best first.
     pub fn search(&self, query: &str, k: usize) -> Vec<(i64, f64)> {
+        self.search_within(query, k, None)
+    }
+
+    /// [`Bm25Index::search`] among the documents whose ids are in `within` only (in any
+    /// order; ids the index does not hold are ignored), when given. The statistics (`N`,
+    /// `avgdl`, document frequencies) stay those of the whole index, so a document scores
+    /// the same whichever subset is searched.
+    pub fn search_within(&self, query: &str, k: usize, within: Option<&[i64]>) -> Vec<(i64, f64)> {
         if k == 0 || self.is_empty() {
             return Vec::new();
         }
+        let allowed: Option<Vec<bool>> = within.map(|ids| {
+            let mut allowed = vec![false; self.doc_ids.len()];
+            for id in ids {
+                if let Some(&idx) = self.by_id.get(id) {
+                    allowed[idx as usize] = true;
+                }
+            }
+            allowed
+        });
         let lowered = query.to_lowercase();
         let mut terms: Vec<u32> = Vec::new();
-        for_each_word(&lowered, self.stop_words, |w| {
+        for_each_term(&lowered, self.stop_words, self.cjk_bigrams, |w| {
             if let Some(t) = self.vocab.get(w) {
                 terms.push(t);
             }
@@ -553,7 +619,7 @@ impl Bm25Index {
             let scale = idf * (self.k1 + 1.0);
             for p in list {
                 let doc = p.doc as usize;
-                if !self.alive[doc] {
+                if !self.alive[doc] || allowed.as_ref().is_some_and(|a| !a[doc]) {
                     continue;
                 }
                 let tf = f64::from(p.tf);
@@ -837,6 +903,47 @@ mod tests {
         drop(text);
         assert_eq!(doc.words().collect::<Vec<_>>(), ["alpha", "beta"]);
         assert_eq!(doc.len, 2);
+    }
+
+    #[test]
+    fn search_within_keeps_the_whole_index_statistics() {
+        let ix = index(&[
+            (1, "alpha beta"),
+            (2, "alpha alpha gamma"),
+            (3, "beta gamma"),
+            (4, "alpha"),
+        ]);
+        let all = ix.search("alpha", 10);
+        let some = ix.search_within("alpha", 10, Some(&[4, 2, 99]));
+        let expected: Vec<(i64, f64)> = all
+            .iter()
+            .copied()
+            .filter(|(id, _)| *id == 2 || *id == 4)
+            .collect();
+        assert_eq!(some, expected);
+        assert!(ix.search_within("alpha", 10, Some(&[])).is_empty());
+        assert_eq!(ix.search_within("alpha", 10, None), all);
+    }
+
+    #[test]
+    fn cjk_text_is_found_by_its_bigrams() {
+        let mut ix = Bm25Index::with_terms(DEFAULT_K1, DEFAULT_B, false, true).unwrap();
+        ix.add(1, "東京都に行く予定です").unwrap();
+        ix.add(2, "大阪に行った").unwrap();
+        ix.add(3, "plain english text").unwrap();
+        assert!(ix.cjk_bigrams());
+        assert_eq!(
+            ix.search("東京", 10)
+                .iter()
+                .map(|h| h.0)
+                .collect::<Vec<_>>(),
+            [1]
+        );
+        assert_eq!(ix.search("に行", 10).len(), 2);
+        assert_eq!(ix.search("english", 10)[0].0, 3);
+        let plain = index(&[(1, "東京都に行く予定です")]);
+        assert!(plain.search("東京", 10).is_empty());
+        assert!(ix.memory_bytes() > plain.memory_bytes());
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod error;
 pub mod estimate;
 pub mod models;
 pub mod relevance;
+pub mod snippet;
 pub mod specifics;
 pub mod text;
 pub mod tokens;
@@ -24,8 +25,9 @@ pub use error::{CoreError, CoreResult};
 pub use estimate::{estimate_tokens, estimate_tokens_chars_div4};
 pub use models::{list_models, model_info, ModelInfo};
 pub use relevance::{keyword_scores, keyword_select};
+pub use snippet::{snippet, Snippet};
 pub use specifics::extract_specifics;
-pub use text::tokenize;
+pub use text::{tokenize, tokenize_terms};
 pub use tokens::{count_tokens, count_tokens_batch, Encoding};
 pub use trim::{trim_to_budget, Messages, Role, Trimmed};
 
@@ -93,6 +95,10 @@ mod tests {
                     (id == 1 || id == 2) && score.is_finite(),
                     "{text:?} {other:?}"
                 );
+            }
+            let cut = snippet(&text, &other, 1 + round % 40, false, true);
+            for &(a, b) in &cut.spans {
+                assert!(a < b && b <= cut.text.chars().count(), "{text:?} {other:?}");
             }
             for s in extract_specifics(&text) {
                 assert!(!s.is_empty(), "{text:?}");

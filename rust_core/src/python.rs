@@ -25,6 +25,7 @@ use crate::bm25;
 use crate::error::{catch_panic, CoreError, CoreResult};
 use crate::models;
 use crate::relevance;
+use crate::snippet;
 use crate::specifics;
 use crate::text;
 use crate::tokens::{self, Encoding};
@@ -378,11 +379,32 @@ fn trim_columns_to_budget(
     })
 }
 
-/// The words of `text` as relevance scoring sees them.
+/// The words of `text` as relevance scoring sees them (with `cjk_bigrams`, the terms of
+/// a search index: CJK runs as overlapping pairs of characters).
 #[pyfunction]
-#[pyo3(signature = (text, stop_words = false))]
-fn tokenize(text: &str, stop_words: bool) -> PyResult<Vec<String>> {
-    guarded(|| Ok(text::tokenize(text, stop_words)))
+#[pyo3(signature = (text, stop_words = false, cjk_bigrams = false))]
+fn tokenize(text: &str, stop_words: bool, cjk_bigrams: bool) -> PyResult<Vec<String>> {
+    guarded(|| Ok(text::tokenize_terms(text, stop_words, cjk_bigrams)))
+}
+
+/// A search hit's snippet: (text, spans of the query's terms as character offsets).
+#[pyfunction(name = "snippet")]
+#[pyo3(signature = (
+    text, query, max_chars = snippet::DEFAULT_SNIPPET_CHARS, stop_words = false,
+    cjk_bigrams = false
+))]
+fn snippet_of(
+    py: Python<'_>,
+    text: &str,
+    query: &str,
+    max_chars: usize,
+    stop_words: bool,
+    cjk_bigrams: bool,
+) -> PyResult<(String, Vec<(usize, usize)>)> {
+    run_sized(py, text.len(), || {
+        let cut = snippet::snippet(text, query, max_chars, stop_words, cjk_bigrams);
+        Ok((cut.text, cut.spans))
+    })
 }
 
 /// For each text, how many distinct query words it contains.
@@ -424,7 +446,9 @@ fn extract_specifics(py: Python<'_>, text: &str) -> PyResult<Vec<String>> {
 
 /// Incremental BM25 (Okapi) index; share one between threads freely.
 ///
-/// Bm25Index(k1=1.2, b=0.75, stop_words=False): the usual Okapi defaults. Scores use
+/// Bm25Index(k1=1.2, b=0.75, stop_words=False, cjk_bigrams=False): the usual Okapi
+/// defaults; with cjk_bigrams, runs of CJK characters are indexed and queried as
+/// overlapping pairs of characters (see `tokenize`). Scores use
 /// idf = ln(1 + (N - n + 0.5) / (n + 0.5)) (never negative, so a word found in every
 /// message still counts a little) and each distinct query word once.
 ///
@@ -435,9 +459,12 @@ fn extract_specifics(py: Python<'_>, text: &str) -> PyResult<Vec<String>> {
 /// - remove(doc_ids) -> int: tombstones; N, avgdl and document frequencies are exact at
 ///   once, and storage is compacted when dead entries (removed or replaced documents)
 ///   pass a quarter of the live ones, checked after every add and remove.
-/// - search(query, k=10) -> (ids, scores): the k best, best first, ties by ascending id;
-///   only documents sharing a word with the query are returned.
-/// - len(index), doc_id in index, and the k1, b, stop_words, vocabulary_size properties.
+/// - search(query, k=10, within=None) -> (ids, scores): the k best, best first, ties by
+///   ascending id; only documents sharing a word with the query are returned, and with
+///   `within` (a 1-D int64 buffer, e.g. a NumPy array, of ids) only those among them;
+///   statistics stay the whole index's.
+/// - len(index), doc_id in index, and the k1, b, stop_words, cjk_bigrams,
+///   vocabulary_size and memory_bytes (about how much memory it holds) properties.
 ///
 /// Searches run concurrently under a read lock; add and remove take the write lock; all
 /// of it runs detached from the interpreter. k1, b and stop_words are read without the
@@ -453,6 +480,7 @@ struct PyBm25Index {
     k1: f64,
     b: f64,
     stop_words: bool,
+    cjk_bigrams: bool,
 }
 
 /// The lock is poisoned when a panic (caught as `InternalError`) unwound out of an add or
@@ -492,14 +520,17 @@ impl PyBm25Index {
 #[pymethods]
 impl PyBm25Index {
     #[new]
-    #[pyo3(signature = (k1 = bm25::DEFAULT_K1, b = bm25::DEFAULT_B, stop_words = false))]
-    fn new(k1: f64, b: f64, stop_words: bool) -> PyResult<Self> {
+    #[pyo3(signature = (
+        k1 = bm25::DEFAULT_K1, b = bm25::DEFAULT_B, stop_words = false, cjk_bigrams = false
+    ))]
+    fn new(k1: f64, b: f64, stop_words: bool, cjk_bigrams: bool) -> PyResult<Self> {
         guarded(|| {
             Ok(PyBm25Index {
-                inner: RwLock::new(bm25::Bm25Index::new(k1, b, stop_words)?),
+                inner: RwLock::new(bm25::Bm25Index::with_terms(k1, b, stop_words, cjk_bigrams)?),
                 k1,
                 b,
                 stop_words,
+                cjk_bigrams,
             })
         })
     }
@@ -527,9 +558,10 @@ impl PyBm25Index {
         }
         let borrowed = borrow_texts(&texts)?;
         let stop_words = self.stop_words;
+        let cjk_bigrams = self.cjk_bigrams;
         detached(py, || {
             let first = &borrowed[..borrowed.len().min(bm25::ADD_CHUNK)];
-            let head = bm25::prepare_all(first, stop_words);
+            let head = bm25::prepare_all_terms(first, stop_words, cjk_bigrams);
             self.write()?.add_batch_with_head(&doc_ids, &borrowed, head)
         })
     }
@@ -540,9 +572,31 @@ impl PyBm25Index {
     }
 
     /// The `k` best documents for `query`, best first, ties by ascending id.
-    #[pyo3(signature = (query, k = 10))]
-    fn search(&self, py: Python<'_>, query: &str, k: usize) -> PyResult<(Vec<i64>, Vec<f64>)> {
-        detached(py, || Ok(self.read()?.search(query, k).into_iter().unzip()))
+    #[pyo3(signature = (query, k = 10, within = None))]
+    fn search(
+        &self,
+        py: Python<'_>,
+        query: &str,
+        k: usize,
+        within: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(Vec<i64>, Vec<f64>)> {
+        // Copied while attached (the buffer may only be read with the GIL held): 8 bytes
+        // an id, far less than the search itself.
+        let within: Option<Vec<i64>> = match within {
+            Some(obj) => Some(guarded(|| {
+                Ok(Column::<i64>::new(obj, "within", "int64")?
+                    .as_slice(py)
+                    .to_vec())
+            })?),
+            None => None,
+        };
+        detached(py, || {
+            Ok(self
+                .read()?
+                .search_within(query, k, within.as_deref())
+                .into_iter()
+                .unzip())
+        })
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
@@ -569,8 +623,18 @@ impl PyBm25Index {
     }
 
     #[getter]
+    fn cjk_bigrams(&self) -> bool {
+        self.cjk_bigrams
+    }
+
+    #[getter]
     fn vocabulary_size(&self, py: Python<'_>) -> PyResult<usize> {
         self.with_read(py, bm25::Bm25Index::vocabulary_size)
+    }
+
+    #[getter]
+    fn memory_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with_read(py, bm25::Bm25Index::memory_bytes)
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -599,6 +663,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keyword_scores, m)?)?;
     m.add_function(wrap_pyfunction!(keyword_select, m)?)?;
     m.add_function(wrap_pyfunction!(extract_specifics, m)?)?;
+    m.add_function(wrap_pyfunction!(snippet_of, m)?)?;
     m.add_class::<PyBm25Index>()?;
     m.add_class::<PyModelInfo>()?;
     m.add_class::<PyTrimResult>()?;

@@ -33,6 +33,7 @@ __all__ = [
     "keyword_select",
     "list_models",
     "model_info",
+    "snippet",
     "tokenize",
     "trim_columns_to_budget",
     "trim_to_budget",
@@ -169,13 +170,36 @@ def trim_columns_to_budget(
     ``BufferError`` (``TypeError`` for an object that is not a buffer); columns of
     different lengths raise ``ValueError``."""
 
-def tokenize(text: str, stop_words: bool = False) -> list[str]:
+def tokenize(text: str, stop_words: bool = False, cjk_bigrams: bool = False) -> list[str]:
     """The words relevance scoring sees: ``text`` lower-cased, split into maximal runs of
     letters, combining marks and digits (Unicode categories L, M, N), runs of three or
     more characters kept, English :data:`STOP_WORDS` dropped if asked.
 
     Marks count as letters so Devanagari or decomposed accents stay one word; lower-casing
     comes first because it can change the text (``İ`` -> ``i`` + U+0307).
+
+    With ``cjk_bigrams`` (the terms of a search index), each run of Chinese, Japanese or
+    Korean characters inside a word becomes its overlapping pairs of characters
+    (``東京都`` -> ``東京``, ``京都``; one character alone is its own term), since those
+    scripts put no spaces between words; the rest of such a word follows the word rule.
+    """
+
+def snippet(
+    text: str,
+    query: str,
+    max_chars: int = ...,  # 200 (a Rust constant)
+    stop_words: bool = False,
+    cjk_bigrams: bool = False,
+) -> tuple[str, list[tuple[int, int]]]:
+    """A search hit's excerpt and where the query's terms are in it.
+
+    At most ``max_chars`` characters of ``text``: the window with the most distinct query
+    terms (then the most matches, then the earliest), starting a little before its first
+    match and at a space when one is near; runs of white space become one space and an
+    ellipsis (U+2026) marks each cut end. The spans are (start, end) offsets in code points
+    of the excerpt, ascending and disjoint, found in the original text with the terms of
+    :func:`tokenize` (``stop_words`` and ``cjk_bigrams`` as the index's). At most 1,000
+    matches are looked at. Without any match: the head of the text.
     """
 
 def keyword_scores(query: str, texts: list[str], stop_words: bool = False) -> list[int]:
@@ -194,10 +218,14 @@ def keyword_select(query: str, texts: list[str], stop_words: bool = False) -> li
 @final
 class Bm25Index:
     # k1 and b default to 1.2 and 0.75 (Rust constants, so no literal at run time).
-    def __new__(cls, k1: float = ..., b: float = ..., stop_words: bool = False) -> Bm25Index: ...
+    def __new__(
+        cls, k1: float = ..., b: float = ..., stop_words: bool = False, cjk_bigrams: bool = False
+    ) -> Bm25Index: ...
     def add(self, doc_ids: list[int], texts: list[str]) -> None: ...
     def remove(self, doc_ids: list[int]) -> int: ...
-    def search(self, query: str, k: int = 10) -> tuple[list[int], list[float]]: ...
+    def search(
+        self, query: str, k: int = 10, within: Buffer | NDArray[Any] | None = None
+    ) -> tuple[list[int], list[float]]: ...
     def __len__(self) -> int: ...
     def __contains__(self, doc_id: int, /) -> bool: ...
     @property
@@ -207,7 +235,11 @@ class Bm25Index:
     @property
     def stop_words(self) -> bool: ...
     @property
+    def cjk_bigrams(self) -> bool: ...
+    @property
     def vocabulary_size(self) -> int: ...
+    @property
+    def memory_bytes(self) -> int: ...
 
 def extract_specifics(text: str) -> list[str]:
     """Details a summary must keep verbatim, in order of first appearance, deduplicated.

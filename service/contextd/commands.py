@@ -3,6 +3,7 @@
     contextd context clear|save|history|restore|stats
     contextd settings get|set
     contextd messages [--all] [--follow]
+    contextd messages search QUERY [--all] [-k N]
     contextd agents list|create|delete
     contextd build
 
@@ -43,7 +44,8 @@ _EXAMPLES = {
     "context stats": "contextd context stats --agent demo --thread t1",
     "settings get": "contextd settings get --agent demo",
     "settings set": "contextd settings set --agent demo --model gpt-4o --rolling-window 12h",
-    "messages": "contextd messages --agent demo --thread t1 --follow",
+    "messages": "contextd messages --agent demo --thread t1 --follow; "
+    'contextd messages search "deploy timeout" --agent demo --all',
     "agents list": "contextd agents list",
     "agents create": "contextd agents create demo --system-prompt-file prompt.md",
     "agents delete": "contextd agents delete demo",
@@ -132,10 +134,23 @@ def add_client_commands(commands: Any) -> None:
         help="a build option, e.g. budget_tokens=8000 or summarize=true (repeatable)",
     )
 
-    messages = _verb(commands, "messages", "list a thread's messages", "messages")
+    messages = _verb(
+        commands, "messages", "list a thread's messages, or search the scope's", "messages"
+    )
+    messages.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "search"],
+        default="list",
+        help="list (default) or search: the messages best matching QUERY, best first",
+    )
+    messages.add_argument("query", nargs="?", default="", help="what to search for")
     messages.add_argument("--all", action="store_true", help="the whole history, not the window")
     messages.add_argument(
         "--follow", action="store_true", help="keep printing new messages (Ctrl-C stops)"
+    )
+    messages.add_argument(
+        "-k", type=int, default=0, help="search: how many hits at most (default 10, max 100)"
     )
 
     agents = commands.add_parser("agents", help="list, create, delete agents")
@@ -266,9 +281,44 @@ def _options(pairs: list[str]) -> Any:
     return BuildOptions(**values)
 
 
+def _search(client: Client, args: argparse.Namespace, out: Output) -> int:
+    from contextd_client import MessageRange
+
+    found = client.search_messages(
+        agent=args.agent,
+        query=args.query,
+        scope=_scope(args.scope),
+        thread=args.thread,
+        range=MessageRange.ALL if args.all else MessageRange.WINDOW,
+        k=args.k,
+    )
+    if out.as_json:
+        for hit in found.hits:
+            out.data(hit)
+        return 0
+    out.table(
+        f"{args.agent}: {args.query[:60]}",
+        ["score", "thread", "#", "time", "role", "snippet"],
+        (
+            [
+                f"{h.score:.3f}",
+                h.message.thread,
+                h.message.sequence,
+                _when(h.message.create_time),
+                h.message.role.name.lower(),
+                h.marked("«", "»"),
+            ]
+            for h in found.hits
+        ),
+    )
+    return 0
+
+
 def _messages(client: Client, args: argparse.Namespace, out: Output) -> int:
     from contextd_client import MessageRange
 
+    if args.action == "search":
+        return _search(client, args, out)
     ranged = MessageRange.ALL if args.all else MessageRange.WINDOW
     scope = _scope(args.scope)
 

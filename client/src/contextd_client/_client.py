@@ -348,6 +348,31 @@ class Client(ToolOutputMethods):
 
         return self._paged(fetch, page_token)
 
+    def search_messages(
+        self,
+        *,
+        agent: str,
+        query: str,
+        scope: t.Scope | str | None = None,
+        thread: str = "",
+        range: t.MessageRange = t.MessageRange.WINDOW,
+        k: int = 0,
+        timeout: float | None = None,
+    ) -> t.SearchResults:
+        """The k messages (default 10, at most 100) of the scope, or of one thread, that
+        best match `query`, best first, each with its score and a snippet: in the rolling
+        window, or with MessageRange.ALL in the whole history."""
+        request = pb.SearchMessagesRequest(
+            agent=agent,
+            scope=scope_pb(scope),
+            thread=thread,
+            range=enum_pb(range, "MESSAGE_RANGE_"),
+            query=query,
+            k=k,
+        )
+        response = self._call("SearchMessages", request, pb.SearchMessagesResponse, timeout)
+        return from_pb(t.SearchResults, response)
+
     def clear_context(
         self,
         *,

@@ -48,6 +48,9 @@ _RESULTS: dict[str, type[Any]] = {
     "contextd.v1.GetSnapshotResponse": t.SnapshotContent,
     "contextd.v1.RestoreSnapshotResponse": t.Restored,
     "contextd.v1.ApiKey": t.ApiKey,
+    "contextd.v1.SearchHit": t.SearchHit,
+    "contextd.v1.TextSpan": t.TextSpan,
+    "contextd.v1.SearchMessagesResponse": t.SearchResults,
 }
 
 # Proto enum -> the client's enum; members are matched by name without the proto prefix.

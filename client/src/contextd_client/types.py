@@ -431,6 +431,44 @@ class Restored:
     receipts: tuple[MessageReceipt, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TextSpan:
+    """A range of characters of a text (code point offsets; end exclusive)."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class SearchHit:
+    """One message found by a search: the message (its thread is `message.thread`), its
+    relevance (higher is better; comparable within one result only), a short excerpt and
+    where the query's words are in it."""
+
+    message: Message
+    score: float
+    snippet: str
+    highlights: tuple[TextSpan, ...]
+
+    def marked(self, before: str = "[", after: str = "]") -> str:
+        """The snippet with each highlight between `before` and `after`."""
+        out, at = [], 0
+        for span in self.highlights:
+            out += [self.snippet[at : span.start], before, self.snippet[span.start : span.end]]
+            out.append(after)
+            at = span.end
+        return "".join([*out, self.snippet[at:]])
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResults:
+    """The best-matching messages, best first, and the window searched (None: the whole
+    history)."""
+
+    hits: tuple[SearchHit, ...]
+    window_start_time: datetime | None
+
+
 class KeyRole(enum.Enum):
     """What an API key may do (proto `KeyRole`, without its prefix)."""
 

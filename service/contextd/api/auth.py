@@ -30,6 +30,7 @@ _READ_METHODS = {
     "BuildContext",
     "ListStatus",
     "ListEvents",
+    "SearchMessages",
 }
 _WRITE_METHODS = {
     "CreateAgent",

@@ -32,6 +32,7 @@ from contextd.domain.model import (
     Thread,
 )
 from contextd.domain.retention import KEEP_EVERYTHING, RetentionPolicy, ScopeRetention
+from contextd.domain.search import SearchHit
 from contextd.domain.snapshots import SnapshotContents, SnapshotInfo
 from contextd.domain.tool_outputs import tool_output_handle, with_tool_output
 from contextd.v1 import context_service_pb2 as pb
@@ -527,3 +528,12 @@ def receipt_pb(r: MessageReceipt) -> pb.MessageReceipt:
 
 def receipts_pb(receipts: Sequence[MessageReceipt]) -> pb.AppendMessagesResponse:
     return pb.AppendMessagesResponse(receipts=[receipt_pb(r) for r in receipts])
+
+
+def search_hit_pb(hit: SearchHit) -> pb.SearchHit:
+    return pb.SearchHit(
+        message=message_pb(hit.message),
+        score=hit.score,
+        snippet=hit.snippet,
+        highlights=[pb.TextSpan(start=a, end=b) for a, b in hit.highlights],
+    )

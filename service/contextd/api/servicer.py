@@ -27,6 +27,7 @@ from contextd.api.convert import (
     receipt_pb,
     receipts_pb,
     scope_of,
+    search_hit_pb,
     settings_of,
     snapshot_pb,
     snapshot_response,
@@ -410,4 +411,21 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             lambda record: self._service.restore_snapshot(
                 tenant, request.agent, scope, request.id, request.branch_thread, record
             ),
+        )
+
+    def SearchMessages(
+        self, request: pb.SearchMessagesRequest, context: grpc.ServicerContext
+    ) -> pb.SearchMessagesResponse:
+        result = self._service.search_messages(
+            caller_tenant(context),
+            request.agent,
+            scope_of(request.scope),
+            request.thread,
+            range_of(request.range),
+            request.query,
+            request.k,
+        )
+        return pb.SearchMessagesResponse(
+            hits=[search_hit_pb(h) for h in result.hits],
+            window_start_time=timestamp_pb(result.window.age_after_us if result.window else None),
         )

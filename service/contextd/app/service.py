@@ -14,6 +14,7 @@ from contextd.app.events import EventCalls
 from contextd.app.keys import KeyCalls
 from contextd.app.messages import MessageCalls
 from contextd.app.retention import RetentionCalls
+from contextd.app.search import SearchCalls
 from contextd.app.snapshots import SnapshotCalls
 from contextd.app.status import StatusCalls
 from contextd.app.threads import ThreadCalls
@@ -34,5 +35,6 @@ class ContextService(
     KeyCalls,
     RetentionCalls,
     ToolOutputCalls,
+    SearchCalls,
 ):
     """Every call of the API (see the mixins for each group)."""

@@ -41,6 +41,7 @@ from contextd.domain.model import (
     StoredMessage,
     Thread,
 )
+from contextd.domain.search import SearchQuery
 from contextd.domain.snapshots import SnapshotInfo
 from contextd.domain.window import WindowSpec
 from contextd.ports.tool_outputs import ToolOutputStore
@@ -374,6 +375,18 @@ class UsageStore(Protocol):
         counters, never by scanning messages."""
 
 
+class MessageSearch(Protocol):
+    """Search over message history (see domain/search.py)."""
+
+    def search_messages(self, query: SearchQuery) -> list[tuple[StoredMessage, float]]:
+        """The `query.k` messages of the scope (of `query.thread` when set; within
+        `query.window` when set, each thread's own clear marker applying) that best match
+        any of `query.terms`, best first with their scores, ties by ascending id. Stored
+        summaries are never returned, nor anything of another tenant, agent (also an
+        earlier agent of the same name) or scope. Every append acknowledged before the
+        call is searchable."""
+
+
 class RequestLog(Protocol):
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
         """The recorded request of this id (the fast path of a retry)."""
@@ -391,6 +404,7 @@ class Store(
     RetentionStore,
     ToolOutputStore,
     UsageStore,
+    MessageSearch,
     RequestLog,
     Protocol,
 ):

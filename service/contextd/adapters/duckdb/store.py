@@ -36,6 +36,7 @@ from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.retention import RetentionMixin
 from contextd.adapters.duckdb.schema import MIGRATIONS
+from contextd.adapters.duckdb.search import SearchMixin
 from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin
 from contextd.adapters.duckdb.thread_counters import (
@@ -65,6 +66,7 @@ class Store(
     RetentionMixin,
     ToolOutputsMixin,
     UsageMixin,
+    SearchMixin,
     WriterMixin,
 ):
     """The DuckDB store. Open with `Store.open(path)`; close with `close()`.

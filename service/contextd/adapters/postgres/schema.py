@@ -287,6 +287,21 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE tool_output_chunks ALTER COLUMN data SET STORAGE EXTERNAL",
         ],
     ),
+    (
+        7,
+        [
+            # Search over history (see search.py): each message's words, kept by
+            # PostgreSQL itself on every insert, so every replica searches the same.
+            # Runs of characters other than letters and digits become one space first;
+            # 'simple' neither stems nor drops stop words (any language). The text is
+            # cut so the tsvector stays under its 1 MB limit. The GIN index cannot lead
+            # with tenant (that needs btree_gin); queries still name the tenant.
+            "ALTER TABLE messages ADD COLUMN search_tsv tsvector GENERATED ALWAYS AS "
+            "(to_tsvector('simple'::regconfig, regexp_replace(left(content, 196608) || ' ' "
+            "|| left(tool_calls, 65536), '[^[:alnum:]]+', ' ', 'g'))) STORED",
+            "CREATE INDEX messages_search ON messages USING gin (search_tsv)",
+        ],
+    ),
 ]
 
 

@@ -21,6 +21,7 @@ from contextd.adapters.postgres.base import Conn, _remembered, failures_translat
 from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.retention import RetentionMixin
 from contextd.adapters.postgres.schema import migrate
+from contextd.adapters.postgres.search import SearchMixin
 from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
@@ -50,6 +51,7 @@ class PostgresStore(
     RetentionMixin,
     ToolOutputsMixin,
     UsageMixin,
+    SearchMixin,
 ):
     """contextd's store on PostgreSQL (see the package docstring for what it guarantees)."""
 
