@@ -178,6 +178,11 @@ def fill_a(a: Caller, facts: Facts) -> None:
     for name in ("shared", "a-only"):
         facts.strings.add(a("GetAgent", pb.GetAgentRequest(name=name)).agent.etag)
     facts.strings |= set(facts.snapshots) | set(facts.key_ids)
+    # What B's searches must not find is there to be found (the case can fail).
+    found = a(
+        "SearchMessages", pb.SearchMessagesRequest(agent="shared", scope=SCOPES[0], query=MARK)
+    )
+    assert found.hits and MARK in found.hits[0].message.content
     facts.before = a_view(a)
 
 
@@ -321,6 +326,12 @@ CASES: dict[str, Callable[[Draw, Facts], message.Message]] = {
         **_common(d),
         options=pb.BuildOptions(keep_recent_tokens=1),
         request_id=d(st.sampled_from(["", "a-7"])),
+    ),
+    "SearchMessages": lambda d, f: pb.SearchMessagesRequest(
+        **_common(d),
+        query=d(st.sampled_from([MARK, "hello", "x" * 20, "main side"])),
+        range=d(st.sampled_from([pb.MESSAGE_RANGE_WINDOW, pb.MESSAGE_RANGE_ALL])),
+        k=d(st.sampled_from([0, 1, 100])),
     ),
     "SetStatus": lambda d, f: _replay_or(
         d,
