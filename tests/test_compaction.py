@@ -23,6 +23,7 @@ from contextd.app.build.compaction import (
 )
 from contextd.app.build.summarizer import (
     SPECIFICS_HEADING,
+    SUMMARY_SECTIONS,
     AnthropicConfig,
     AnthropicSummarizer,
     SummaryResult,
@@ -181,6 +182,11 @@ def fake() -> Iterator[FakeAnthropic]:
         yield server
 
 
+def checkpoint(goal: str) -> str:
+    """A model's checkpoint with every section (the quality gate wants them all)."""
+    return "\n\n".join(f"## {s}\n{goal if s == 'Goal' else 'None.'}" for s in SUMMARY_SECTIONS)
+
+
 def long_conversation(first: int, n: int) -> list[HistoryItem]:
     return [
         HistoryItem(
@@ -195,7 +201,7 @@ def long_conversation(first: int, n: int) -> list[HistoryItem]:
 def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthropic) -> None:
     summarizer = AnthropicSummarizer(AnthropicConfig(api_key="k", base_url=fake.base_url))
     opts = StrategyOptions(summarize=True, keep_recent_tokens=400, keep_recent_messages=4)
-    fake.reply_text("## Goal\nfirst checkpoint")
+    fake.reply_text(checkpoint("first checkpoint"))
     first = assemble(
         system_prompt="s",
         history=long_conversation(1, 30),
@@ -212,7 +218,7 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     assert first.stats.total_tokens <= 1500
 
     # The caller stores the summary; the next build reuses it and folds only newer ones.
-    fake.reply_text("## Goal\nupdated checkpoint")
+    fake.reply_text(checkpoint("updated checkpoint"))
     window = [*long_conversation(1, 50), first.summary]
     second = assemble(
         system_prompt="s",
@@ -228,7 +234,12 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     prompt = fake.requests[-1].body["messages"][0]["content"]
     assert "<previous-checkpoint>" in prompt and "first checkpoint" in prompt
     assert f"marker-{hi} " not in prompt and f"marker-{hi + 1} " in prompt
-    assert "src/mod_1.py" in parse_specifics(second.history[0].content), "ledger carried"
+    # The ledger carried the first summary's entries; at this budget its share (a
+    # quarter) holds only the newest, so the oldest went first, and the build says so.
+    kept = parse_specifics(second.history[0].content)
+    assert second.stats.ledger_evicted > 0 and "src/mod_1.py" not in kept
+    assert second.stats.ledger_entries == len(kept) and kept[-1] == "src/mod_46.py"
+    assert second.stats.ledger_tokens <= 1500 * 0.25
 
 
 def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None:

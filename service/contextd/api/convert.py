@@ -268,6 +268,12 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         user_message_truncated=s.new_message_truncated,
         messages_loaded=result.messages_loaded,
         orphaned_ids=result.orphaned_ids,
+        ledger_entries=s.ledger_entries,
+        ledger_tokens=s.ledger_tokens,
+        ledger_added=s.ledger_added,
+        ledger_evicted=s.ledger_evicted,
+        compaction_deferred=s.compaction_deferred,
+        summary_attempts=s.summary_attempts,
     )
     if not full:
         return pb.BuildContextResponse(stats=stats, renderings=renderings)

@@ -18,12 +18,14 @@ is kept, truncated if need be, never dropped without being recorded in the stats
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from contextd import core
+from contextd.app.build import ledger
 from contextd.app.build.compaction import (
     elide_tool_results,
+    fold_into_ledger,
     make_summary_item,
     newest_unit_start,
     plan_compaction,
@@ -49,6 +51,11 @@ from contextd.domain.model import AgentDoc
 
 NO_CHAR_LIMIT = 2**62
 """``max_chars_per_message`` for the Rust trimmer when per-message truncation is off."""
+
+MIN_COMPACTION_GAIN_SHARE = 0.1
+"""A fold into a stored checkpoint smaller than this share of the history budget gains
+nothing worth a new checkpoint: its specifics join the checkpoint's ledger for this build
+(no summarizer call, nothing stored) until enough has accumulated."""
 
 SUMMARY_RESERVE_TOKENS = 4_096
 """Room kept for a new checkpoint when choosing the cut (at most a quarter of the
@@ -134,6 +141,9 @@ class CompressedHistory:
     summarizer_path: SummarizerPath | None = None
     summarizer_error: str | None = None
     newest_turn_dropped: bool = False
+    ledger_stats: ledger.LedgerStats = field(default_factory=ledger.LedgerStats)
+    compaction_deferred: bool = False
+    summary_attempts: int = 0
 
 
 def assemble(
@@ -205,6 +215,12 @@ def assemble(
         new_message_truncated=new_truncated,
         status_dropped=status_dropped,
         newest_turn_dropped=hist.newest_turn_dropped and new is None,
+        ledger_entries=hist.ledger_stats.entries,
+        ledger_tokens=hist.ledger_stats.tokens,
+        ledger_added=hist.ledger_stats.added,
+        ledger_evicted=hist.ledger_stats.evicted,
+        compaction_deferred=hist.compaction_deferred,
+        summary_attempts=hist.summary_attempts,
     )
     return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
 
@@ -239,6 +255,8 @@ def compress_history(
     error: str | None = None
     summarized: tuple[int, int] | None = None
     folded: list[int] = []
+    added = attempts = 0
+    deferred = False
     if summary is not None:
         summary = replace(summary, token_count=count_tokens([summary.content])[0])
         path = "reused"
@@ -255,17 +273,39 @@ def compress_history(
             keep_recent_messages=options.keep_recent_messages,
             max_recent_tokens=budget - reserve,
         )
-        if plan.to_summarize and plan.covers is not None:
+        fold_t = sum(work.costs[: plan.cut_index])
+        if (
+            plan.to_summarize
+            and plan.covers is not None
+            and summary is not None
+            and (fold_t < budget * MIN_COMPACTION_GAIN_SHARE)
+        ):
+            # Too small to gain anything: not summarized again on every build.
+            summary, added = fold_into_ledger(summary, plan.to_summarize, plan.covers, count_tokens)
+            summarized, deferred = plan.covers, True
+            folded = [it.id for it in plan.to_summarize]
+            work = work.tail(plan.cut_index)
+        elif plan.to_summarize and plan.covers is not None:
             engine = summarizer if summarizer is not None else ExtractiveSummarizer()
             previous = summary_body(summary) if summary is not None else None
             result = engine.summarize(plan.to_summarize, previous)
             summary = make_summary_item(result, plan.covers, count_tokens)
             path, error, summarized = result.path, result.error, plan.covers
+            added, attempts = result.added, result.attempts
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
+    ledger_stats = ledger.LedgerStats()
     if summary is not None:
-        # The recent part comes first; the summary gets what is left, at least `reserve`.
+        # The recent part comes first; the summary gets what is left, at least `reserve`;
+        # its ledger at most its share of the budget (the least referenced entries go).
         cap = max(budget - sum(work.costs), reserve)
+        summary, ledger_stats = ledger.fit_item(
+            summary,
+            max_item_tokens=cap,
+            max_ledger_tokens=int(budget * ledger.LEDGER_SHARE),
+            count=count_tokens,
+            added=added,
+        )
         summary = _fit_item(summary, cap, count_tokens) if summary.token_count > cap else summary
     out, dropped, truncated = _trim(work, budget, summary, count_tokens)
     if out is None and summary is not None:
@@ -294,6 +334,11 @@ def compress_history(
         summarizer_path=path,
         summarizer_error=error,
         newest_turn_dropped=bool(work.items) and work.items[-1].id in all_dropped,
+        ledger_stats=ledger_stats
+        if summary is not None and summary in items
+        else ledger.LedgerStats(),
+        compaction_deferred=deferred,
+        summary_attempts=attempts,
     )
 
 
