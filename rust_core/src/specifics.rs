@@ -87,6 +87,8 @@ struct Patterns {
     version: Regex,
     ticket: Regex,
     issue: Regex,
+    commit: Regex,
+    bare_command: Regex,
     sha: Regex,
     currency: Regex,
     number: Regex,
@@ -111,6 +113,7 @@ static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| {
         r"|(?-u:\b)(?:error|Error|ERROR)(?:\[[A-Z]?\d+\])?: ",
         r"|^[ \t]*ERROR[ \t]",
         r"|^[ \t]*(?:FAILED|FAIL:?)[ \t]",
+        r"|(?-u:\b)FAILED [\w./-]+::",
         r"|^[ \t]*[Ff]ailed to ",
         r"|(?-u:\b)(?:[A-Za-z_][\w]*\.)*[A-Z][A-Za-z0-9]*(?:Error|Exception|Exit|Interrupt|Warning|Fault): ",
         r"|^[ \t]*(?:[A-Za-z_][\w]*\.)*[A-Z][A-Za-z0-9]*(?:Error|Exception)[ \t]*$",
@@ -129,7 +132,16 @@ static PATTERNS: LazyLock<Patterns> = LazyLock::new(|| {
     ))
     .expect("version"),
     ticket: Regex::new(r"(?-u:\b)[A-Z][A-Z0-9]{1,11}(?:-[A-Za-z0-9]+)+(?-u:\b)").expect("ticket"),
-    issue: Regex::new(r"(?:^|[\s(\[,;:])(#\d{1,7})(?-u:\b)").expect("issue"),
+    issue: Regex::new(r"(?:^|[^A-Za-z0-9_&#/])(#\d{1,7})(?-u:\b)").expect("issue"),
+    commit: Regex::new(r"(?-u:\b)(?:commit|sha|SHA|revision|rev)[ :]+([0-9a-f]{7,40})(?-u:\b)")
+        .expect("commit"),
+    bare_command: Regex::new(concat!(
+        r"(?m)(?:^|[\s(])((?:git|pytest|go|cargo|kubectl|npm|npx|yarn|pnpm|docker|make|python3?|",
+        r"pip|uv|curl|wget|helm|terraform|psql|ruff|mypy|node|java|mvn|gradle|rustc|gcc|ssh|",
+        r"scp|rsync|systemctl|journalctl|grep|rg|sed|awk|tar|chmod|ls|cat|tail|head)",
+        r"(?: +[^\s]+){1,12})",
+    ))
+    .expect("bare command"),
     sha: Regex::new(r"(?-u:\b)[0-9a-f]{7,64}(?-u:\b)").expect("sha"),
     currency: Regex::new(concat!(
         r"(?:[€$£¥₹₩]|(?-u:\b)(?:USD|EUR|GBP|JPY|CNY|RMB|CHF|CAD|AUD) ?)-?\d[\d,]*(?:\.\d+)?",
@@ -264,7 +276,7 @@ fn is_blob(run: &str) -> bool {
         .iter()
         .filter(|&&c| bytes.iter().any(|&b| class_of(b) == c))
         .count();
-    (classes >= 2 && rate >= 0.45 && entropy(run) >= 3.9) || (n >= 200 && entropy(run) >= 4.5)
+    (classes == 3 && rate >= 0.45 && entropy(run) >= 3.9) || (n >= 200 && entropy(run) >= 4.5)
 }
 
 /// Cut `s` to [`MAX_ENTRY_CHARS`] characters, marking the cut with `…`.
@@ -319,6 +331,47 @@ fn trim_url(s: &str) -> &str {
         }
         s = trimmed;
     }
+}
+
+/// How much of a shell-command-shaped match (a known tool and the words after it) is the
+/// command, in bytes: the tool, up to two subcommand words, then arguments that are
+/// flags, paths, numbers or other non-prose tokens, stopping at the first prose word or
+/// sentence end. `None` when no argument is non-prose (`make sure`, `go there`).
+fn command_len(s: &str) -> Option<usize> {
+    let mut end = 0;
+    let mut plain_words = 0;
+    let mut technical = false;
+    let mut at = 0;
+    for (i, word) in s.split(' ').enumerate() {
+        let start = at;
+        at += word.len() + 1;
+        if word.is_empty() {
+            continue;
+        }
+        // `./pkg/...` is Go's "and below", not a sentence's end.
+        let stripped = if word.ends_with("/...") {
+            word
+        } else {
+            word.trim_end_matches(['.', ',', ';', ':', ')', '!', '?'])
+        };
+        let is_plain = !stripped.is_empty() && stripped.bytes().all(|b| b.is_ascii_lowercase());
+        if i > 0 && is_plain {
+            plain_words += 1;
+            if plain_words > 2 || technical {
+                break;
+            }
+        } else if i > 0 {
+            if stripped.is_empty() || !stripped.is_ascii() {
+                break;
+            }
+            technical = true;
+        }
+        end = start + stripped.len();
+        if stripped.len() < word.len() {
+            break; // a sentence ends here
+        }
+    }
+    technical.then_some(end)
 }
 
 /// Whether the text of a line before an error marker makes it code rather than output:
@@ -378,10 +431,21 @@ fn scan_plain(text: &str, out: &mut Vec<Specific>) {
     let mut found = Found { items: Vec::new() };
     let mut claimed = Claimed::default();
 
-    // Skipped: blobs and tool-call ids are claimed and yield nothing.
+    // Skipped: blobs and tool-call ids are claimed and yield nothing (data: URIs first,
+    // then URLs, whose paths may look like encoded data, then the blobs).
     for m in p.data_uri.find_iter(text) {
         claimed.claim(m.start(), m.end());
     }
+    for m in p.url.find_iter(text) {
+        let s = trim_url(m.as_str());
+        if s.chars().count() <= MAX_ENTRY_CHARS
+            && s.len() > 8
+            && claimed.claim(m.start(), m.start() + s.len())
+        {
+            found.push(m.start(), Kind::Url, s.to_owned());
+        }
+    }
+
     for m in p.blob_run.find_iter(text) {
         if is_blob(m.as_str()) {
             claimed.claim(m.start(), m.end());
@@ -424,15 +488,6 @@ fn scan_plain(text: &str, out: &mut Vec<Specific>) {
         claimed.claim(start, start + s.len());
         found.push(start, Kind::Error, cut(s));
     }
-    for m in p.url.find_iter(text) {
-        let s = trim_url(m.as_str());
-        if s.chars().count() <= MAX_ENTRY_CHARS
-            && s.len() > 8
-            && claimed.claim(m.start(), m.start() + s.len())
-        {
-            found.push(m.start(), Kind::Url, s.to_owned());
-        }
-    }
     for c in p.code.captures_iter(text) {
         let (Some(whole), Some(inner)) = (c.get(0), c.get(1)) else {
             continue;
@@ -440,6 +495,20 @@ fn scan_plain(text: &str, out: &mut Vec<Specific>) {
         let s = inner.as_str().trim();
         if !s.is_empty() && claimed.claim(whole.start(), whole.end()) {
             found.push(whole.start(), Kind::Command, cut(s));
+        }
+    }
+    // A match may run past its command into prose and over the next command: resume
+    // right after what was taken (or after the tool's name), not after the match.
+    let mut pos = 0;
+    while let Some(m) = p.bare_command.captures_at(text, pos).and_then(|c| c.get(1)) {
+        let next_word = m.as_str().find(' ').map_or(m.end(), |i| m.start() + i);
+        pos = next_word;
+        if let Some(len) = command_len(m.as_str()) {
+            let end = m.start() + len;
+            if claimed.claim(m.start(), end) {
+                found.push(m.start(), Kind::Command, cut(&text[m.start()..end]));
+                pos = end;
+            }
         }
     }
     let take = |found: &mut Found, claimed: &mut Claimed, start: usize, end: usize, kind| {
@@ -482,6 +551,11 @@ fn scan_plain(text: &str, out: &mut Vec<Specific>) {
         }
     }
     for c in p.issue.captures_iter(text) {
+        if let Some(m) = c.get(1) {
+            take(&mut found, &mut claimed, m.start(), m.end(), Kind::Id);
+        }
+    }
+    for c in p.commit.captures_iter(text) {
         if let Some(m) = c.get(1) {
             take(&mut found, &mut claimed, m.start(), m.end(), Kind::Id);
         }
@@ -766,6 +840,28 @@ mod tests {
                 "ORD-2024-0117",
                 "986.31元",
                 "¥12,800",
+            ]
+        );
+    }
+
+    #[test]
+    fn bare_commands_commits_and_mid_line_failures() {
+        let text = "bob: try pytest -x -q tests/test_io.py and also git log --oneline -n 5.\n\
+                    make sure to go there; then kubectl rollout restart deploy/api-2\n\
+                    go test ./internal/lease/... -run TestLease2 please\n\
+                    fixed in commit 1215082, see 订单#9229; run 3: FAILED tests/a.py::test_b - x\n\
+                    https://track.example.net/parcel/2b177f89ba";
+        assert_eq!(
+            extract_specifics(text),
+            [
+                "pytest -x -q tests/test_io.py",
+                "git log --oneline -n 5",
+                "kubectl rollout restart deploy/api-2",
+                "go test ./internal/lease/... -run TestLease2",
+                "1215082",
+                "#9229",
+                "FAILED tests/a.py::test_b - x",
+                "https://track.example.net/parcel/2b177f89ba",
             ]
         );
     }
