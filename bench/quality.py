@@ -249,9 +249,10 @@ def _items(kind: str, n: int, seed: int) -> Transcript:
                 rid = len(items) + 1
                 cats = ["number", "error", "id"] if k == 0 else ["path", "version", "url"]
                 e = plant(rid, cats)
+                lines = r.randint(3, 12) if (turn + k) % 4 else r.randint(120, 200)
                 body = (
                     f"collected tests\n{CODE}"
-                    + "\n".join(f"line {i}: {g.word()} ok" for i in range(r.randint(3, 12)))
+                    + "\n".join(f"line {i}: {g.word()} ok" for i in range(lines))
                     + f"\n{e[0]} | {e[1]}\ncommit {e[2]}\n"
                 )
                 add(Role.TOOL_RESULT, body, tool_call_id=cid)
@@ -628,11 +629,29 @@ def run(sz: Sizes) -> Section:
         lost = sum(data["lost"][c] for c in cats)
         return sum(data["kept"][c] for c in cats) / lost if lost else 1.0
 
+    def by_length(strategy: str, budget: int) -> str:
+        outs = results[(strategy, budget)]
+        parts = []
+        for n in lengths:
+            cell = [o for t, o in zip(corpus, outs, strict=True) if len(t.items) == n]
+            lost = sum(sum(o.lost.values()) for o in cell)
+            kept = sum(sum(o.kept.values()) for o in cell)
+            parts.append(f"{_pct(kept, lost)} of {lost:,} at {n:,} messages")
+        return "; ".join(parts)
+
     best = max(budgets)
     overall = min(rate("summarize", b) for b in budgets)
     worst_cat = min((rate("summarize", b, c), c, b) for b in budgets for c in CATEGORIES)
-    rolling_goal = all(all(summary[f"summarize@{b}"]["goal"]) for b in budgets)
-    ten = min(min(summary[f"summarize@{b}"]["compactions"]) for b in budgets)
+    long_runs = [
+        (g, n)
+        for b in budgets
+        for g, n in zip(
+            summary[f"summarize@{b}"]["goal"], summary[f"summarize@{b}"]["compactions"], strict=True
+        )
+        if n >= 10
+    ]
+    rolling_goal = bool(long_runs) and all(g for g, _ in long_runs)
+    ten = max((n for _, n in long_runs), default=0)
     shot = [g for b in budgets for g in one_shot.get(b, [])]
     over = max(max(summary[f"{s}@{b}"]["ratio"]) for s in STRATEGIES for b in budgets)
     valid = all(all(summary[f"{s}@{b}"]["valid"]) for s in STRATEGIES for b in budgets)
@@ -644,7 +663,8 @@ def run(sz: Sizes) -> Section:
             f"{100 * overall:.1f}% (lowest budget's overall)",
             overall >= 0.95,
             "the ledger's share of the budget (a quarter) cannot hold every specific of a "
-            "long window: the least referenced go first, and a build says how many",
+            "long window: the least referenced go first, and a build says how many "
+            "(see the retention by transcript length below the table)",
         ),
         Target(
             "Specifics retention per category (summarize)",
@@ -656,8 +676,9 @@ def run(sz: Sizes) -> Section:
         Target(
             "Goal kept after 10 rolling compactions",
             "present in every transcript",
-            f"{'yes' if rolling_goal else 'no'} (at least {ten} compactions per run)",
-            rolling_goal and ten >= 10 if not quick else None,
+            f"{sum(g for g, _ in long_runs)}/{len(long_runs)} runs with 10 or more "
+            f"compactions (up to {ten})",
+            rolling_goal if long_runs else None,
         ),
         Target(
             f"Goal kept after one compaction of a {max(lengths):,}-message window",
@@ -685,6 +706,15 @@ def run(sz: Sizes) -> Section:
         f"{len(corpus)} transcripts, {len(results)} strategy x budget cells, "
         f"{model_calls:,} calls to the lossy fake model, in "
         f"{time.perf_counter() - started:.0f} s.",
+        *(
+            f"summarize at {b:,} tokens, by transcript length: {by_length('summarize', b)}."
+            for b in budgets
+        ),
+        "Retention is bounded by room: the transcripts plant about two specifics per "
+        "message, about 12 tokens each in the ledger (15 with its provenance lines), so a "
+        "3,000-message window's evidence is larger than a 32,000-token budget, and the "
+        "ledger may take a quarter of it; past that the least referenced, oldest entries "
+        "go, and each build reports how many (ledger_evicted).",
         f"summarize kept {100 * rate('summarize', best):.1f}% of the specifics of what it "
         f"folded or dropped at {best:,} tokens; truncate kept "
         f"{100 * rate('truncate', best):.1f}%, langchain's trim_messages "

@@ -9,8 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 from fake_anthropic import FakeAnthropic
+from test_build_context import _build, running
 from test_compaction import checkpoint
 
+from conftest import Client
+from contextd.api.server import RunningServer
 from contextd.app.build import ledger
 from contextd.app.build.assembly import assemble
 from contextd.app.build.ledger import Entry
@@ -30,6 +33,9 @@ from contextd.domain.context import (
     estimate_counter,
 )
 from contextd.domain.model import Role
+from contextd.v1 import context_service_pb2 as pb
+
+__all__ = ["running"]  # a fixture, used by name
 
 GOAL = "Stop the double-leasing of job slots in the scheduler"
 
@@ -268,3 +274,34 @@ def test_a_small_fold_is_not_summarized_again(fake: FakeAnthropic) -> None:
     assert lo == 1 and hi > covered
     assert ctx.stats.ledger_added > 0
     assert ctx.summary is not None and f"src/mod_{hi}.py" in ctx.summary.content
+
+
+# ---------------------------------------------------------------- through the service
+
+
+def test_a_build_reports_its_ledger_and_names_each_source(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """Through gRPC, on both engines: the lossy model's prose carries no specifics, the
+    ledger does, each under the id of the stored message it came from; BuildStats counts
+    the ledger; the goal is the first request."""
+    _, client = running
+    fake.reply_lossy()
+    client.append("a1", f"Please {GOAL}.")
+    for i in range(120):
+        client.append("a1", f"order ORD-{1000 + i}-QX costs €{i}.50, see docs/o_{i}.md " * 3)
+    options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=600)
+    built = _build(client, options=options)
+    stats = built.stats
+    assert stats.summarizer_path == "llm" and stats.summary_attempts == 1, stats
+    assert stats.ledger_entries > 0 and stats.ledger_tokens > 0 and stats.ledger_added > 0
+    assert stats.ledger_added == stats.ledger_entries + stats.ledger_evicted
+    summary = built.messages[0].content
+    assert GOAL in summary
+    ids = {m.content.split(" costs")[0].removeprefix("order "): m.id for m in client.window("a1")}
+    entries = ledger.parse(summary)
+    assert len(entries) == stats.ledger_entries
+    for entry in entries:
+        if entry.text.startswith("ORD-"):
+            assert ids[entry.text] == entry.source, entry
+    assert any(e.text.startswith("ORD-") for e in entries)

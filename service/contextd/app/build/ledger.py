@@ -232,7 +232,7 @@ def fit_item(
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
     total = count([content])[0]
-    stats = LedgerStats(len(kept), ledger_t, min(added, len(kept)), evicted)
+    stats = LedgerStats(len(kept), ledger_t, added, evicted)
     return replace(item, content=content, token_count=total), stats
 
 
