@@ -257,3 +257,23 @@ def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None
     assert ctx.stats.summarizer_error is not None and "529" in ctx.stats.summarizer_error
     assert ctx.history[0].is_summary and "User asked: marker-" in ctx.history[0].content
     assert ctx.stats.total_tokens <= 1500
+
+
+def test_an_elision_stub_quotes_the_outputs_errors_and_specifics() -> None:
+    log = "collected 412 items\n" + "ok line\n" * 500
+    log += "FAILED tests/test_lease.py::test_renew - LeaseError: slot 7 leased twice\n"
+    log += "see internal/lease/pool.go; 411 passed, 1 failed in 12.5s\n"
+    items = [
+        HistoryItem(1, Role.USER, "run the tests"),
+        HistoryItem(
+            2, Role.TOOL_USE, "", tool_calls='[{"id":"c1","name":"bash","input":{"cmd":"go"}}]'
+        ),
+        HistoryItem(3, Role.TOOL_RESULT, log, tool_call_id="c1"),
+        HistoryItem(4, Role.USER, "next"),
+    ]
+    out, elided = elide_tool_results(items, threshold_chars=1000, keep_recent_turns=1)
+    assert elided == [3]
+    stub = out[2].content
+    assert "FAILED tests/test_lease.py::test_renew - LeaseError: slot 7 leased twice" in stub
+    assert "internal/lease/pool.go" in stub and "411 passed" in stub
+    assert stub.endswith("Full output: message:3]") and len(stub) < 800

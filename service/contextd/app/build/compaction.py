@@ -388,11 +388,30 @@ def elide_tool_results(
     return out, elided
 
 
+# The most characters of specifics an elision stub quotes (errors first).
+ELISION_SPECIFICS_CHARS = 400
+
+
 def elision_stub(item: HistoryItem, tool_name: str | None) -> str:
+    """The stub of an elided tool result: tool, size, first line, the output's errors and
+    other specifics (up to :data:`ELISION_SPECIFICS_CHARS`; errors are usually at the
+    end, which the first line does not show), and the handle of the full output."""
     first = item.content.lstrip().split("\n", 1)[0][:160]
     lines = item.content.count("\n") + 1
+    (found,) = core.extract_specifics_batch([item.content])
+    ranked = [t for k, t in found if k == "error"] + [
+        t for k, t in found if k not in ("error", "identifier")
+    ]
+    quoted: list[str] = []
+    size = 0
+    for text in ranked:
+        if text in first or size + len(text) > ELISION_SPECIFICS_CHARS:
+            continue
+        quoted.append(text)
+        size += len(text) + 3
+    details = f" Details: {' | '.join(quoted)}." if quoted else ""
     return (
         f"[tool result elided: {tool_name or 'unknown tool'} returned "
-        f"{len(item.content)} chars in {lines} lines, starting: {first!r}. "
+        f"{len(item.content)} chars in {lines} lines, starting: {first!r}.{details} "
         f"Full output: message:{item.id}]"
     )
