@@ -279,6 +279,12 @@ class BuildStats:
     strategy: str
     user_message_truncated: bool
     messages_loaded: int
+    ledger_entries: int
+    ledger_tokens: int
+    ledger_added: int
+    ledger_evicted: int
+    compaction_deferred: bool
+    summary_attempts: int
 
 
 @dataclass(frozen=True, slots=True)
