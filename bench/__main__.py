@@ -20,6 +20,7 @@ from bench import (
     bm25,
     machine,
     pg,
+    quality,
     readpath,
     report,
     search,
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, Callable[[Sizes], Section]] = {
     "appends": appends.run,
     "window_reads": window_reads.run,
     "search": search.run,
+    "quality": quality.run,
 }
 
 

@@ -3,12 +3,17 @@
 `FakeAnthropic` is an http.server on 127.0.0.1:0 in a thread. Each POST /v1/messages is
 recorded (headers and JSON body) and answered by the reply set with one of `reply_*`:
 a canned Messages API response, an error status with the API's error body, raw bytes,
-or a delay longer than the client's timeout. Tests never reach the network.
+or a delay longer than the client's timeout; `queue` replies are used first, in order.
+`reply_lossy()` answers like a lossy model: a checkpoint with every section, in prose
+that paraphrases the latest request and drops nearly every specific (paths, numbers,
+ids, commands), so a test can see that the ledger, not the model, keeps the evidence.
+Tests never reach the network.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -54,12 +59,44 @@ def message_json(text: str, model: str = "claude-haiku-4-5") -> dict[str, Any]:
     }
 
 
+SECTIONS = ("Goal", "Constraints", "Progress", "Decisions", "Next steps", "Critical context")
+
+
+def full_checkpoint(text: str) -> str:
+    """``text`` with every checkpoint section it lacks added (as "None."), so a canned
+    answer passes the summarizer's quality gate."""
+    missing = [name for name in SECTIONS if not re.search(rf"^## {name}$", text, re.MULTILINE)]
+    return "\n\n".join([text, *(f"## {name}\nNone." for name in missing)])
+
+
+def lossy_checkpoint(prompt: str) -> str:
+    """What a lossy model writes for a summary prompt: the six sections in prose, the
+    latest request paraphrased without a single word holding a digit, slash, dot or
+    other symbol, and nothing else of the conversation."""
+    conversation = prompt.rsplit("<conversation>", 1)[-1]
+    requests = [line[6:] for line in conversation.splitlines() if line.startswith("User: ")]
+    latest = requests[-1] if requests else "carry on"
+    words = [w for w in latest.split() if re.fullmatch(r"[A-Za-z]+[,.]?", w)][:12]
+    gist = " ".join(words).rstrip(",.") or "carry on with the task"
+    body = {
+        "Goal": f"The user is working on this: {gist}.",
+        "Constraints": "None.",
+        "Progress": "The assistant looked into the problem and made several changes.",
+        "Decisions": "Some approaches were compared and one was chosen.",
+        "Next steps": "Continue where the conversation left off.",
+        "Critical context": "Details were discussed earlier in the conversation.",
+    }
+    return "\n\n".join(f"## {name}\n{body[name]}" for name in SECTIONS)
+
+
 @dataclass
 class FakeAnthropic:
     reply: Reply = field(
         default_factory=lambda: Reply(body=json.dumps(message_json("ok")).encode())
     )
     requests: list[Recorded] = field(default_factory=list)
+    queue: list[Reply] = field(default_factory=list)
+    lossy: bool = False
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
     _released: threading.Event = field(default_factory=threading.Event)
@@ -74,7 +111,16 @@ class FakeAnthropic:
         return f"http://{host!s}:{port}"
 
     def reply_text(self, text: str) -> None:
+        self.lossy = False
         self.reply = Reply(body=json.dumps(message_json(text)).encode())
+
+    def reply_lossy(self) -> None:
+        """Answer every request like a lossy model (see :func:`lossy_checkpoint`)."""
+        self.lossy = True
+
+    def then_text(self, *texts: str) -> None:
+        """Answer the next requests with these texts, in order, before the reply set."""
+        self.queue.extend(Reply(body=json.dumps(message_json(t)).encode()) for t in texts)
 
     def reply_json(self, payload: Any, status: int = 200) -> None:
         self.reply = Reply(status=status, body=json.dumps(payload).encode())
@@ -120,7 +166,13 @@ class FakeAnthropic:
                         self.client_address,
                     )
                 )
-                reply = fake.reply
+                queued = bool(fake.queue)
+                reply = fake.queue.pop(0) if queued else fake.reply
+                if fake.lossy and not queued and isinstance(body, dict):
+                    messages = body.get("messages") or [{}]
+                    prompt = messages[-1].get("content", "")
+                    text = lossy_checkpoint(prompt if isinstance(prompt, str) else "")
+                    reply = Reply(body=json.dumps(message_json(text)).encode())
                 gate = fake._gate
                 if gate is not None:
                     fake.arrived.set()

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fake_anthropic import FakeAnthropic
+from fake_anthropic import FakeAnthropic, full_checkpoint
 from google.protobuf import duration_pb2, field_mask_pb2
 
 from conftest import (
@@ -230,7 +230,7 @@ def test_summarize_uses_llm_then_reuses_the_stored_summary(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:
     _, client = running
-    fake.reply_text("## Goal\nShip the parser.\n## Progress\nTokenizer done.")
+    fake.reply_text(full_checkpoint("## Goal\nShip the parser.\n## Progress\nTokenizer done."))
     for i in range(60):
         client.append("a1", f"step {i}: edit src/parser_{i}.rs " + "details " * 30)
     options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=1_000)
@@ -261,7 +261,7 @@ def test_summaries_share_one_client_connection(
     """The summarizer keeps one anthropic client: later summaries reuse its connection
     instead of opening (and closing) one per call."""
     _, client = running
-    fake.reply_text("## Goal\nKeep going.")
+    fake.reply_text(full_checkpoint("## Goal\nKeep going."))
     for round_ in range(3):
         for i in range(30):
             client.append("a1", f"round {round_} step {i} " + "details " * 30)
@@ -298,7 +298,7 @@ def test_compact_context_on_demand(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:
     _, client = running
-    fake.reply_text("## Goal\nCompacted.")
+    fake.reply_text(full_checkpoint("## Goal\nCompacted."))
     for i in range(30):
         client.append("a1", f"m{i} " + "words " * 50)
     result = client.stub.CompactContext(
@@ -319,7 +319,7 @@ def test_a_backdated_message_after_a_summary_is_still_built(
     span was not summarized: the build keeps it, in append order (it used to vanish
     from the context)."""
     _, client = running
-    fake.reply_text("## Goal\nCompacted.")
+    fake.reply_text(full_checkpoint("## Goal\nCompacted."))
     receipts = [client.append("a1", f"m{i} " + "words " * 50).receipts[0] for i in range(30)]
     client.stub.CompactContext(
         pb.CompactContextRequest(
@@ -492,7 +492,7 @@ def test_summary_of_cleared_messages_is_not_reused(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:
     _, client = running
-    fake.reply_text("## Goal\nOld work.")
+    fake.reply_text(full_checkpoint("## Goal\nOld work."))
     for i in range(30):
         client.append("a1", f"old {i} " + "words " * 50)
     client.stub.CompactContext(
@@ -511,13 +511,13 @@ def test_second_summary_updates_the_first(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:
     _, client = running
-    fake.reply_text("## Goal\nFirst checkpoint.")
+    fake.reply_text(full_checkpoint("## Goal\nFirst checkpoint."))
     options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=800)
     for i in range(80):
         client.append("a1", f"a{i} " + "words " * 40)
     first = _build(client, options=options)
     assert first.stats.summarizer_path == "llm"
-    fake.reply_text("## Goal\nSecond checkpoint.")
+    fake.reply_text(full_checkpoint("## Goal\nSecond checkpoint."))
     for i in range(80):
         client.append("a1", f"b{i} " + "words " * 40)
     second = _build(client, options=options)
@@ -525,7 +525,8 @@ def test_second_summary_updates_the_first(
     assert "Second checkpoint." in second.messages[0].content
     # The update prompt carried the first summary and only the new messages.
     prompt = json.dumps(fake.requests[-1].body)
-    assert "First checkpoint." in prompt and "a0 " not in prompt
+    conversation = prompt.split("<conversation>")[-1]  # the goal line quotes a0, by design
+    assert "First checkpoint." in prompt and "a0 " not in conversation
     assert second.stats.first_summarized_id == first.stats.first_summarized_id
     assert second.stats.total_tokens <= 3_000
 
@@ -545,7 +546,7 @@ def test_parallel_tool_calls_stay_paired_in_every_rendering(
     running: tuple[RunningServer, Client], fake: FakeAnthropic, options: pb.BuildOptions
 ) -> None:
     _, client = running
-    fake.reply_text("## Goal\nKeep going.")
+    fake.reply_text(full_checkpoint("## Goal\nKeep going."))
     for turn in range(12):
         client.append("a1", f"turn {turn}: look around " + "please " * 20)
         calls = [{"id": f"t{turn}c{k}", "name": f"tool{k}", "input": {"k": k}} for k in range(3)]
@@ -636,7 +637,7 @@ def test_delete_is_final_while_a_summary_is_in_flight(
     _agent(client)
     for i in range(30):
         client.append("a1", f"turn {i} " + "w " * 200, role=USER if i % 2 == 0 else ASSISTANT)
-    fake.reply_text("## Goal\nsummary of deleted messages")
+    fake.reply_text(full_checkpoint("## Goal\nsummary of deleted messages"))
     fake.hold()
     outcome: dict[str, Any] = {}
 

@@ -23,6 +23,7 @@ from contextd.app.build.compaction import (
 )
 from contextd.app.build.summarizer import (
     SPECIFICS_HEADING,
+    SUMMARY_SECTIONS,
     AnthropicConfig,
     AnthropicSummarizer,
     SummaryResult,
@@ -181,6 +182,11 @@ def fake() -> Iterator[FakeAnthropic]:
         yield server
 
 
+def checkpoint(goal: str) -> str:
+    """A model's checkpoint with every section (the quality gate wants them all)."""
+    return "\n\n".join(f"## {s}\n{goal if s == 'Goal' else 'None.'}" for s in SUMMARY_SECTIONS)
+
+
 def long_conversation(first: int, n: int) -> list[HistoryItem]:
     return [
         HistoryItem(
@@ -195,7 +201,7 @@ def long_conversation(first: int, n: int) -> list[HistoryItem]:
 def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthropic) -> None:
     summarizer = AnthropicSummarizer(AnthropicConfig(api_key="k", base_url=fake.base_url))
     opts = StrategyOptions(summarize=True, keep_recent_tokens=400, keep_recent_messages=4)
-    fake.reply_text("## Goal\nfirst checkpoint")
+    fake.reply_text(checkpoint("first checkpoint"))
     first = assemble(
         system_prompt="s",
         history=long_conversation(1, 30),
@@ -212,7 +218,7 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     assert first.stats.total_tokens <= 1500
 
     # The caller stores the summary; the next build reuses it and folds only newer ones.
-    fake.reply_text("## Goal\nupdated checkpoint")
+    fake.reply_text(checkpoint("updated checkpoint"))
     window = [*long_conversation(1, 50), first.summary]
     second = assemble(
         system_prompt="s",
@@ -228,7 +234,12 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     prompt = fake.requests[-1].body["messages"][0]["content"]
     assert "<previous-checkpoint>" in prompt and "first checkpoint" in prompt
     assert f"marker-{hi} " not in prompt and f"marker-{hi + 1} " in prompt
-    assert "src/mod_1.py" in parse_specifics(second.history[0].content), "ledger carried"
+    # The ledger carried the first summary's entries; at this budget its share (a
+    # quarter) holds only the newest, so the oldest went first, and the build says so.
+    kept = parse_specifics(second.history[0].content)
+    assert second.stats.ledger_evicted > 0 and "src/mod_1.py" not in kept
+    assert second.stats.ledger_entries == len(kept) and kept[-1] == "src/mod_46.py"
+    assert second.stats.ledger_tokens <= 1500 * 0.25
 
 
 def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None:
@@ -246,3 +257,23 @@ def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None
     assert ctx.stats.summarizer_error is not None and "529" in ctx.stats.summarizer_error
     assert ctx.history[0].is_summary and "User asked: marker-" in ctx.history[0].content
     assert ctx.stats.total_tokens <= 1500
+
+
+def test_an_elision_stub_quotes_the_outputs_errors_and_specifics() -> None:
+    log = "collected 412 items\n" + "ok line\n" * 500
+    log += "FAILED tests/test_lease.py::test_renew - LeaseError: slot 7 leased twice\n"
+    log += "see internal/lease/pool.go; 411 passed, 1 failed in 12.5s\n"
+    items = [
+        HistoryItem(1, Role.USER, "run the tests"),
+        HistoryItem(
+            2, Role.TOOL_USE, "", tool_calls='[{"id":"c1","name":"bash","input":{"cmd":"go"}}]'
+        ),
+        HistoryItem(3, Role.TOOL_RESULT, log, tool_call_id="c1"),
+        HistoryItem(4, Role.USER, "next"),
+    ]
+    out, elided = elide_tool_results(items, threshold_chars=1000, keep_recent_turns=1)
+    assert elided == [3]
+    stub = out[2].content
+    assert "FAILED tests/test_lease.py::test_renew - LeaseError: slot 7 leased twice" in stub
+    assert "internal/lease/pool.go" in stub and "411 passed" in stub
+    assert stub.endswith("Full output: message:3]") and len(stub) < 800

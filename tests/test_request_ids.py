@@ -12,7 +12,7 @@ from typing import Any
 import duckdb
 import grpc
 import pytest
-from fake_anthropic import FakeAnthropic
+from fake_anthropic import FakeAnthropic, full_checkpoint
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -295,10 +295,10 @@ def test_a_retried_compaction_does_not_ask_the_summarizer_again(
     llm_client: Client, fake: FakeAnthropic
 ) -> None:
     _long_thread(llm_client)
-    fake.reply_text("## Goal\nthe first summary")
+    fake.reply_text(full_checkpoint("## Goal\nthe first summary"))
     first = llm_client.stub.CompactContext(_compact_request("k-1"))
     assert first.summarizer_path == "llm" and len(fake.requests) == 1
-    fake.reply_text("## Goal\na second summary")
+    fake.reply_text(full_checkpoint("## Goal\na second summary"))
     again = llm_client.stub.CompactContext(_compact_request("k-1"))
     assert again == first
     assert len(fake.requests) == 1
@@ -312,7 +312,7 @@ def test_concurrent_compactions_with_one_request_id_store_one_summary(
     """Both calls pass the check before the summarizer (neither is recorded yet) and both
     summarize; the check in the summary's transaction lets only one store it."""
     _long_thread(llm_client)
-    fake.reply_text("## Goal\nthe summary")
+    fake.reply_text(full_checkpoint("## Goal\nthe summary"))
     fake.hold()
     results: list[pb.CompactContextResponse] = []
 

@@ -65,7 +65,10 @@ def test_success_returns_the_models_text_and_specifics(fake: FakeAnthropic) -> N
     result = summarizer(fake).summarize(ITEMS, None)
     assert result.path == "llm"
     assert result.error is None
-    assert result.text == CHECKPOINT
+    goal = "- Original request (message:1): Please fix the failing test"
+    assert result.text.startswith("## Goal\n" + goal)
+    assert result.text.replace(result.text.splitlines()[1] + "\n", "") == CHECKPOINT
+    assert result.attempts == 1
     assert "/work/app/tests/test_api.py" in result.specifics
     assert "https://example.com/issue/7" in result.specifics
     assert "parse_port" in result.specifics

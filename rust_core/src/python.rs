@@ -437,11 +437,37 @@ fn keyword_select(
     })
 }
 
-/// Verbatim details a summary must keep: URLs, inline code, paths, numbers with units,
-/// identifiers and error lines, in order of first appearance, without duplicates.
+/// Verbatim details a summary must keep (errors, commands, URLs, ids, versions, numbers
+/// with units and currencies, paths, identifiers), in order of first appearance, without
+/// duplicates.
 #[pyfunction]
 fn extract_specifics(py: Python<'_>, text: &str) -> PyResult<Vec<String>> {
     run_sized(py, text.len(), || Ok(specifics::extract_specifics(text)))
+}
+
+/// The specifics of each text as (kind, text) pairs, in order of first appearance within
+/// the text, without duplicates within it. Large batches run in parallel, without the GIL.
+#[pyfunction]
+fn extract_specifics_batch(
+    py: Python<'_>,
+    texts: Vec<Bound<'_, PyString>>,
+) -> PyResult<Vec<Vec<(&'static str, String)>>> {
+    let texts = borrow_texts(&texts)?;
+    let tagged = |t: &&str| -> Vec<(&'static str, String)> {
+        specifics::extract_tagged(t)
+            .into_iter()
+            .map(|s| (s.kind.as_str(), s.text))
+            .collect()
+    };
+    let total = total_len(&texts);
+    run_sized(py, total, || {
+        if total >= DETACH_MIN_BYTES {
+            use rayon::prelude::*;
+            Ok(texts.par_iter().map(tagged).collect())
+        } else {
+            Ok(texts.iter().map(tagged).collect())
+        }
+    })
 }
 
 /// Incremental BM25 (Okapi) index; share one between threads freely.
@@ -664,6 +690,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(keyword_select, m)?)?;
     m.add_function(wrap_pyfunction!(extract_specifics, m)?)?;
     m.add_function(wrap_pyfunction!(snippet_of, m)?)?;
+    m.add_function(wrap_pyfunction!(extract_specifics_batch, m)?)?;
     m.add_class::<PyBm25Index>()?;
     m.add_class::<PyModelInfo>()?;
     m.add_class::<PyTrimResult>()?;

@@ -29,6 +29,7 @@ __all__ = [
     "estimate_tokens",
     "estimate_tokens_batch",
     "extract_specifics",
+    "extract_specifics_batch",
     "keyword_scores",
     "keyword_select",
     "list_models",
@@ -244,10 +245,19 @@ class Bm25Index:
 def extract_specifics(text: str) -> list[str]:
     """Details a summary must keep verbatim, in order of first appearance, deduplicated.
 
-    URLs, inline code in backticks (usually shell commands), file paths, numbers with
-    units (``350 ms``, ``1.5 GB``), identifiers (CamelCase, camelCase, snake_case, words
-    with digits such as ``sha256``) and whole error lines (containing ``Error``,
-    ``Exception``, ``Traceback`` or ``failed``; cut at 300 characters). A match inside a
-    more specific one (an identifier inside a path) is not repeated. Summaries tend to keep
-    the gist and lose exactly these, which an agent needs to carry on.
+    Error lines from their marker (``panic:``, ``error:``, ``ValueError: ...``, a pytest
+    ``FAILED`` line; not code lines that merely mention an error) and exception types;
+    commands (shell prompt lines ``$ ...``, inline code in backticks, ``command``-like
+    values of tool-call arguments); URLs; ids (git SHAs, UUIDs, ticket and order ids such
+    as ``ORD-4471-XK``, issue numbers such as ``#2291``); versions (``v0.18.2``); numbers
+    with units and currencies (``€986.31``, ``12 ms``, ``409 passed``); file paths; and
+    identifiers. JSON (tool-call arguments, OpenAI's double-encoded ones too) is read
+    string by string with escapes decoded. Tool-call ids and base64 or other high-entropy
+    blobs are skipped; entries are at most 240 characters (longer paths and URLs are
+    skipped, longer lines and commands cut with ``…``).
     """
+
+def extract_specifics_batch(texts: list[str]) -> list[list[tuple[str, str]]]:
+    """:func:`extract_specifics` of each text, as ``(kind, text)`` pairs; kind is one of
+    ``error``, ``command``, ``url``, ``id``, ``version``, ``number``, ``path``,
+    ``identifier``. Large batches run in parallel without the GIL."""

@@ -292,6 +292,12 @@ class BuildStats:
     status_truncated: bool
     status_dropped: bool
     dropped_ranges: tuple[MessageIdRange, ...]
+    ledger_entries: int
+    ledger_tokens: int
+    ledger_added: int
+    ledger_evicted: int
+    compaction_deferred: bool
+    summary_attempts: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,6 +276,12 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         status_truncated=s.status_truncated,
         status_dropped=s.status_dropped,
         dropped_ranges=[pb.MessageIdRange(first_id=a, last_id=b) for a, b in s.dropped_ranges],
+        ledger_entries=s.ledger_entries,
+        ledger_tokens=s.ledger_tokens,
+        ledger_added=s.ledger_added,
+        ledger_evicted=s.ledger_evicted,
+        compaction_deferred=s.compaction_deferred,
+        summary_attempts=s.summary_attempts,
     )
     if not full:
         return pb.BuildContextResponse(stats=stats, renderings=renderings)

@@ -293,6 +293,20 @@ class BuildStats:
     newest_turn_dropped: bool = False
     """Only when the budget cannot hold even the newest turn's tool calls: it is then
     listed in ``dropped_ids`` and flagged here, never dropped silently."""
+    ledger_entries: int = 0
+    """Entries in the ledger of the summary in the context (0 without one)."""
+    ledger_tokens: int = 0
+    """What that ledger costs (part of the summary's tokens)."""
+    ledger_added: int = 0
+    """Entries this build's compaction added to the ledger."""
+    ledger_evicted: int = 0
+    """Entries this build left out of the ledger to keep it within its share of the
+    budget (the least referenced, oldest first)."""
+    compaction_deferred: bool = False
+    """The fold was too small to be worth a new summary: its specifics joined the stored
+    summary's ledger for this build, and nothing was summarized or stored."""
+    summary_attempts: int = 0
+    """Model calls this build's summary took (a retry after the quality gate counts)."""
 
     @property
     def total_tokens(self) -> int:

@@ -24,13 +24,15 @@ need be, never dropped without being recorded in the stats.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from contextd import core
+from contextd.app.build import ledger
 from contextd.app.build.blobs import stub_blobs
 from contextd.app.build.compaction import (
     elide_tool_results,
+    fold_into_ledger,
     make_summary_item,
     newest_unit_start,
     plan_compaction,
@@ -67,6 +69,11 @@ __all__ = [
 
 NO_CHAR_LIMIT = 2**62
 """``max_chars_per_message`` for the Rust trimmer when per-message truncation is off."""
+
+MIN_COMPACTION_GAIN_SHARE = 0.1
+"""A fold into a stored checkpoint smaller than this share of the history budget gains
+nothing worth a new checkpoint: its specifics join the checkpoint's ledger for this build
+(no summarizer call, nothing stored) until enough has accumulated."""
 
 SUMMARY_RESERVE_TOKENS = 4_096
 """Room kept for a new checkpoint when choosing the cut (at most a quarter of the
@@ -158,6 +165,9 @@ class CompressedHistory:
     summarizer_error: str | None = None
     newest_turn_dropped: bool = False
     order: tuple[int, ...] = ()
+    ledger_stats: ledger.LedgerStats = field(default_factory=ledger.LedgerStats)
+    compaction_deferred: bool = False
+    summary_attempts: int = 0
 
 
 def assemble(
@@ -244,6 +254,12 @@ def assemble(
             status_dropped=status_dropped,
             status_truncated=status_truncated,
             newest_turn_dropped=hist.newest_turn_dropped and new is None,
+            ledger_entries=hist.ledger_stats.entries,
+            ledger_tokens=hist.ledger_stats.tokens,
+            ledger_added=hist.ledger_stats.added,
+            ledger_evicted=hist.ledger_stats.evicted,
+            compaction_deferred=hist.compaction_deferred,
+            summary_attempts=hist.summary_attempts,
         )
         ctx = AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
         if not framing.formats:
@@ -368,6 +384,9 @@ def _compress(
     error: str | None = None
     summarized: tuple[int, int] | None = None
     folded: list[int] = []
+    added = attempts = 0
+    deferred = False
+    text_cost = _text_cost(summary, cost)
     summary_t = summary.token_count if summary is not None else 0
     reserve = min(SUMMARY_RESERVE_TOKENS, budget // 4)
     if summary is not None:
@@ -384,17 +403,41 @@ def _compress(
             keep_recent_messages=0,
             max_recent_tokens=recent,
         )
-        if plan.to_summarize and plan.covers is not None:
+        fold_t = sum(work.costs[: plan.cut_index])
+        if (
+            plan.to_summarize
+            and plan.covers is not None
+            and summary is not None
+            and (fold_t < budget * MIN_COMPACTION_GAIN_SHARE)
+        ):
+            # Too small to gain anything: not summarized again on every build.
+            summary, added = fold_into_ledger(summary, plan.to_summarize, plan.covers, text_cost)
+            summary = replace(summary, token_count=cost([summary])[0])
+            summarized, deferred = plan.covers, True
+            folded = [it.id for it in plan.to_summarize]
+            work = work.tail(plan.cut_index)
+        elif plan.to_summarize and plan.covers is not None:
             previous = summary_body(summary) if summary is not None else None
             result = engine.summarize(plan.to_summarize, previous)
             summary = make_summary_item(result, plan.covers, lambda texts: [0] * len(texts))
             summary = replace(summary, token_count=cost([summary])[0])
             path, error, summarized = result.path, result.error, plan.covers
+            added, attempts = result.added, result.attempts
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
+    ledger_stats = ledger.LedgerStats()
     if summary is not None:
-        # The recent part comes first; the summary gets what is left, at least `reserve`.
+        # The recent part comes first; the summary gets what is left, at least `reserve`;
+        # its ledger at most its share of the budget (the least referenced entries go).
         cap = max(budget - sum(work.costs), reserve)
+        summary, ledger_stats = ledger.fit_item(
+            summary,
+            max_item_tokens=cap,
+            max_ledger_tokens=int(budget * ledger.LEDGER_SHARE),
+            count=_text_cost(summary, cost),
+            added=added,
+        )
+        summary = replace(summary, token_count=cost([summary])[0])
         summary = _fit_item(summary, cap, cost) if summary.token_count > cap else summary
     out, dropped, truncated = _trim(work, budget, summary, cost)
     if out is None and summary is not None:
@@ -424,7 +467,24 @@ def _compress(
         summarizer_error=error,
         newest_turn_dropped=bool(work.items) and work.items[-1].id in all_dropped,
         order=prepared.order,
+        ledger_stats=ledger_stats
+        if summary is not None and summary in items
+        else ledger.LedgerStats(),
+        compaction_deferred=deferred,
+        summary_attempts=attempts,
     )
+
+
+def _text_cost(template: HistoryItem | None, cost: ItemCost) -> TokenCounter:
+    """A text counter for the ledger's fitting: each text costs what a message of the
+    summary's kind holding it costs (its framing included, so the fit errs on the safe
+    side); the summary's own count is then taken again with ``cost``."""
+
+    def count(texts: list[str]) -> list[int]:
+        base = HistoryItem(id=0, role=Role.USER, content="") if template is None else template
+        return cost([replace(base, content=t) for t in texts]) if texts else []
+
+    return count
 
 
 def id_ranges(order: Sequence[int], dropped: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -66,9 +66,10 @@ COMPRESSED_EVENT = "context.compressed"
 # older messages; anything older is left out of the summary (and counted as dropped).
 MAX_SUMMARIZED_MESSAGES = 5_000
 # ... and reads at most this many characters of source besides the recent part the budget
-# keeps: the summarizer sees the newest 400,000 characters of what it folds, so reading
-# more would only cost memory. Chosen from the stored lengths before any content is read.
-MAX_SUMMARY_SOURCE_CHARS = 400_000
+# keeps (the summarizer reads every message it is given, in chunks, clipping long ones,
+# so a window's first request stays in view). Chosen from the stored lengths before any
+# content is read: it bounds the memory of one build.
+MAX_SUMMARY_SOURCE_CHARS = 4_000_000
 # A budget's worth of characters (a token is rarely more than this many characters).
 CHARS_PER_TOKEN_BOUND = 8
 # Stored counts may come from another tokenizer than the build's; reading this much more

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
-from contextd.app.build.summarizer import SPECIFICS_HEADING, SummaryResult, strip_specifics
+from contextd.app.build import ledger
+from contextd.app.build.summarizer import SummaryResult, strip_specifics
 from contextd.domain.context import (
     HistoryItem,
     TokenCounter,
@@ -257,11 +258,13 @@ def make_summary_item(
     result: SummaryResult, covers: tuple[int, int], count_tokens: TokenCounter
 ) -> HistoryItem:
     """The checkpoint as a history item: a user message (the APIs want a user turn first)
-    flagged ``is_summary``, with the ledger under a Specifics heading. Its id is
-    ``-covers[1]`` until the caller stores it; its metadata says what it replaces."""
-    text = summary_header(covers) + "\n\n" + strip_specifics(result.text).strip()
-    if result.specifics:
-        text += f"\n\n{SPECIFICS_HEADING}\n" + "\n".join(f"- {s}" for s in result.specifics)
+    flagged ``is_summary``, with the ledger (entries grouped by source message) under a
+    Specifics heading. Its id is ``-covers[1]`` until the caller stores it; its metadata
+    says what it replaces."""
+    text = ledger.with_ledger(
+        summary_header(covers) + "\n\n" + strip_specifics(result.text).strip(),
+        result.entries(),
+    )
     meta = {"is_summary": True, "summary_of": list(covers), "summarizer": result.path}
     return HistoryItem(
         id=-covers[1],
@@ -272,6 +275,34 @@ def make_summary_item(
         metadata=json.dumps(meta, separators=(",", ":")),
         summary_of=covers,
     )
+
+
+def fold_into_ledger(
+    summary: HistoryItem, items: Sequence[HistoryItem], covers: tuple[int, int], count: TokenCounter
+) -> tuple[HistoryItem, int]:
+    """``summary`` extended over ``items`` without a summarizer: its prose as it is, its
+    range to ``covers``, and the specifics of ``items`` merged into its ledger. For a fold
+    too small to be worth a new checkpoint: nothing it held is lost, no model is asked.
+    Returns the item and how many ledger entries are new."""
+    previous = ledger.parse(summary.content)
+    merged, evicted = ledger.merge(previous, ledger.extract(items))
+    body = summary_body(summary)
+    text = ledger.with_ledger(summary_header(covers) + "\n\n" + ledger.strip(body), merged)
+    try:
+        meta = json.loads(summary.metadata) if summary.metadata else {}
+    except ValueError:
+        meta = {}
+    if not isinstance(meta, dict):
+        meta = {}
+    meta |= {"is_summary": True, "summary_of": list(covers)}
+    item = replace(
+        summary,
+        content=text,
+        token_count=count([text])[0],
+        metadata=json.dumps(meta, separators=(",", ":")),
+        summary_of=covers,
+    )
+    return item, len(merged) - len(previous) + evicted
 
 
 def summary_body(item: HistoryItem) -> str:
@@ -357,11 +388,30 @@ def elide_tool_results(
     return out, elided
 
 
+# The most characters of specifics an elision stub quotes (errors first).
+ELISION_SPECIFICS_CHARS = 400
+
+
 def elision_stub(item: HistoryItem, tool_name: str | None) -> str:
+    """The stub of an elided tool result: tool, size, first line, the output's errors and
+    other specifics (up to :data:`ELISION_SPECIFICS_CHARS`; errors are usually at the
+    end, which the first line does not show), and the handle of the full output."""
     first = item.content.lstrip().split("\n", 1)[0][:160]
     lines = item.content.count("\n") + 1
+    (found,) = core.extract_specifics_batch([item.content])
+    ranked = [t for k, t in found if k == "error"] + [
+        t for k, t in found if k not in ("error", "identifier")
+    ]
+    quoted: list[str] = []
+    size = 0
+    for text in ranked:
+        if text in first or size + len(text) > ELISION_SPECIFICS_CHARS:
+            continue
+        quoted.append(text)
+        size += len(text) + 3
+    details = f" Details: {' | '.join(quoted)}." if quoted else ""
     return (
         f"[tool result elided: {tool_name or 'unknown tool'} returned "
-        f"{len(item.content)} chars in {lines} lines, starting: {first!r}. "
+        f"{len(item.content)} chars in {lines} lines, starting: {first!r}.{details} "
         f"Full output: message:{item.id}]"
     )

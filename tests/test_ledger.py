@@ -1,0 +1,307 @@
+"""The specifics ledger (provenance, merging, eviction), the goal carried through
+compactions, chunked summaries and the quality gate; the LLM path through the real
+anthropic client against the local fake answering like a lossy model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from fake_anthropic import FakeAnthropic
+from test_build_context import _build, running
+from test_compaction import checkpoint
+
+from conftest import Client
+from contextd.api.server import RunningServer
+from contextd.app.build import ledger
+from contextd.app.build.assembly import assemble
+from contextd.app.build.ledger import Entry
+from contextd.app.build.summarizer import (
+    AnthropicConfig,
+    AnthropicSummarizer,
+    ExtractiveSummarizer,
+    Summarizer,
+    parse_specifics,
+    quality_problem,
+    thread_goal,
+)
+from contextd.domain.context import (
+    AssembledContext,
+    HistoryItem,
+    StrategyOptions,
+    estimate_counter,
+)
+from contextd.domain.model import Role
+from contextd.v1 import context_service_pb2 as pb
+
+__all__ = ["running"]  # a fixture, used by name
+
+GOAL = "Stop the double-leasing of job slots in the scheduler"
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+def llm(fake: FakeAnthropic, **kw: int) -> AnthropicSummarizer:
+    return AnthropicSummarizer(
+        AnthropicConfig(api_key="k", base_url=fake.base_url, timeout_s=5.0, **kw)  # type: ignore[arg-type]
+    )
+
+
+def session(first: int, n: int) -> list[HistoryItem]:
+    """A coding session: a request, then tool calls with results full of specifics."""
+    items: list[HistoryItem] = []
+    for i in range(first, first + n, 3):
+        calls = json.dumps(
+            [{"id": f"toolu_0{i}AbC", "name": "bash", "input": {"command": "pytest -q"}}]
+        )
+        failure = f"FAILED tests/test_lease_{i}.py - LeaseError: slot {i}\n" if i % 9 == 2 else ""
+        items += [
+            HistoryItem(i, Role.USER, f"Now check lease {i} please " + "context " * 30),
+            HistoryItem(i + 1, Role.TOOL_USE, "", tool_calls=calls),
+            HistoryItem(
+                i + 2,
+                Role.TOOL_RESULT,
+                failure + "log " * 40,
+                tool_call_id=f"toolu_0{i}AbC",
+            ),
+        ]
+    return items
+
+
+def test_entries_keep_provenance_and_references() -> None:
+    items = [
+        HistoryItem(7, Role.USER, "edit src/a.py and run `make test`"),
+        HistoryItem(9, Role.ASSISTANT, "src/a.py done; ORD-12-X is next"),
+        HistoryItem(11, Role.TOOL_RESULT, "see src/a.py, parse_args", tool_call_id="c"),
+    ]
+    found = ledger.extract(items)
+    assert found == [
+        Entry("src/a.py", 7, 3),
+        Entry("make test", 7, 1),
+        Entry("ORD-12-X", 9, 1),
+    ], "identifiers in tool output are noise"
+    text = ledger.render(found)
+    assert text.splitlines() == [
+        "## Specifics",
+        "[message:7]",
+        "- src/a.py (x3)",
+        "- make test",
+        "[message:9]",
+        "- ORD-12-X",
+    ]
+    assert ledger.parse("## Goal\ng\n\n" + text) == found
+
+
+def test_merge_keeps_old_entries_once_and_counts_repeats() -> None:
+    old = [Entry("a/b.py", 1), Entry("v1.2.3", 2)]
+    new = [Entry("v1.2.3", 5), Entry("#42", 6)]
+    merged, evicted = ledger.merge(old, new)
+    assert merged == [Entry("a/b.py", 1), Entry("v1.2.3", 2, 2), Entry("#42", 6)]
+    assert evicted == 0
+    many = [Entry(f"x/{i}.py", i) for i in range(ledger.MAX_LEDGER_ENTRIES + 5)]
+    merged, evicted = ledger.merge(many[:10], many[10:])
+    assert evicted == 5 and len(merged) == ledger.MAX_LEDGER_ENTRIES
+    assert merged[0] == many[5], "the oldest of the least referenced go first"
+
+
+def test_fit_evicts_least_referenced_oldest_first() -> None:
+    entries = [Entry(f"src/mod_{i}.py", i, 2 if i == 0 else 1) for i in range(50)]
+    kept, evicted = ledger.fit(entries, 100, estimate_counter)
+    assert evicted == 50 - len(kept) and 0 < len(kept) < 50
+    assert kept[0] == entries[0], "more references outrank age"
+    assert kept[1:] == entries[50 - len(kept) + 1 :], "then the newest are kept"
+    assert estimate_counter([ledger.render(kept)])[0] <= 100
+
+
+def test_goal_is_the_first_request_and_explicit_changes() -> None:
+    items = [
+        HistoryItem(1, Role.USER, GOAL),
+        HistoryItem(2, Role.ASSISTANT, "ok"),
+        HistoryItem(3, Role.USER, "also fix the typo"),
+        HistoryItem(4, Role.USER, "New goal: ship the v2 API first"),
+    ]
+    goal = thread_goal(items, None)
+    assert goal == [
+        f"- Original request (message:1): {GOAL}",
+        "- Goal change (message:4): New goal: ship the v2 API first",
+    ]
+    later = [HistoryItem(9, Role.USER, "and now rename the module")]
+    assert thread_goal(later, "## Goal\n" + "\n".join(goal)) == goal, "carried, not replaced"
+
+
+@pytest.mark.parametrize("kind", ["extractive", "lossy-llm"])
+def test_goal_and_evidence_survive_ten_rolling_compactions(fake: FakeAnthropic, kind: str) -> None:
+    fake.reply_lossy()
+    summarizer: Summarizer = ExtractiveSummarizer() if kind == "extractive" else llm(fake)
+    opts = StrategyOptions(summarize=True, keep_recent_tokens=300, keep_recent_messages=3)
+    history = [HistoryItem(1, Role.USER, GOAL), *session(2, 600)]
+    summary: HistoryItem | None = None
+    compactions = evicted = 0
+    for end in range(40, 602, 20):  # the thread grows; each build may compact
+        window = [*history[:end], *([summary] if summary else [])]
+        ctx = assemble(
+            system_prompt="s",
+            history=window,
+            budget=2_500,
+            count_tokens=estimate_counter,
+            options=opts,
+            summarizer=summarizer,
+        )
+        assert ctx.stats.total_tokens <= 2_500
+        if ctx.stats.summarizer_path in ("llm", "fallback"):
+            compactions += 1
+            evicted += ctx.stats.ledger_evicted
+            assert ctx.summary is not None
+            summary = HistoryItem(
+                10_000 + end,
+                Role.USER,
+                ctx.summary.content,
+                is_summary=True,
+                metadata=ctx.summary.metadata,
+                summary_of=ctx.summary.summary_of,
+            )
+        assert ctx.stats.summarizer_path != "fallback" or kind == "extractive", (
+            ctx.stats.summarizer_error
+        )
+        text = "\n".join(it.content for it in ctx.history)
+        assert GOAL in text, f"goal lost after {compactions} compactions"
+    assert compactions >= 10
+    assert summary is not None
+    kept = parse_specifics(summary.content)
+    # The failure lines of the folded part are in the ledger, verbatim, unless the build
+    # that left them out said so; the newest are always there.
+    lo, hi = summary.summary_of or (0, 0)
+    failures = [
+        it.content.splitlines()[0]
+        for it in history
+        if it.role is Role.TOOL_RESULT and lo <= it.id <= hi and it.content.startswith("FAILED")
+    ]
+    missing = [f for f in failures if f not in kept]
+    assert len(missing) <= evicted and failures[-1] in kept
+    assert "pytest -q" in kept
+    assert ledger.parse(summary.content)[0].source > 0, "entries name their message"
+
+
+def test_a_long_span_is_summarized_in_chunks_with_every_message(fake: FakeAnthropic) -> None:
+    fake.reply_lossy()
+    items = [HistoryItem(1, Role.USER, GOAL), *session(2, 900)]
+    summarizer = llm(fake, chunk_chars=40_000, max_transcript_chars=150_000)
+    chunks = summarizer.chunks(items)
+    assert 3 <= len(chunks) <= 150_000 // 40_000 + 1
+    result = summarizer.summarize(items, None)
+    assert result.path == "llm", result.error
+    prompts = [r.body["messages"][0]["content"] for r in fake.requests]
+    assert len(prompts) == len(chunks) == result.attempts
+    assert GOAL in prompts[0] and all("<previous-checkpoint>" in p for p in prompts[1:])
+    assert all(GOAL in p for p in prompts), "the goal rides along in each checkpoint"
+    assert all(len(p) < 40_000 + 2_000 for p in prompts)
+    sent = "\n".join(prompts)
+    assert all(f"lease {i} please" in sent for i in range(2, 902, 3)), "no message left out"
+    assert f"- Original request (message:1): {GOAL}" in result.text
+
+
+def test_quality_gate_retries_once_then_falls_back(fake: FakeAnthropic) -> None:
+    items = session(2, 30)
+    fake.then_text("## Goal\nonly a goal", checkpoint("fine"))
+    result = llm(fake).summarize(items, None)
+    assert result.path == "llm" and result.attempts == 2 and len(fake.requests) == 2
+    fake.requests.clear()
+    fake.then_text("   \n", "## Goal\nstill partial")
+    result = llm(fake).summarize(items, None)
+    assert result.path == "fallback" and result.attempts == 2
+    assert result.error is not None and "misses sections" in result.error
+    assert "## Progress" in result.text and "LeaseError" in " ".join(result.specifics)
+    fake.then_text("", "")
+    result = llm(fake).summarize(items, None)
+    assert result.path == "fallback" and result.attempts == 2
+    assert result.error is not None and "empty" in result.error
+    assert quality_problem("") == "the summary is empty"
+    assert quality_problem(checkpoint("g")) is None
+
+
+def notes(first: int, n: int) -> list[HistoryItem]:
+    return [
+        HistoryItem(
+            i,
+            Role.USER if i % 2 else Role.ASSISTANT,
+            f"edit src/mod_{i}.py for ORD-{i}-X " + "filler " * 40,
+        )
+        for i in range(first, first + n)
+    ]
+
+
+def test_a_small_fold_is_not_summarized_again(fake: FakeAnthropic) -> None:
+    """Once the summary and the recent part fill the budget, each new turn overflows it
+    by a little: that fold joins the ledger, and no model is asked on every build."""
+    fake.reply_text(checkpoint("the checkpoint " + "and more prose " * 200))
+    opts = StrategyOptions(summarize=True, keep_recent_messages=3)
+    history = [HistoryItem(1, Role.USER, GOAL), *notes(2, 120)]
+
+    def build(window: list[HistoryItem]) -> AssembledContext:
+        return assemble(
+            system_prompt="s",
+            history=window,
+            budget=3_000,
+            count_tokens=estimate_counter,
+            options=opts,
+            summarizer=llm(fake),
+        )
+
+    first = build(history)
+    assert first.summary is not None and len(fake.requests) == 1
+    stored = HistoryItem(
+        999,
+        Role.USER,
+        first.summary.content,
+        is_summary=True,
+        metadata=first.summary.metadata,
+        summary_of=first.summary.summary_of,
+    )
+    covered = (stored.summary_of or (0, 0))[1]
+    for turns in range(1, 20):
+        ctx = build([*history, *notes(500, turns), stored])
+        if ctx.stats.summarized_range is not None:
+            break
+    assert len(fake.requests) == 1, "no model call"
+    assert ctx.stats.summarizer_path == "reused" and ctx.stats.compaction_deferred
+    assert ctx.stats.total_tokens <= 3_000
+    lo, hi = ctx.stats.summarized_range or (0, 0)
+    assert lo == 1 and hi > covered
+    assert ctx.stats.ledger_added > 0
+    assert ctx.summary is not None and f"src/mod_{hi}.py" in ctx.summary.content
+
+
+# ---------------------------------------------------------------- through the service
+
+
+def test_a_build_reports_its_ledger_and_names_each_source(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """Through gRPC, on both engines: the lossy model's prose carries no specifics, the
+    ledger does, each under the id of the stored message it came from; BuildStats counts
+    the ledger; the goal is the first request."""
+    _, client = running
+    fake.reply_lossy()
+    client.append("a1", f"Please {GOAL}.")
+    for i in range(120):
+        client.append("a1", f"order ORD-{1000 + i}-QX costs €{i}.50, see docs/o_{i}.md " * 3)
+    options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=600)
+    built = _build(client, options=options)
+    stats = built.stats
+    assert stats.summarizer_path == "llm" and stats.summary_attempts == 1, stats
+    assert stats.ledger_entries > 0 and stats.ledger_tokens > 0 and stats.ledger_added > 0
+    assert stats.ledger_added == stats.ledger_entries + stats.ledger_evicted
+    summary = built.messages[0].content
+    assert GOAL in summary
+    ids = {m.content.split(" costs")[0].removeprefix("order "): m.id for m in client.window("a1")}
+    entries = ledger.parse(summary)
+    assert len(entries) == stats.ledger_entries
+    for entry in entries:
+        if entry.text.startswith("ORD-"):
+            assert ids[entry.text] == entry.source, entry
+    assert any(e.text.startswith("ORD-") for e in entries)
