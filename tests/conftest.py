@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
+from hypothesis import settings as hypothesis_settings
 
 from contextd.api.server import RunningServer, create_server
 from contextd.config import Settings
@@ -33,6 +34,11 @@ from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 from postgres_server import PostgresServer
+
+# No per-example deadline: a deadline is a timed assertion, and on a loaded machine (CI, two
+# cores shared) a slow example would fail a property that holds.
+hypothesis_settings.register_profile("contextd", deadline=None)
+hypothesis_settings.load_profile("contextd")
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -238,7 +238,8 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     # quarter) holds only the newest, so the oldest went first, and the build says so.
     kept = parse_specifics(second.history[0].content)
     assert second.stats.ledger_evicted > 0 and "src/mod_1.py" not in kept
-    assert second.stats.ledger_entries == len(kept) and kept[-1] == "src/mod_46.py"
+    newest_folded = second.stats.summarized_range[1]  # the newest entry is its evidence
+    assert second.stats.ledger_entries == len(kept) and kept[-1] == f"src/mod_{newest_folded}.py"
     assert second.stats.ledger_tokens <= 1500 * 0.25
 
 

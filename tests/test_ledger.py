@@ -27,7 +27,6 @@ from contextd.app.build.summarizer import (
     thread_goal,
 )
 from contextd.domain.context import (
-    AssembledContext,
     HistoryItem,
     StrategyOptions,
     estimate_counter,
@@ -236,44 +235,45 @@ def notes(first: int, n: int) -> list[HistoryItem]:
 
 
 def test_a_small_fold_is_not_summarized_again(fake: FakeAnthropic) -> None:
-    """Once the summary and the recent part fill the budget, each new turn overflows it
-    by a little: that fold joins the ledger, and no model is asked on every build."""
+    """A thread at its budget, built after every new turn, with each new summary stored
+    as the builder stores it: a fold under a quarter of the budget joins the stored
+    summary's ledger (no model call, nothing stored), so the model is asked about once
+    every few builds, not on every one; nothing of the folded messages is lost."""
     fake.reply_text(checkpoint("the checkpoint " + "and more prose " * 200))
     opts = StrategyOptions(summarize=True, keep_recent_messages=3)
     history = [HistoryItem(1, Role.USER, GOAL), *notes(2, 120)]
-
-    def build(window: list[HistoryItem]) -> AssembledContext:
-        return assemble(
+    budget = 1_200
+    stored: HistoryItem | None = None
+    deferred = []
+    builds = 20
+    for turns in range(builds):
+        window = [*history, *notes(500, turns), *([stored] if stored else [])]
+        ctx = assemble(
             system_prompt="s",
             history=window,
-            budget=3_000,
+            budget=budget,
             count_tokens=estimate_counter,
             options=opts,
             summarizer=llm(fake),
         )
-
-    first = build(history)
-    assert first.summary is not None and len(fake.requests) == 1
-    stored = HistoryItem(
-        999,
-        Role.USER,
-        first.summary.content,
-        is_summary=True,
-        metadata=first.summary.metadata,
-        summary_of=first.summary.summary_of,
-    )
-    covered = (stored.summary_of or (0, 0))[1]
-    for turns in range(1, 20):
-        ctx = build([*history, *notes(500, turns), stored])
-        if ctx.stats.summarized_range is not None:
-            break
-    assert len(fake.requests) == 1, "no model call"
-    assert ctx.stats.summarizer_path == "reused" and ctx.stats.compaction_deferred
-    assert ctx.stats.total_tokens <= 3_000
-    lo, hi = ctx.stats.summarized_range or (0, 0)
-    assert lo == 1 and hi > covered
-    assert ctx.stats.ledger_added > 0
-    assert ctx.summary is not None and f"src/mod_{hi}.py" in ctx.summary.content
+        assert ctx.stats.total_tokens <= budget
+        assert ctx.summary is not None
+        if ctx.stats.summarizer_path == "llm":
+            stored = HistoryItem(
+                900 + turns,
+                Role.USER,
+                ctx.summary.content,
+                is_summary=True,
+                metadata=ctx.summary.metadata,
+                summary_of=ctx.summary.summary_of,
+            )
+        if ctx.stats.compaction_deferred:
+            assert ctx.stats.summarizer_path == "reused" and ctx.stats.ledger_added > 0
+            _, hi = ctx.stats.summarized_range or (0, 0)
+            assert f"src/mod_{hi}.py" in ctx.summary.content  # the fold's evidence
+            deferred.append(turns)
+    assert deferred, "some folds joined the ledger without a model call"
+    assert len(fake.requests) <= 1 + builds // 3, len(fake.requests)
 
 
 # ---------------------------------------------------------------- through the service

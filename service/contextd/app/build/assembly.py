@@ -70,7 +70,7 @@ __all__ = [
 NO_CHAR_LIMIT = 2**62
 """``max_chars_per_message`` for the Rust trimmer when per-message truncation is off."""
 
-MIN_COMPACTION_GAIN_SHARE = 0.1
+MIN_COMPACTION_GAIN_SHARE = 0.25
 """A fold into a stored checkpoint smaller than this share of the history budget gains
 nothing worth a new checkpoint: its specifics join the checkpoint's ledger for this build
 (no summarizer call, nothing stored) until enough has accumulated."""
