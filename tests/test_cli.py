@@ -87,9 +87,13 @@ def test_messages_clear_stats_and_build(server: InProcessServer, client: Client)
     assert json.loads(anthropic["rendering"])["messages"][0]["role"] == "user"
     stats = _json(server, "context", "stats", "--agent", "demo", "--thread", "t1")
     assert (stats["window_message_count"], stats["total_message_count"]) == (2, 2)
+    assert stats["exists"] and stats["expires_in"] is None  # kept indefinitely by default
     _run(server, "context", "clear", "--agent", "demo", "--thread", "t1")
     stats = _json(server, "context", "stats", "--agent", "demo", "--thread", "t1")
     assert (stats["window_message_count"], stats["total_message_count"]) == (0, 2)
+    assert not stats["exists"]
+    shown = _run(server, "context", "stats", "--agent", "demo", "--thread", "t1").stdout
+    assert "the context is empty" in shown
     everything = _run(server, "messages", "--agent", "demo", "--thread", "t1", "--all", "--json")
     assert len(everything.stdout.splitlines()) == 2  # clears delete nothing
 

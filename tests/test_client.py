@@ -52,8 +52,10 @@ from contextd_client import (
     MessageRange,
     NewMessage,
     NotFound,
+    RetentionPolicy,
     RetryPolicy,
     Role,
+    ScopeRetention,
     StatusKind,
     Unauthenticated,
     Unavailable,
@@ -185,6 +187,35 @@ def test_scopes_threads_stats_and_clear(api: Client) -> None:
     )
     assert [m.content for m in history] == [f"in {channel}"]
     assert api.get_context_stats(agent="a1", scope=channel, thread="t1").last_clear_time == cleared
+
+
+def test_retention_policies_and_what_stats_say_of_expiry(api: Client, clock: ManualClock) -> None:
+    """Retention is set and read back through the typed client, overrides by scope
+    pattern included; stats say whether a context exists and when it expires."""
+    day = timedelta(hours=24)
+    agent = api.create_agent(
+        name="bot", retention=RetentionPolicy(max_messages=15, ttl=day), rolling_window=day * 7
+    )
+    assert agent.retention == RetentionPolicy(max_messages=15, ttl=day)
+    assert agent.retention_overrides == ()
+    dm_policy = RetentionPolicy(max_messages=5)
+    updated = api.update_agent(name="bot", retention_overrides=[ScopeRetention("dm:*", dm_policy)])
+    assert updated.retention_overrides == (ScopeRetention("dm:*", dm_policy),)
+    assert updated.retention == agent.retention  # not named, not changed
+    channel = ChannelScope("g1", "c1", "u1")
+    api.append_messages(
+        agent="bot", scope=channel, messages=[NewMessage("user", f"m{i}") for i in range(20)]
+    )
+    stats = api.get_context_stats(agent="bot", scope=channel)
+    assert stats.exists and stats.window_message_count == 15
+    assert stats.expires_in == day and stats.retention == agent.retention
+    clock.advance(int(day.total_seconds() * 1_000_000))
+    expired = api.get_context_stats(agent="bot", scope=channel)
+    assert not expired.exists and expired.window_message_count == 0
+    assert expired.expires_in is None
+    assert api.get_context_stats(agent="bot", scope=DirectMessageScope("u1")).retention == (
+        dm_policy
+    )
 
 
 def test_build_context(api: Client) -> None:

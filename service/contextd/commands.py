@@ -426,6 +426,10 @@ def _context(client: Client, args: argparse.Namespace, out: Output) -> int:
             ],
         )
         out.line(f"window since {_when(stats.window_start_time)}; threads: {stats.thread_count}")
+        if not stats.exists:
+            out.line("the context is empty (never written, cleared, aged out or expired)")
+        elif stats.expires_in is not None:
+            out.line(f"expires in {stats.expires_in} (at {_when(stats.expire_time)})")
         return 0
     if args.verb == "save":
         with out.working("saving (the summary may take a few seconds)..."):

@@ -41,6 +41,8 @@ from contextd_client._convert import (
     message_pb,
     option_paths,
     options_pb,
+    overrides_pb,
+    retention_pb,
     scope_pb,
     time_of,
     timestamp_pb,
@@ -201,19 +203,25 @@ class Client(ToolOutputMethods):
         rolling_window: timedelta | None = None,
         model: str = "",
         build_options: t.BuildOptions | None = None,
+        retention: t.RetentionPolicy | None = None,
+        retention_overrides: Sequence[t.ScopeRetention] = (),
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> t.Agent:
-        """Create an agent (rolling window: the server's default, one day, when None)."""
+        """Create an agent (rolling window: the server's default, one day, when None;
+        retention: keep everything, when None)."""
         agent = pb.Agent(
             name=name,
             system_prompt=system_prompt,
             docs=docs_pb(docs),
             model=model,
             build_options=options_pb(build_options),
+            retention_overrides=overrides_pb(retention_overrides),
         )
         if rolling_window is not None:
             agent.rolling_window.CopyFrom(duration_pb(rolling_window))
+        if retention is not None:
+            agent.retention.CopyFrom(retention_pb(retention))
         request = pb.CreateAgentRequest(agent=agent, request_id=_request_id(request_id))
         return from_pb(
             t.Agent, self._call("CreateAgent", request, pb.CreateAgentResponse, timeout).agent
@@ -232,6 +240,8 @@ class Client(ToolOutputMethods):
         rolling_window: timedelta | None = None,
         model: str | None = None,
         build_options: t.BuildOptions | None = None,
+        retention: t.RetentionPolicy | None = None,
+        retention_overrides: Sequence[t.ScopeRetention] | None = None,
         etag: str = "",
         update_mask: Sequence[str] | None = None,
         request_id: str | None = None,
@@ -258,6 +268,12 @@ class Client(ToolOutputMethods):
         if build_options is not None:
             agent.build_options.CopyFrom(options_pb(build_options))
             paths += option_paths(build_options)
+        if retention is not None:
+            agent.retention.CopyFrom(retention_pb(retention))
+            paths.append("retention")
+        if retention_overrides is not None:
+            agent.retention_overrides.extend(overrides_pb(retention_overrides))
+            paths.append("retention_overrides")
         mask = field_mask_pb2.FieldMask(
             paths=list(update_mask) if update_mask is not None else paths
         )

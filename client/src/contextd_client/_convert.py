@@ -32,6 +32,8 @@ _RESULTS: dict[str, type[Any]] = {
     "contextd.v1.Agent": t.Agent,
     "contextd.v1.AgentDoc": t.AgentDoc,
     "contextd.v1.BuildOptions": t.BuildOptions,
+    "contextd.v1.RetentionPolicy": t.RetentionPolicy,
+    "contextd.v1.ScopeRetention": t.ScopeRetention,
     "contextd.v1.Message": t.Message,
     "contextd.v1.MessageReceipt": t.MessageReceipt,
     "contextd.v1.Thread": t.Thread,
@@ -160,6 +162,23 @@ def duration_pb(span: timedelta) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromMicroseconds(span // timedelta(microseconds=1))
     return d
+
+
+def retention_pb(policy: t.RetentionPolicy) -> pb.RetentionPolicy:
+    """The policy as sent; a ttl of None stays unset (never expires)."""
+    sent = pb.RetentionPolicy(
+        max_messages=policy.max_messages, delete_overflow=policy.delete_overflow
+    )
+    if policy.ttl is not None:
+        sent.ttl.CopyFrom(duration_pb(policy.ttl))
+    return sent
+
+
+def overrides_pb(overrides: Sequence[t.ScopeRetention]) -> list[pb.ScopeRetention]:
+    return [
+        pb.ScopeRetention(scope_pattern=o.scope_pattern, policy=retention_pb(o.policy))
+        for o in overrides
+    ]
 
 
 def options_pb(options: t.BuildOptions | None) -> pb.BuildOptions:

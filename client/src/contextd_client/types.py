@@ -96,6 +96,25 @@ the agent's default scope."""
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    """How much of each context (a thread of the agent in one scope) is kept, and how
+    long: at most the newest `max_messages` (0: no cap), expired after `ttl` without a new
+    message (None: never), overflow deleted by the sweep when `delete_overflow`."""
+
+    max_messages: int = 0
+    ttl: timedelta | None = None
+    delete_overflow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeRetention:
+    """The policy of the scopes a pattern names ("dm:*", "guild:123/*", a key, "*")."""
+
+    scope_pattern: str
+    policy: RetentionPolicy
+
+
+@dataclass(frozen=True, slots=True)
 class BuildOptions:
     """How a build fits its budget. None leaves an option to the agent, then the server."""
 
@@ -133,6 +152,8 @@ class Agent:
     model: str
     build_options: BuildOptions
     etag: str
+    retention: RetentionPolicy
+    retention_overrides: tuple[ScopeRetention, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +254,10 @@ class ContextStats:
     newest_message_time: datetime | None
     rolling_window: timedelta | None
     thread_count: int
+    exists: bool
+    expires_in: timedelta | None
+    expire_time: datetime | None
+    retention: RetentionPolicy
 
 
 @dataclass(frozen=True, slots=True)
