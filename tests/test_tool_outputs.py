@@ -291,6 +291,40 @@ def test_delete_clears_pointers_and_stored_results(tools: Tools, server: InProce
         assert not [p for p in (server.data_dir / "tool_outputs").rglob("*") if p.is_file()]
 
 
+def _stored_results(server: InProcessServer) -> int:
+    """Stored large results: chunk rows on PostgreSQL, files on the embedded engine."""
+    store = server.running.store
+    if hasattr(store, "_pool"):
+        return int(db_rows(store, "SELECT count(DISTINCT output_id) FROM tool_output_chunks")[0][0])
+    return len([p for p in (server.data_dir / "tool_outputs").rglob("*") if p.is_file()])
+
+
+def test_deleting_the_agent_deletes_its_tool_outputs(tools: Tools, server: InProcessServer) -> None:
+    client = server.client
+    client.append("a1", "hello")
+    client.append("a2", "hello")
+    big = os.urandom(2 * MiB)
+    for scope in ("", "s1"):
+        tools.put("small", scope=scope)
+        tools.stream_put(_pieces(big, MiB), scope=scope)
+    client.append(
+        "a1", "x" * 40_000, role=pb.ROLE_TOOL_RESULT, tool_call_id="c1", scope="s1"
+    )  # kept aside on its own
+    kept = [tools.put("a2's", agent="a2"), tools.stream_put(_pieces(big, MiB), agent="a2")]
+    assert len(tools.pointers(scope="s1")) == 3 and _stored_results(server) == 4
+    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
+    for scope in ("", "s1"):
+        assert tools.pointers(scope=scope) == []
+    assert tools.get([kept[0].id, kept[1].id], agent="a2") == {
+        kept[0].id: b"a2's",
+        kept[1].id: big,
+    }
+    assert _stored_results(server) == 1  # a2's only
+    assert db_rows(server.running.store, "SELECT count(*) FROM tool_outputs") == [(2,)]
+    client.append("a1", "hello again")  # a new agent of the same name has none
+    assert tools.pointers() == [] and tools.pointers(scope="s1") == []
+
+
 # ---------------------------------------------------------------------- large results
 
 

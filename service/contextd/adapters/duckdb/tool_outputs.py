@@ -247,6 +247,27 @@ class ToolOutputsMixin(DuckDBBase):
 
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None
         count, paths = self._write(delete, recorded)
+        self._remove_tool_output_files(paths)
+        return count
+
+    def _drop_agent_tool_outputs(
+        self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str
+    ) -> list[str]:
+        """Delete every tool output row of the agent, in every scope (in the caller's
+        transaction: DeleteAgent's); returns the paths of their files, to remove once
+        that commits (a crash before leaves files no row names: the next open removes
+        them)."""
+        params = [tenant, agent]
+        rows = cur.execute(
+            "SELECT path FROM tool_outputs WHERE tenant = ? AND agent = ? AND path IS NOT NULL",
+            params,
+        ).fetchall()
+        cur.execute("DELETE FROM tool_outputs WHERE tenant = ? AND agent = ?", params)
+        return [str(r[0]) for r in rows]
+
+    def _remove_tool_output_files(self, paths: Sequence[str]) -> None:
+        """Remove files whose rows are gone; one that cannot be removed now is removed at
+        the next start."""
         for relative in paths:
             try:
                 (self._data_dir / relative).unlink(missing_ok=True)
@@ -255,7 +276,6 @@ class ToolOutputsMixin(DuckDBBase):
                     "removing a deleted tool output's file failed; the next start removes it",
                     extra={"path": relative, "detail": str(exc)[:300]},
                 )
-        return count
 
     # ----------------------------------------------------------------- helpers
 
