@@ -247,9 +247,22 @@ class ToolOutputCalls(UseCases):
 
         The result is re-chunked here; at most one chunk and one piece are held at a
         time. Small results stay inline in the pointer's row. When `pieces` raises (the
-        client went away) or the result passes `max_bytes`, nothing is stored.
+        client went away) or the result passes `max_bytes`, nothing is stored. The
+        result's bytes count toward the tenant's stored-bytes quota, admitted piece by
+        piece as they arrive (TENANT_STORAGE_EXHAUSTED, nothing stored, once one would
+        pass it).
         """
         output = check_new_output(output)
+        with self._quota.admitting_as_it_comes(output.tenant, "this tool output") as grow:
+            return self._put_tool_output(output, _metered(pieces, grow), record_for, max_bytes)
+
+    def _put_tool_output(
+        self,
+        output: NewToolOutput,
+        pieces: Iterable[bytes],
+        record_for: RecordFor | None,
+        max_bytes: int | None,
+    ) -> ToolOutputPointer:
         limits = self.tool_output_limits
         limit = limits.max_bytes if max_bytes is None else max_bytes
         inline_limit = min(limits.inline_bytes, CHUNK)
@@ -329,7 +342,10 @@ class ToolOutputCalls(UseCases):
     def delete_tool_outputs(
         self, where: ToolOutputFilter, record: RequestRecord | None = None
     ) -> int:
-        return self._store.delete_tool_outputs(check_filter(where), record)
+        deleted = self._store.delete_tool_outputs(check_filter(where), record)
+        if deleted:
+            self._quota.forget(where.tenant)  # their bytes no longer count
+        return deleted
 
     # ------------------------------------------------------------------ reads
 
@@ -596,6 +612,13 @@ class ToolOutputCalls(UseCases):
             room -= length
             chosen.append(Excerpt(pointer.id, offsets[i], length, text, "match"))
         return chosen
+
+
+def _metered(pieces: Iterable[bytes], grow: Callable[[int], None]) -> Iterator[bytes]:
+    """The pieces, each admitted by the quota before it is handed on."""
+    for piece in pieces:
+        grow(len(piece))
+        yield piece
 
 
 def _passage_end(data: bytearray) -> int:

@@ -14,10 +14,13 @@ What every engine must do:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+
+if TYPE_CHECKING:
+    from contextd.ports.store import RetainedThread
 
 
 class BlobUpload(Protocol):
@@ -74,3 +77,12 @@ class ToolOutputStore(Protocol):
         self, where: ToolOutputFilter, record: RequestRecord | None = None
     ) -> int:
         """Delete the pointers and their stored data; returns how many."""
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        """Delete at most `limit` outputs of the thread's context (tenant, agent, scope,
+        thread) stored at or before `cutoff_us`, and their stored data, provided the
+        thread's newest message is still at or before `cutoff_us` (checked in the
+        delete's transaction: an append that just arrived keeps them). Returns how many
+        (fewer than `limit`: none are left)."""

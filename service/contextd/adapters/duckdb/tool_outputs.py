@@ -34,6 +34,7 @@ from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _sc
 from contextd.domain.errors import StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+from contextd.ports.store import RetainedThread
 
 TOOL_OUTPUTS_DIR = "tool_outputs"
 _SUFFIX = ".chunks"
@@ -247,6 +248,57 @@ class ToolOutputsMixin(DuckDBBase):
 
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None
         count, paths = self._write(delete, recorded)
+        self._remove_tool_output_files(paths)
+        return count
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        key = thread.key
+        where = (
+            "scope_key = ? AND tenant = ? AND agent = ? AND scope = ? AND thread = ? AND "
+            "create_time_us <= ?"
+        )
+        params = [
+            _scope_key(key.tenant, key.agent, key.scope),
+            key.tenant,
+            key.agent,
+            key.scope,
+            key.thread,
+            cutoff_us,
+        ]
+        # A read first: a sweep visits expired threads again on every pass, and most
+        # have no output left to delete (no writer job for them).
+        if (
+            _first(
+                self._cursor().execute(f"SELECT 1 FROM tool_outputs WHERE {where} LIMIT 1", params)
+            )
+            is None
+        ):
+            return 0
+
+        def chunk(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[str]]:
+            row = _first(
+                cur.execute(
+                    "SELECT last_message_time_us FROM threads WHERE context_id = ?",
+                    [thread.context_id],
+                )
+            )
+            if row is None:
+                return 0, []
+            if max(int(row[0] or 0), self._pending.last_of(thread.context_id)) > cutoff_us:
+                return 0, []  # appended to since it was read: alive again
+            rows = cur.execute(
+                f"SELECT id, path FROM tool_outputs WHERE {where} LIMIT ?", [*params, limit]
+            ).fetchall()
+            if rows:
+                ids = [str(r[0]) for r in rows]
+                cur.execute(
+                    f"DELETE FROM tool_outputs WHERE id IN ({', '.join('?' * len(ids))})", ids
+                )
+            return len(rows), [str(r[1]) for r in rows if r[1] is not None]
+
+        count, paths = self._write(chunk)
         self._remove_tool_output_files(paths)
         return count
 

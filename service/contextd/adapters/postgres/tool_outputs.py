@@ -38,6 +38,7 @@ from contextd.adapters.postgres.base import (
 from contextd.domain.errors import Unavailable
 from contextd.domain.idempotency import AlreadyDone, RequestRecord, replay
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+from contextd.ports.store import RetainedThread
 
 
 class ChunkUpload:
@@ -246,3 +247,43 @@ class ToolOutputsMixin(PostgresBase):
             return len(ids)
 
         return self._write(delete, record)
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        key = thread.key
+        where = "tenant = %s AND agent = %s AND scope = %s AND thread = %s AND create_time_us <= %s"
+        params = [key.tenant, key.agent, key.scope, key.thread, cutoff_us]
+        # A read first: a sweep visits expired threads again on every pass, and most
+        # have no output left to delete (no write transaction for them).
+        with self._reading() as conn:
+            if first_row(conn, f"SELECT 1 FROM tool_outputs WHERE {where} LIMIT 1", params) is None:
+                return 0
+
+        def chunk(conn: Conn) -> int:
+            # FOR SHARE: an append (which locks the row FOR UPDATE) waits for this chunk,
+            # or this chunk sees the append's newer message time.
+            row = first_row(
+                conn,
+                "SELECT last_message_time_us FROM threads WHERE tenant = %s AND "
+                "context_id = %s FOR SHARE",
+                [key.tenant, thread.context_id],
+            )
+            if row is None or int(row[0] or 0) > cutoff_us:
+                return 0  # gone, or appended to since it was read: alive again
+            ids = [
+                str(r[0])
+                for r in conn.execute(
+                    "DELETE FROM tool_outputs WHERE tenant = %s AND id IN (SELECT id FROM "
+                    f"tool_outputs WHERE {where} LIMIT %s) RETURNING id",
+                    [key.tenant, *params, limit],
+                ).fetchall()
+            ]
+            if ids:
+                conn.execute(
+                    "DELETE FROM tool_output_chunks WHERE tenant = %s AND output_id = ANY(%s)",
+                    [key.tenant, ids],
+                )
+            return len(ids)
+
+        return self._write(chunk)
