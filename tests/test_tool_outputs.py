@@ -619,3 +619,67 @@ def test_a_tool_result_may_name_a_stored_output(server: InProcessServer, tools: 
         role=pb.ROLE_USER,
         tool_output_id=stored.id,
     )
+
+
+def test_every_handle_in_a_built_context_can_be_read_back(
+    server: InProcessServer, tools: Tools
+) -> None:
+    client = server.client
+    read_log = [{"id": "c1", "name": "read_log", "input": {"path": "/var/log/app.log"}}]
+    client.append("a1", "what failed?")
+    client.append("a1", "", role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(read_log))
+    log = "".join(f"log line {i:06d}\n" for i in range(3_000)) + "FATAL: disk full\n"
+    client.append("a1", log, role=pb.ROLE_TOOL_RESULT, tool_call_id="c1")  # kept aside
+    client.append("a1", "and the files?")
+    ls = [{"id": "c2", "name": "ls", "input": {}}]
+    grep_call = [{"id": "c3", "name": "grep", "input": {"pattern": "FATAL"}}]
+    client.stub.AppendMessages(  # the call and its long result in one append
+        pb.AppendMessagesRequest(
+            agent="a1",
+            thread="t1",
+            messages=[
+                pb.Message(role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(ls)),
+                pb.Message(role=pb.ROLE_TOOL_RESULT, tool_call_id="c2", content="f.txt\n" * 900),
+                pb.Message(role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(grep_call)),
+                pb.Message(role=pb.ROLE_TOOL_RESULT, tool_call_id="c3", content=log),
+            ],
+        )
+    )
+    client.append("a1", "a long question " * 600)  # truncated
+    for turn in range(3):
+        client.append("a1", f"turn {turn}", f"answer {turn}")
+    options = pb.BuildOptions(
+        elide_tool_results=True, elide_threshold_chars=2000, max_chars_per_message=4000
+    )
+    built = client.stub.BuildContext(
+        pb.BuildContextRequest(
+            agent="a1",
+            thread="t1",
+            user_message="next?",
+            options=options,
+            formats=[pb.CONTEXT_FORMAT_TEXT],
+        )
+    )
+    text = "\n".join(m.content for m in built.messages)
+    assert built.stats.elided_ids and built.stats.truncated_ids
+    # The output kept aside carries the call's tool name and args, not "tool_result".
+    (kept,) = tools.pointers(tool_name="read_log")
+    assert kept.args_json == '{"path":"/var/log/app.log"}'
+    (grepped,) = tools.pointers(tool_name="grep")  # its call came in the same append
+    assert grepped.args_json == '{"pattern":"FATAL"}'
+    assert f"Full output: tool output {kept.id}" in text
+    outputs = set(re.findall(r"to_[0-9a-f]{20}", text))
+    message_ids = {int(i) for i in re.findall(r"message:(\d+)", text)}
+    assert outputs == {kept.id, grepped.id}
+    assert len(message_ids) == 2  # the ls result, the long question
+    for output_id in outputs:
+        read = tools.stub.ReadToolOutput(tpb.ReadToolOutputRequest(agent="a1", id=output_id))
+        assert read.data == log.encode()[: len(read.data)] and read.eof
+        grep = tools.stub.GrepToolOutput(
+            tpb.GrepToolOutputRequest(agent="a1", id=output_id, pattern="FATAL")
+        )
+        assert [m.line for m in grep.matches] == ["FATAL: disk full"]
+    # message:<id>: ListMessages of the thread with MESSAGE_RANGE_ALL lists it, whole.
+    history = {m.id: m for m in client.history("a1")}
+    assert message_ids <= set(history)
+    assert {history[i].content[:10] for i in message_ids} == {"f.txt\nf.tx", "a long que"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ import numpy as np
 from contextd import core
 from contextd.app.base import UseCases
 from contextd.app.paging import page_size
+from contextd.domain.context import ToolCall, parse_tool_calls
 from contextd.domain.errors import InvalidArgument
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.limits import (
@@ -38,6 +40,8 @@ from contextd.domain.limits import (
     MAX_READ_BYTES,
     MAX_RELEVANCE_CANDIDATES,
     MAX_RELEVANT_K,
+    MAX_TOOL_ARGS_BYTES,
+    MAX_TOOL_NAME_CHARS,
     PREVIEW_HEAD_CHARS,
     PREVIEW_TAIL_CHARS,
     TOOL_OUTPUT_CHUNK_BYTES,
@@ -66,6 +70,8 @@ from contextd.domain.tool_outputs import (
 from contextd.ports.tool_outputs import BlobUpload
 
 CHUNK = TOOL_OUTPUT_CHUNK_BYTES
+# A tool name an output can be stored under (domain/tool_outputs.py's rule).
+_TOOL_NAME = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_TOOL_NAME_CHARS}}}")
 # A line longer than this is cut into pieces by grep (a result without line breaks must
 # not become one line held whole).
 _MAX_GREP_LINE_BYTES = 1 << 20
@@ -199,15 +205,20 @@ class ToolOutputCalls(UseCases):
             if len(m.content) <= limit // 4 or len(m.content.encode()) <= limit:
                 continue
             data = m.content.encode()
+            call = self._call_answered(key, messages[:i], m.tool_call_id)
             pointer = self.put_tool_output(
                 NewToolOutput(
                     tenant=key.tenant,
                     agent=key.agent,
                     scope=key.scope,
                     thread=key.thread,
-                    tool_name="tool_result",
+                    tool_name=call.name if call else "tool_result",
                     tool_description="a tool result appended to the conversation",
-                    args_json=json.dumps({"tool_call_id": m.tool_call_id}),
+                    args_json=(
+                        _args_of(call.arguments_json)
+                        if call
+                        else json.dumps({"tool_call_id": m.tool_call_id})
+                    ),
                 ),
                 [data],
             )
@@ -217,6 +228,20 @@ class ToolOutputCalls(UseCases):
                 metadata=with_tool_output(m.metadata, pointer.id, pointer.size_bytes, i),
             )
         return out
+
+    def _call_answered(
+        self, key: ContextKey, earlier: Sequence[NewMessage], call_id: str
+    ) -> ToolCall | None:
+        """The tool call a result answers, when it names a tool that an output can be
+        stored under: declared earlier in the same append, else by the thread's newest
+        stored message declaring the call id."""
+        if not call_id:
+            return None
+        for m in reversed(earlier):
+            call = _call_in(m.tool_calls, call_id)
+            if call is not None:
+                return call
+        return _call_in(self._store.tool_calls_declaring(key, call_id) or "", call_id)
 
     def _preview(self, pointer: ToolOutputPointer, data: bytes | None = None) -> str:
         """Head, handle and tail of a stored result (read from the store unless given);
@@ -612,6 +637,27 @@ class ToolOutputCalls(UseCases):
             room -= length
             chosen.append(Excerpt(pointer.id, offsets[i], length, text, "match"))
         return chosen
+
+
+def _call_in(tool_calls: str, call_id: str) -> ToolCall | None:
+    """The call of this id in a tool_calls text, when its name is a valid tool name."""
+    for call in parse_tool_calls(tool_calls) if tool_calls else []:
+        if call.id == call_id:
+            return call if _TOOL_NAME.fullmatch(call.name) else None
+    return None
+
+
+def _args_of(arguments_json: str) -> str:
+    """A call's arguments as the args of its stored output (a JSON object; anything else
+    under "arguments")."""
+    try:
+        parsed = json.loads(arguments_json) if arguments_json.strip() else {}
+    except (ValueError, RecursionError):
+        parsed = arguments_json
+    if not isinstance(parsed, dict):
+        parsed = {"arguments": parsed}
+    text = json.dumps(parsed, ensure_ascii=False)
+    return text if len(text.encode()) <= MAX_TOOL_ARGS_BYTES else "{}"
 
 
 def _metered(pieces: Iterable[bytes], grow: Callable[[int], None]) -> Iterator[bytes]:

@@ -20,6 +20,7 @@ from contextd.domain.idempotency import RequestRecord
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
 
 if TYPE_CHECKING:
+    from contextd.domain.model import ContextKey
     from contextd.ports.store import RetainedThread
 
 
@@ -86,3 +87,7 @@ class ToolOutputStore(Protocol):
         thread's newest message is still at or before `cutoff_us` (checked in the
         delete's transaction: an append that just arrived keeps them). Returns how many
         (fewer than `limit`: none are left)."""
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        """The `tool_calls` text of the thread's newest stored message that declares the
+        call id (None: no such message), so a result kept aside can name its tool."""

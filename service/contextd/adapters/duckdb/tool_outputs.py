@@ -33,6 +33,7 @@ from contextd.adapters.blobs.rows import (
 from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
 from contextd.domain.errors import StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
+from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
 from contextd.ports.store import RetainedThread
 
@@ -301,6 +302,18 @@ class ToolOutputsMixin(DuckDBBase):
         count, paths = self._write(chunk)
         self._remove_tool_output_files(paths)
         return count
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        row = _first(
+            self._cursor().execute(
+                "SELECT tool_calls FROM messages WHERE context_id = (SELECT context_id FROM "
+                "threads WHERE tenant = ? AND agent = ? AND scope = ? AND thread = ?) AND "
+                "tool_call_ids <> '' AND list_contains(string_split(tool_call_ids, ','), ?) "
+                "ORDER BY sequence DESC LIMIT 1",
+                [key.tenant, key.agent, key.scope, key.thread, call_id],
+            )
+        )
+        return None if row is None else str(row[0])
 
     def _drop_agent_tool_outputs(
         self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str

@@ -37,6 +37,7 @@ from contextd.adapters.postgres.base import (
 )
 from contextd.domain.errors import Unavailable
 from contextd.domain.idempotency import AlreadyDone, RequestRecord, replay
+from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
 from contextd.ports.store import RetainedThread
 
@@ -287,3 +288,15 @@ class ToolOutputsMixin(PostgresBase):
             return len(ids)
 
         return self._write(chunk)
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        with self._reading() as conn:
+            row = first_row(
+                conn,
+                "SELECT m.tool_calls FROM threads t JOIN tool_calls c ON c.tenant = t.tenant "
+                "AND c.context_id = t.context_id JOIN messages m ON m.tenant = c.tenant AND "
+                "m.id = c.message_id WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s "
+                "AND t.thread = %s AND c.call_id = %s",
+                [key.tenant, key.agent, key.scope, key.thread, call_id],
+            )
+        return None if row is None else str(row[0])

@@ -33,6 +33,7 @@ from contextd.app.build.compaction import (
     trim_columns,
     valid_cuts,
 )
+from contextd.app.build.handles import full_text_handle
 from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer
 from contextd.domain.context import (
     AssembledContext,
@@ -431,7 +432,7 @@ def _cut(item: HistoryItem, keep_chars: int) -> HistoryItem:
     whole text back (stored messages only; a summary has no handle)."""
     removed = len(item.content) - keep_chars
     if item.id > 0 and not item.is_summary:
-        note = f"\n[… {removed} more chars truncated; full text: message:{item.id}]"
+        note = f"\n[… {removed} more chars truncated; full text: {full_text_handle(item)}]"
     else:
         note = "\n[… truncated]"
     return replace(item, content=item.content[:keep_chars] + note)
