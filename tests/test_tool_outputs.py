@@ -683,3 +683,78 @@ def test_every_handle_in_a_built_context_can_be_read_back(
     history = {m.id: m for m in client.history("a1")}
     assert message_ids <= set(history)
     assert {history[i].content[:10] for i in message_ids} == {"f.txt\nf.tx", "a long que"}
+
+
+def test_a_build_adds_the_most_relevant_excerpts_within_the_budget(
+    server: InProcessServer, tools: Tools
+) -> None:
+    client = server.client
+    client.append("a1", "the server crashed overnight", "I will look at the logs")
+    lines = [f"row {i:06d} nothing to see\n" for i in range(100_000)]
+    lines[50_000] = "row 050000 the kernel reported a segfault in module zeta\n"
+    data = "".join(lines).encode()
+    big = tools.stream_put(
+        _pieces(data, MiB),
+        tool="read_log",
+        args={"path": "/var/log/k.log"},
+        description="kernel logs of module zeta",  # its middle is not indexed, this is
+    )
+    small = tools.put("zeta: the module's config, segfault handler off", tool="cat")
+    tools.put("unrelated listing", tool="ls")
+    tools.put("segfault in zeta, another scope", scope="s1")
+
+    def build(**options: int) -> pb.BuildContextResponse:
+        response: pb.BuildContextResponse = client.stub.BuildContext(
+            pb.BuildContextRequest(
+                agent="a1",
+                thread="t1",
+                user_message="why the segfault in zeta?",
+                options=pb.BuildOptions(**options),
+                formats=[pb.CONTEXT_FORMAT_TEXT],
+            )
+        )
+        return response
+
+    plain = build()
+    assert not plain.tool_output_excerpts and not plain.stats.tool_output_excerpt_ids
+    built = build(tool_output_excerpts=2, tool_output_excerpt_tokens=1000)
+    stats = built.stats
+    assert set(stats.tool_output_excerpt_ids) == {big.id, small.id}
+    assert [e.output_id for e in built.tool_output_excerpts] == list(stats.tool_output_excerpt_ids)
+    assert stats.tool_output_candidates == 3  # the scope's outputs only
+    assert stats.total_tokens <= stats.budget_tokens
+    assert stats.status_tokens - plain.stats.status_tokens == stats.tool_output_excerpt_tokens > 0
+    assert stats.total_tokens - plain.stats.total_tokens == stats.tool_output_excerpt_tokens
+    text = built.renderings[0].content
+    # After the window (and before the new message), each labelled with tool, args, handle.
+    assert text.index("I will look at the logs") < text.index(big.id) < text.index("why the")
+    assert (
+        f'<tool_output id="{big.id}" tool="read_log" args=\'{{"path":"/var/log/k.log"}}\'>' in text
+    )
+    for excerpt in built.tool_output_excerpts:
+        assert sum(len(p.text) for p in excerpt.parts) <= 4 * 1000
+        for part in excerpt.parts:  # the handle reads each part back
+            read = tools.stub.ReadToolOutput(
+                tpb.ReadToolOutputRequest(
+                    agent="a1", id=excerpt.output_id, offset=part.offset, length=part.length
+                )
+            )
+            assert read.data.decode() == part.text and part.text.rstrip("\n") in text
+    big_parts = next(e for e in built.tool_output_excerpts if e.output_id == big.id).parts
+    assert any("segfault in module zeta" in p.text for p in big_parts if p.part == "match")
+    # A tight budget keeps what fits and lists the rest as left out; the total holds.
+    tight = build(
+        tool_output_excerpts=2,
+        tool_output_excerpt_tokens=1000,
+        budget_tokens=plain.stats.total_tokens + 150,
+    )
+    assert list(tight.stats.tool_output_excerpt_ids) == [small.id]
+    assert list(tight.stats.tool_output_excerpts_left_out_ids) == [big.id]
+    assert tight.stats.total_tokens <= tight.stats.budget_tokens
+    capped = build(tool_output_excerpts=2, tool_output_excerpts_max_tokens=1)
+    assert not capped.stats.tool_output_excerpt_ids
+    assert len(capped.stats.tool_output_excerpts_left_out_ids) == 2
+    with pytest.raises(grpc.RpcError) as info:
+        build(tool_output_excerpts=21)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "options.tool_output_excerpts" in (info.value.details() or "")
