@@ -709,7 +709,7 @@ def test_a_build_adds_the_most_relevant_excerpts_within_the_budget(
                 agent="a1",
                 thread="t1",
                 user_message="why the segfault in zeta?",
-                options=pb.BuildOptions(**options),
+                options=pb.BuildOptions(**options),  # type: ignore[arg-type]
                 formats=[pb.CONTEXT_FORMAT_TEXT],
             )
         )
