@@ -758,3 +758,29 @@ def test_a_build_adds_the_most_relevant_excerpts_within_the_budget(
         build(tool_output_excerpts=21)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "options.tool_output_excerpts" in (info.value.details() or "")
+
+
+def test_relevance_stays_current_as_outputs_come_and_go(
+    tools: Tools, server: InProcessServer
+) -> None:
+    """The scope's cached index follows every put and delete, also writes it never saw
+    (straight to the store, as another replica's would be)."""
+    from contextd.domain.tool_outputs import ToolOutputFilter
+
+    def found(query: str, **fields: str) -> list[str]:
+        return [o.pointer.id for o in tools.select(query, k=100, **fields).outputs]
+
+    first = [tools.put(f"alpha result {i}", task_id=f"t{i % 2}") for i in range(4)]
+    assert set(found("alpha")) == {p.id for p in first}
+    more = tools.put("alpha alpha alpha", thread="t2")
+    assert found("alpha")[0] == more.id  # added to the index, and ranked first
+    assert found("alpha", thread="t2") == [more.id]
+    assert set(found("alpha", task_id="t1")) == {first[1].id, first[3].id}
+    tools.stub.DeleteToolOutputs(tpb.DeleteToolOutputsRequest(filter=tools.filter(task_id="t0")))
+    assert set(found("alpha")) == {first[1].id, first[3].id, more.id}
+    store = server.running.store
+    store.delete_tool_outputs(ToolOutputFilter("default", "a1", "", thread="t2"))  # unseen
+    assert set(found("alpha")) == {first[1].id, first[3].id}
+    beta = tools.put("beta only")
+    assert found("beta") == [beta.id] and not tools.select("alpha beta", k=1).fallback
+    assert tools.select("gamma").fallback

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from contextd import core
+from contextd.app.relevance_cache import indexes_of
 from contextd.domain.limits import (
     EXCERPT_PASSAGE_CHARS,
     MAX_EXCERPT_SCAN_BYTES,
@@ -154,7 +155,20 @@ def ranked_outputs(
     store: ToolOutputStore, where: ToolOutputFilter, query: str, k: int, keyword: bool = False
 ) -> tuple[list[tuple[ToolOutputPointer, float]], int]:
     """The best k outputs of the filter for `query` that match at all, highest first,
-    and how many outputs were ranked (the filter's newest MAX_RELEVANCE_CANDIDATES)."""
+    and how many outputs were ranked: BM25 over the scope's cached index (see
+    app/relevance_cache.py); the keyword scorer, and a scope too large to cache, rank the
+    filter's newest MAX_RELEVANCE_CANDIDATES."""
+    if not keyword:
+        found = indexes_of(store).search(store, where, query, k)
+        if found is not None:
+            hits, ranked = found
+            pointers = {
+                p.id: p
+                for p in store.find_tool_outputs(
+                    where.tenant, where.agent, where.scope, [i for i, _ in hits]
+                )
+            }
+            return [(pointers[i], s) for i, s in hits if i in pointers], ranked
     candidates = store.tool_output_index(where, MAX_RELEVANCE_CANDIDATES)
     return rank(query, candidates, k, keyword), len(candidates)
 

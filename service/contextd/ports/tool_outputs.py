@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from contextd.ports.store import RetainedThread
 
 
+IndexedOutput = tuple[str, int, str, str | None, str | None, str, str]
+"""(id, create_time_us, thread, task_id, query_id, tool_name, index_text)."""
+
+
 class BlobUpload(Protocol):
     """A result being stored, chunk by chunk, not yet visible."""
 
@@ -91,3 +95,13 @@ class ToolOutputStore(Protocol):
     def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
         """The `tool_calls` text of the thread's newest stored message that declares the
         call id (None: no such message), so a result kept aside can name its tool."""
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        """(count, sum of create_time_us) of the scope's outputs: what a cached relevance
+        index checks itself against (every put and delete changes it)."""
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        """The scope's outputs by (create time, id), strictly after `after`, as a
+        relevance index reads them."""

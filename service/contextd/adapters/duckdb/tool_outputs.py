@@ -36,6 +36,7 @@ from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
 from contextd.ports.store import RetainedThread
+from contextd.ports.tool_outputs import IndexedOutput
 
 TOOL_OUTPUTS_DIR = "tool_outputs"
 _SUFFIX = ".chunks"
@@ -314,6 +315,42 @@ class ToolOutputsMixin(DuckDBBase):
             )
         )
         return None if row is None else str(row[0])
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        row = _first(
+            self._cursor().execute(
+                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "WHERE scope_key = ? AND tenant = ? AND agent = ? AND scope = ?",
+                [_scope_key(tenant, agent, scope), tenant, agent, scope],
+            )
+        )
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        position = after or (-1, "")
+        rows = (
+            self._cursor()
+            .execute(
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "FROM tool_outputs WHERE scope_key = ? AND tenant = ? AND agent = ? AND "
+                "scope = ? AND (create_time_us > ? OR (create_time_us = ? AND id > ?)) "
+                "ORDER BY create_time_us, id LIMIT ?",
+                [
+                    _scope_key(tenant, agent, scope),
+                    tenant,
+                    agent,
+                    scope,
+                    position[0],
+                    position[0],
+                    position[1],
+                    limit,
+                ],
+            )
+            .fetchall()
+        )
+        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]
 
     def _drop_agent_tool_outputs(
         self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str

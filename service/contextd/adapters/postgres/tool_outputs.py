@@ -40,6 +40,7 @@ from contextd.domain.idempotency import AlreadyDone, RequestRecord, replay
 from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
 from contextd.ports.store import RetainedThread
+from contextd.ports.tool_outputs import IndexedOutput
 
 
 class ChunkUpload:
@@ -300,3 +301,27 @@ class ToolOutputsMixin(PostgresBase):
                 [key.tenant, key.agent, key.scope, key.thread, call_id],
             )
         return None if row is None else str(row[0])
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        # An index-only range of tool_outputs_by_scope (tenant, agent, scope, time, id).
+        with self._reading() as conn:
+            row = first_row(
+                conn,
+                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "WHERE tenant = %s AND agent = %s AND scope = %s",
+                [tenant, agent, scope],
+            )
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        position = after or (-1, "")
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "FROM tool_outputs WHERE tenant = %s AND agent = %s AND scope = %s AND "
+                "(create_time_us, id) > (%s, %s) ORDER BY create_time_us, id LIMIT %s",
+                [tenant, agent, scope, position[0], position[1], limit],
+            ).fetchall()
+        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]
