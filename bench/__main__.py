@@ -15,7 +15,18 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import appends, bm25, machine, pg, readpath, report, tokens, trim, window_reads
+from bench import (
+    appends,
+    bm25,
+    machine,
+    pg,
+    readpath,
+    report,
+    tokens,
+    tool_outputs,
+    trim,
+    window_reads,
+)
 from bench.child import REPO
 from bench.model import Section
 from bench.sizes import Sizes, sizes
@@ -28,6 +39,7 @@ BENCHMARKS: dict[str, Callable[[Sizes], Section]] = {
     "bm25": bm25.run,
     "appends": appends.run,
     "window_reads": window_reads.run,
+    "tool_outputs": tool_outputs.run,
 }
 
 
