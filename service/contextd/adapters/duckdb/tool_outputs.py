@@ -189,17 +189,16 @@ class ToolOutputsMixin(DuckDBBase):
     ) -> list[ToolOutputPointer]:
         if not ids:
             return []
+        # By id alone, which DuckDB answers from the primary key's index (with more
+        # conditions it scans the table: 10 ms at 100,000 outputs); the tenant, agent and
+        # scope are then checked on the rows found.
         rows = (
             self._cursor()
-            .execute(
-                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE scope_key = ? AND "
-                f"tenant = ? AND agent = ? AND scope = ? AND id IN "
-                f"({', '.join('?' * len(ids))})",
-                [_scope_key(tenant, agent, scope), tenant, agent, scope, *ids],
-            )
+            .execute(f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE id = ANY(?)", [list(ids)])
             .fetchall()
         )
-        return [pointer_from_row(r) for r in rows]
+        found = [pointer_from_row(r) for r in rows]
+        return [p for p in found if (p.tenant, p.agent, p.scope) == (tenant, agent, scope)]
 
     def read_tool_output_chunks(
         self, pointer: ToolOutputPointer, first: int, count: int
