@@ -25,6 +25,7 @@ from bench import (
     report,
     search,
     tokens,
+    tool_outputs,
     trim,
     window_reads,
 )
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, Callable[[Sizes], Section]] = {
     "window_reads": window_reads.run,
     "search": search.run,
     "quality": quality.run,
+    "tool_outputs": tool_outputs.run,
 }
 
 

@@ -29,6 +29,7 @@ class Sizes:
     sqlite_batched: int  # messages for each batched SQLite baseline
     window_calls: int  # ListMessages calls timed
     budget: int = 8_000
+    tool_output_count: int = 2_000  # stored tool outputs a relevance selection ranks
 
 
 QUICK = Sizes(
@@ -59,6 +60,7 @@ FULL = Sizes(
     sqlite_single=3_000,
     sqlite_batched=50_000,
     window_calls=50,
+    tool_output_count=100_000,
 )
 
 

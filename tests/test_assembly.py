@@ -450,11 +450,11 @@ def test_long_messages_keep_head_and_tail_within_max_chars_with_a_handle() -> No
 @pytest.mark.parametrize("limit", [1, 40, 80, 100, 999, 4_000])
 def test_a_cut_never_exceeds_its_limit_once_the_marker_fits(limit: int) -> None:
     text = "x" * 5_000
-    cut = cut_text(text, limit, 12345)
+    cut = cut_text(text, limit, "message:12345")
     marker_only = "\n[… 5000 more chars truncated; full text: message:12345]\n"
     assert len(cut) <= max(limit, len(marker_only))
     assert "full text: message:12345" in cut
-    assert cut_text("short", 10, 1) == "short"
+    assert cut_text("short", 10, "message:1") == "short"
 
 
 def test_new_message_is_truncated_when_it_alone_exceeds_and_status_goes_first() -> None:

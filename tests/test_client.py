@@ -208,6 +208,7 @@ def test_retention_policies_and_what_stats_say_of_expiry(api: Client, clock: Man
     )
     stats = api.get_context_stats(agent="bot", scope=channel)
     assert stats.exists and stats.window_message_count == 15
+    assert stats.newest_message_time is not None
     assert stats.expire_time == stats.newest_message_time + day  # the newest write + ttl
     assert stats.expires_in is not None and timedelta(0) < stats.expires_in <= day
     assert stats.retention == agent.retention

@@ -1,10 +1,11 @@
 """Tenants never cross, on every RPC: a property test with the admin keys of two tenants.
 
 Tenant A (acmecorp) fills an agent with messages, a status entry, an event, snapshots
-and keys, and keeps the ids, page tokens and request ids it got. Tenant B (globex), whose
-agent has the same name, then calls every RPC of ContextService and KeyService with A's
-names, scopes, snapshot ids, key ids, page tokens and request ids (replayed with the same
-request, too). Every answer is an error that names nothing of A's (INVALID_ARGUMENT,
+keys and tool outputs (inline and chunked), and keeps the ids, page tokens and request
+ids it got. Tenant B (globex), whose agent has the same name, then calls every RPC of
+ContextService, KeyService and ToolOutputService (streaming ones too) with A's names,
+scopes, snapshot ids, key ids, tool output ids, page tokens and request ids (replayed with
+the same request, too). Every answer is an error that names nothing of A's (INVALID_ARGUMENT,
 NOT_FOUND, ...) or a success that holds nothing of A's (no mark, no tenant name, no id of
 A's); and afterwards A's data is exactly as it was. The cases are keyed by RPC name and
 checked against the service descriptors: a new RPC without a case fails the test.
@@ -12,6 +13,7 @@ checked against the service descriptors: a new RPC without a case fails the test
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ from contextd.v1 import context_service_pb2 as pb
 from contextd.v1 import context_service_pb2_grpc as pb_grpc
 from contextd.v1 import key_service_pb2 as kpb
 from contextd.v1 import key_service_pb2_grpc as kpb_grpc
+from contextd.v1 import tool_output_service_pb2 as tpb
+from contextd.v1 import tool_output_service_pb2_grpc as tpb_grpc
 
 A_TENANT, B_TENANT = "acmecorp", "globex"
 MARK = "ACME-SECRET"
@@ -50,18 +54,38 @@ REFUSALS = {
 }
 
 
+SERVICES = (
+    (pb.DESCRIPTOR, "ContextService"),
+    (kpb.DESCRIPTOR, "KeyService"),
+    (tpb.DESCRIPTOR, "ToolOutputService"),
+)
+
+
+def _methods() -> dict[str, descriptor.MethodDescriptor]:
+    return {m.name: m for file, service in SERVICES for m in file.services_by_name[service].methods}
+
+
 class Caller:
+    """Calls any RPC by name: a client-streaming one takes a list of requests (sent as a
+    stream), a server-streaming one answers with the list of its responses."""
+
     def __init__(self, channel: grpc.Channel, key: str | None) -> None:
         self.metadata = [("authorization", f"Bearer {key}")] if key else []
-        self.context = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
-        self.keys = kpb_grpc.KeyServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.stubs = {
+            "ContextService": pb_grpc.ContextServiceStub(channel),  # type: ignore[no-untyped-call]
+            "KeyService": kpb_grpc.KeyServiceStub(channel),  # type: ignore[no-untyped-call]
+            "ToolOutputService": tpb_grpc.ToolOutputServiceStub(channel),  # type: ignore[no-untyped-call]
+        }
+        self.methods = _methods()
 
-    def __call__(self, method: str, request: message.Message) -> Any:
-        stub = self.keys if isinstance(request, _KEY_REQUESTS) else self.context
-        return getattr(stub, method)(request, metadata=self.metadata)
-
-
-_KEY_REQUESTS = (kpb.CreateKeyRequest, kpb.ListKeysRequest, kpb.RevokeKeyRequest)
+    def __call__(self, method: str, request: Any) -> Any:
+        found = self.methods[method]
+        call = getattr(self.stubs[found.containing_service.name], method)
+        if found.client_streaming:
+            requests = request if isinstance(request, list) else [request]
+            return call(iter(requests), metadata=self.metadata)
+        answer = call(request, metadata=self.metadata)
+        return list(answer) if found.server_streaming else answer
 
 
 @dataclass
@@ -69,11 +93,14 @@ class Facts:
     """What tenant A holds and was told: what B must never get."""
 
     ints: set[int] = field(default_factory=set)  # message and event ids
-    strings: set[str] = field(default_factory=set)  # snapshot ids, key ids, secrets, etags
+    # snapshot ids, key ids, secrets, etags, tool output ids and keys
+    strings: set[str] = field(default_factory=set)
     snapshots: list[str] = field(default_factory=list)
     key_ids: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)  # A's tool output ids
     tokens: dict[str, str] = field(default_factory=dict)  # RPC -> a page token of A's
-    requests: dict[str, message.Message] = field(default_factory=dict)  # A's writes
+    # A's writes (a client stream as its list of requests)
+    requests: dict[str, Any] = field(default_factory=dict)
     before: str = ""  # A's data as A reads it, before B's calls
 
 
@@ -169,6 +196,7 @@ def fill_a(a: Caller, facts: Facts) -> None:
     revoked = kpb.RevokeKeyRequest(key_id=facts.key_ids[0], request_id="a-9")
     a("RevokeKey", revoked)
     facts.requests["RevokeKey"] = revoked
+    fill_a_tool_outputs(a, facts)
     for name, request in _lists_of_a().items():
         facts.tokens[name] = a(name, request).next_page_token
         assert facts.tokens[name], name
@@ -177,13 +205,89 @@ def fill_a(a: Caller, facts: Facts) -> None:
     facts.ints |= {e.id for e in events}
     for name in ("shared", "a-only"):
         facts.strings.add(a("GetAgent", pb.GetAgentRequest(name=name)).agent.etag)
-    facts.strings |= set(facts.snapshots) | set(facts.key_ids)
+    facts.strings |= set(facts.snapshots) | set(facts.key_ids) | set(facts.outputs)
     # What B's searches must not find is there to be found (the case can fail).
     found = a(
         "SearchMessages", pb.SearchMessagesRequest(agent="shared", scope=SCOPES[0], query=MARK)
     )
     assert found.hits and MARK in found.hits[0].message.content
     facts.before = a_view(a)
+
+
+def _output(scope: pb.Scope, tool: str, description: str) -> tpb.NewToolOutput:
+    return tpb.NewToolOutput(
+        agent="shared",
+        scope=scope,
+        thread="main",
+        tool_name=tool,
+        tool_description=description,
+        args_json='{"path": "/srv/app.log"}',
+        task_id="task-1",
+        query_id="q_0123456789abcdef",
+    )
+
+
+# Results of more than the inline threshold (32 KiB) are stored as chunks.
+CHUNKED = 40_000
+
+
+def fill_a_tool_outputs(a: Caller, facts: Facts) -> None:
+    """A's tool outputs: inline and chunked, in two scopes; its put, streamed put and
+    delete requests (with request ids) are kept for B to replay. Replayed requests carry
+    no mark (B's replay stores B's own output, which B may read)."""
+    put = tpb.PutToolOutputRequest(
+        output=_output(SCOPES[0], "grep", "search logs for errors"),
+        result=b"error: disk full\n" * 10,
+        request_id="a-10",
+    )
+    streamed = [
+        tpb.StreamPutToolOutputRequest(
+            output=_output(SCOPES[0], "cat", "read a log file"), request_id="a-11"
+        ),
+        tpb.StreamPutToolOutputRequest(chunk=b"log line\n" * (CHUNKED // 9)),
+    ]
+    doomed = a(
+        "PutToolOutput",
+        tpb.PutToolOutputRequest(output=_output(SCOPES[1], "tmp", "a scratch output"), result=b"x"),
+    )
+    deleted = tpb.DeleteToolOutputsRequest(
+        filter=tpb.ToolOutputFilter(agent="shared", scope=SCOPES[1], tool_name="tmp"),
+        request_id="a-12",
+    )
+    for method, request in (
+        ("PutToolOutput", put),
+        ("StreamPutToolOutput", streamed),
+        ("DeleteToolOutputs", deleted),
+    ):
+        answer = a(method, request)
+        facts.requests[method] = request
+        if method != "DeleteToolOutputs":
+            facts.outputs.append(answer.pointer.id)
+            facts.strings.add(answer.pointer.key)
+    assert not a("ListToolOutputs", tpb.ListToolOutputsRequest(filter=deleted.filter)).pointers
+    facts.strings.add(doomed.pointer.key)
+    for i, scope in enumerate(SCOPES[:2]):
+        marked = f"{MARK} timeout in the scheduler {i}\n".encode()
+        inline = a(
+            "PutToolOutput",
+            tpb.PutToolOutputRequest(
+                output=_output(scope, "logs", f"{MARK} scheduler logs"), result=marked
+            ),
+        )
+        chunked = a(
+            "StreamPutToolOutput",
+            [
+                tpb.StreamPutToolOutputRequest(output=_output(scope, "logs", "more logs")),
+                *(
+                    tpb.StreamPutToolOutputRequest(chunk=marked * (CHUNKED // len(marked) // 4))
+                    for _ in range(5)
+                ),
+            ],
+        )
+        assert inline.pointer.stored_inline and not chunked.pointer.stored_inline
+        for pointer in (inline.pointer, chunked.pointer):
+            facts.outputs.append(pointer.id)
+            facts.strings.add(pointer.key)
 
 
 def _lists_of_a() -> dict[str, message.Message]:
@@ -200,6 +304,9 @@ def _lists_of_a() -> dict[str, message.Message]:
         "ListEvents": pb.ListEventsRequest(agent="shared", scope=SCOPES[0], page_size=1),
         "ListSnapshots": pb.ListSnapshotsRequest(agent="shared", scope=SCOPES[0], page_size=1),
         "ListKeys": kpb.ListKeysRequest(page_size=1, include_revoked=True),
+        "ListToolOutputs": tpb.ListToolOutputsRequest(
+            filter=tpb.ToolOutputFilter(agent="shared", scope=SCOPES[0]), page_size=1
+        ),
     }
 
 
@@ -217,8 +324,27 @@ def a_view(a: Caller) -> str:
             str(a("ListEvents", pb.ListEventsRequest(**common))),
             str(a("ListSnapshots", pb.ListSnapshotsRequest(**common))),
             _stats(a, pb.GetContextStatsRequest(**common)),
+            _outputs(a, tpb.ToolOutputFilter(**common)),
         ]
     return "\n".join(parts)
+
+
+def _outputs(a: Caller, where: tpb.ToolOutputFilter) -> str:
+    """The pointers of a filter and the SHA-256 of each result as loaded."""
+    pointers = a("ListToolOutputs", tpb.ListToolOutputsRequest(filter=where)).pointers
+    if not pointers:
+        return ""
+    loaded: dict[str, Any] = {}
+    request = tpb.GetToolOutputsRequest(
+        agent=where.agent, scope=where.scope, ids=[p.id for p in pointers]
+    )
+    for piece in a("GetToolOutputs", request):
+        loaded.setdefault(piece.id, hashlib.sha256()).update(piece.chunk)
+    return str(pointers) + str(sorted((k, v.hexdigest()) for k, v in loaded.items()))
+
+
+def _get_outputs(ids: list[str], scope: pb.Scope | None = None) -> tpb.GetToolOutputsRequest:
+    return tpb.GetToolOutputsRequest(agent="shared", scope=scope or SCOPES[0], ids=ids)
 
 
 def _window(a: Caller, request: pb.ListMessagesRequest) -> str:
@@ -247,10 +373,11 @@ def _common(draw: Draw, with_thread: bool = True) -> dict[str, Any]:
 
 
 def _request_id(draw: Draw, facts: Facts, method: str) -> str:
-    return str(draw(st.sampled_from(["", *(r.request_id for r in facts.requests.values())])))  # type: ignore[attr-defined]
+    ids = [(r[0] if isinstance(r, list) else r).request_id for r in facts.requests.values()]
+    return str(draw(st.sampled_from(["", *ids])))
 
 
-def _replay_or(draw: Draw, facts: Facts, method: str, own: message.Message) -> message.Message:
+def _replay_or(draw: Draw, facts: Facts, method: str, own: Any) -> Any:
     """A's own request of this RPC (same fields, same request_id) or B's."""
     if method in facts.requests and draw(st.booleans()):
         return facts.requests[method]
@@ -275,7 +402,37 @@ def _snapshot_id(draw: Draw, facts: Facts) -> str:
     return str(draw(st.sampled_from([chosen, chosen.upper(), chosen[:-1]])))
 
 
-CASES: dict[str, Callable[[Draw, Facts], message.Message]] = {
+def _output_id(draw: Draw, facts: Facts) -> str:
+    chosen = draw(st.sampled_from(facts.outputs))
+    return str(draw(st.sampled_from([chosen, chosen[:-1] + ("0" if chosen[-1] != "0" else "1")])))
+
+
+def _filter(draw: Draw) -> tpb.ToolOutputFilter:
+    found = tpb.ToolOutputFilter(**_common(draw, with_thread=False))
+    if draw(st.booleans()):
+        found.thread = "main"
+    if draw(st.booleans()):
+        found.tool_name = draw(st.sampled_from(["logs", "grep", "cat"]))
+    if draw(st.booleans()):
+        found.task_id = "task-1"
+    return found
+
+
+def _stream_put(draw: Draw, facts: Facts) -> list[tpb.StreamPutToolOutputRequest]:
+    if draw(st.booleans()):
+        return list(facts.requests["StreamPutToolOutput"])
+    head = tpb.StreamPutToolOutputRequest(
+        output=tpb.NewToolOutput(
+            **_common(draw), tool_name="logs", args_json='{"path": "/srv/app.log"}'
+        ),
+        request_id=_request_id(draw, facts, "StreamPutToolOutput"),
+    )
+    if not head.output.thread:
+        head.output.thread = "main"
+    return [head, tpb.StreamPutToolOutputRequest(chunk=b"b's log\n" * (CHUNKED // 8))]
+
+
+CASES: dict[str, Callable[[Draw, Facts], Any]] = {
     "CreateAgent": lambda d, f: _replay_or(
         d, f, "CreateAgent", pb.CreateAgentRequest(agent=pb.Agent(name=d(st.sampled_from(AGENTS))))
     ),
@@ -385,14 +542,63 @@ CASES: dict[str, Callable[[Draw, Facts], message.Message]] = {
     "RevokeKey": lambda d, f: _replay_or(
         d, f, "RevokeKey", kpb.RevokeKeyRequest(key_id=d(st.sampled_from(f.key_ids)))
     ),
+    "PutToolOutput": lambda d, f: _replay_or(
+        d,
+        f,
+        "PutToolOutput",
+        tpb.PutToolOutputRequest(
+            output=tpb.NewToolOutput(
+                **_common(d, with_thread=False), thread="main", tool_name="grep"
+            ),
+            result=b"b's result",
+            request_id=_request_id(d, f, "PutToolOutput"),
+        ),
+    ),
+    "StreamPutToolOutput": _stream_put,
+    "ListToolOutputs": lambda d, f: d(
+        st.sampled_from(
+            [
+                _lists("ListToolOutputs")(d, f),
+                tpb.ListToolOutputsRequest(filter=_filter(d)),
+            ]
+        )
+    ),
+    "GetToolOutputs": lambda d, f: tpb.GetToolOutputsRequest(
+        **_common(d, with_thread=False),
+        ids=d(st.lists(st.sampled_from(f.outputs), min_size=1, max_size=len(f.outputs))),
+    ),
+    "ReadToolOutput": lambda d, f: tpb.ReadToolOutputRequest(
+        **_common(d, with_thread=False),
+        id=_output_id(d, f),
+        offset=d(st.sampled_from([0, 10])),
+    ),
+    "GrepToolOutput": lambda d, f: tpb.GrepToolOutputRequest(
+        **_common(d, with_thread=False),
+        id=_output_id(d, f),
+        pattern=d(st.sampled_from([MARK, "timeout", "log"])),
+        context_lines=1,
+    ),
+    "DeleteToolOutputs": lambda d, f: _replay_or(
+        d,
+        f,
+        "DeleteToolOutputs",
+        tpb.DeleteToolOutputsRequest(
+            filter=_filter(d), request_id=_request_id(d, f, "DeleteToolOutputs")
+        ),
+    ),
+    "HashQuery": lambda d, f: tpb.HashQueryRequest(query=d(st.sampled_from([MARK, "timeout"]))),
+    "SelectRelevantToolOutputs": lambda d, f: tpb.SelectRelevantToolOutputsRequest(
+        query=d(st.sampled_from([f"{MARK} timeout", "scheduler logs", "zzz"])),
+        filter=_filter(d),
+        k=d(st.sampled_from([0, 100])),
+        scorer=d(st.sampled_from([tpb.RELEVANCE_SCORER_BM25, tpb.RELEVANCE_SCORER_KEYWORD])),
+        excerpt_tokens=d(st.sampled_from([0, 2000])),
+    ),
 }
 
 
 def every_rpc() -> set[str]:
-    names: set[str] = set()
-    for file, service in ((pb.DESCRIPTOR, "ContextService"), (kpb.DESCRIPTOR, "KeyService")):
-        names |= {m.name for m in file.services_by_name[service].methods}
-    return names
+    return set(_methods())
 
 
 def test_every_rpc_has_a_case() -> None:
@@ -411,19 +617,28 @@ def ids_in(answer: message.Message) -> Iterator[int]:
             yield from (v for v in items if isinstance(v, int))
 
 
-def attempt(b: Caller, facts: Facts, method: str, request: message.Message) -> None:
-    """B's call: refused without a word of A's, or answered with nothing of A's."""
+def _leaked(facts: Facts, text: str, request: Any) -> list[str]:
+    """A's marks and strings in `text`, but for what B's request sent itself (a missing
+    id listed back, an id quoted in NOT_FOUND)."""
+    sent = str(request)
+    found = [s for s in (A_TENANT, *facts.strings) if s in text and s not in sent]
+    return [*found, MARK] if MARK in text else found
+
+
+def attempt(b: Caller, facts: Facts, method: str, request: Any) -> None:
+    """B's call: refused without a word of A's, or answered with nothing of A's (every
+    message of a streamed answer)."""
     try:
         answer = b(method, request)
     except grpc.RpcError as error:
         assert error.code() in REFUSALS, (method, request, error.details())
         said = error.details() or ""
-        assert MARK not in said and A_TENANT not in said, (method, request, said)
+        assert not _leaked(facts, said, request), (method, request, said)
         return
-    text = str(answer)
-    leaked = [s for s in (MARK, A_TENANT, *facts.strings) if s in text]
-    assert not leaked, (method, request, leaked)
-    assert not set(ids_in(answer)) & facts.ints, (method, request)
+    for each in answer if isinstance(answer, list) else [answer]:
+        leaked = _leaked(facts, str(each), request)
+        assert not leaked, (method, request, leaked)
+        assert not set(ids_in(each)) & facts.ints, (method, request)
 
 
 @pytest.fixture
@@ -476,3 +691,6 @@ def test_every_rpc_of_tenant_b_misses_tenant_a(tenants: tuple[Caller, Caller, Fa
     assert a_view(a) == facts.before
     for snapshot in facts.snapshots[:1]:
         a("GetSnapshot", pb.GetSnapshotRequest(agent="shared", scope=SCOPES[0], id=snapshot))
+    # A still reads its outputs whole (inline and chunked).
+    got = a("GetToolOutputs", _get_outputs(facts.outputs[-2:], SCOPES[1]))
+    assert sum(len(m.chunk) for m in got) > CHUNKED and got[-1].last

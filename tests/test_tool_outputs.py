@@ -291,6 +291,40 @@ def test_delete_clears_pointers_and_stored_results(tools: Tools, server: InProce
         assert not [p for p in (server.data_dir / "tool_outputs").rglob("*") if p.is_file()]
 
 
+def _stored_results(server: InProcessServer) -> int:
+    """Stored large results: chunk rows on PostgreSQL, files on the embedded engine."""
+    store = server.running.store
+    if hasattr(store, "_pool"):
+        return int(db_rows(store, "SELECT count(DISTINCT output_id) FROM tool_output_chunks")[0][0])
+    return len([p for p in (server.data_dir / "tool_outputs").rglob("*") if p.is_file()])
+
+
+def test_deleting_the_agent_deletes_its_tool_outputs(tools: Tools, server: InProcessServer) -> None:
+    client = server.client
+    client.append("a1", "hello")
+    client.append("a2", "hello")
+    big = os.urandom(2 * MiB)
+    for scope in ("", "s1"):
+        tools.put("small", scope=scope)
+        tools.stream_put(_pieces(big, MiB), scope=scope)
+    client.append(
+        "a1", "x" * 40_000, role=pb.ROLE_TOOL_RESULT, tool_call_id="c1", scope="s1"
+    )  # kept aside on its own
+    kept = [tools.put("a2's", agent="a2"), tools.stream_put(_pieces(big, MiB), agent="a2")]
+    assert len(tools.pointers(scope="s1")) == 3 and _stored_results(server) == 4
+    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
+    for scope in ("", "s1"):
+        assert tools.pointers(scope=scope) == []
+    assert tools.get([kept[0].id, kept[1].id], agent="a2") == {
+        kept[0].id: b"a2's",
+        kept[1].id: big,
+    }
+    assert _stored_results(server) == 1  # a2's only
+    assert db_rows(server.running.store, "SELECT count(*) FROM tool_outputs") == [(2,)]
+    client.append("a1", "hello again")  # a new agent of the same name has none
+    assert tools.pointers() == [] and tools.pointers(scope="s1") == []
+
+
 # ---------------------------------------------------------------------- large results
 
 
@@ -585,3 +619,168 @@ def test_a_tool_result_may_name_a_stored_output(server: InProcessServer, tools: 
         role=pb.ROLE_USER,
         tool_output_id=stored.id,
     )
+
+
+def test_every_handle_in_a_built_context_can_be_read_back(
+    server: InProcessServer, tools: Tools
+) -> None:
+    client = server.client
+    read_log = [{"id": "c1", "name": "read_log", "input": {"path": "/var/log/app.log"}}]
+    client.append("a1", "what failed?")
+    client.append("a1", "", role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(read_log))
+    log = "".join(f"log line {i:06d}\n" for i in range(3_000)) + "FATAL: disk full\n"
+    client.append("a1", log, role=pb.ROLE_TOOL_RESULT, tool_call_id="c1")  # kept aside
+    client.append("a1", "and the files?")
+    ls = [{"id": "c2", "name": "ls", "input": {}}]
+    grep_call = [{"id": "c3", "name": "grep", "input": {"pattern": "FATAL"}}]
+    client.stub.AppendMessages(  # the call and its long result in one append
+        pb.AppendMessagesRequest(
+            agent="a1",
+            thread="t1",
+            messages=[
+                pb.Message(role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(ls)),
+                pb.Message(role=pb.ROLE_TOOL_RESULT, tool_call_id="c2", content="f.txt\n" * 900),
+                pb.Message(role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(grep_call)),
+                pb.Message(role=pb.ROLE_TOOL_RESULT, tool_call_id="c3", content=log),
+            ],
+        )
+    )
+    client.append("a1", "a long question " * 600)  # truncated
+    for turn in range(3):
+        client.append("a1", f"turn {turn}", f"answer {turn}")
+    options = pb.BuildOptions(
+        elide_tool_results=True, elide_threshold_chars=2000, max_chars_per_message=4000
+    )
+    built = client.stub.BuildContext(
+        pb.BuildContextRequest(
+            agent="a1",
+            thread="t1",
+            user_message="next?",
+            options=options,
+            formats=[pb.CONTEXT_FORMAT_TEXT],
+        )
+    )
+    text = "\n".join(m.content for m in built.messages)
+    assert built.stats.elided_ids and built.stats.truncated_ids
+    # The output kept aside carries the call's tool name and args, not "tool_result".
+    (kept,) = tools.pointers(tool_name="read_log")
+    assert kept.args_json == '{"path":"/var/log/app.log"}'
+    (grepped,) = tools.pointers(tool_name="grep")  # its call came in the same append
+    assert grepped.args_json == '{"pattern":"FATAL"}'
+    assert f"Full output: tool output {kept.id}" in text
+    outputs = set(re.findall(r"to_[0-9a-f]{20}", text))
+    message_ids = {int(i) for i in re.findall(r"message:(\d+)", text)}
+    assert outputs == {kept.id, grepped.id}
+    assert len(message_ids) == 2  # the ls result, the long question
+    for output_id in outputs:
+        read = tools.stub.ReadToolOutput(tpb.ReadToolOutputRequest(agent="a1", id=output_id))
+        assert read.data == log.encode()[: len(read.data)] and read.eof
+        grep = tools.stub.GrepToolOutput(
+            tpb.GrepToolOutputRequest(agent="a1", id=output_id, pattern="FATAL")
+        )
+        assert [m.line for m in grep.matches] == ["FATAL: disk full"]
+    # message:<id>: ListMessages of the thread with MESSAGE_RANGE_ALL lists it, whole.
+    history = {m.id: m for m in client.history("a1")}
+    assert message_ids <= set(history)
+    assert {history[i].content[:10] for i in message_ids} == {"f.txt\nf.tx", "a long que"}
+
+
+def test_a_build_adds_the_most_relevant_excerpts_within_the_budget(
+    server: InProcessServer, tools: Tools
+) -> None:
+    client = server.client
+    client.append("a1", "the server crashed overnight", "I will look at the logs")
+    lines = [f"row {i:06d} nothing to see\n" for i in range(100_000)]
+    lines[50_000] = "row 050000 the kernel reported a segfault in module zeta\n"
+    data = "".join(lines).encode()
+    big = tools.stream_put(
+        _pieces(data, MiB),
+        tool="read_log",
+        args={"path": "/var/log/k.log"},
+        description="kernel logs of module zeta",  # its middle is not indexed, this is
+    )
+    small = tools.put("zeta: the module's config, segfault handler off", tool="cat")
+    tools.put("unrelated listing", tool="ls")
+    tools.put("segfault in zeta, another scope", scope="s1")
+
+    def build(**options: int) -> pb.BuildContextResponse:
+        response: pb.BuildContextResponse = client.stub.BuildContext(
+            pb.BuildContextRequest(
+                agent="a1",
+                thread="t1",
+                user_message="why the segfault in zeta?",
+                options=pb.BuildOptions(**options),  # type: ignore[arg-type]
+                formats=[pb.CONTEXT_FORMAT_TEXT],
+            )
+        )
+        return response
+
+    plain = build()
+    assert not plain.tool_output_excerpts and not plain.stats.tool_output_excerpt_ids
+    built = build(tool_output_excerpts=2, tool_output_excerpt_tokens=1000)
+    stats = built.stats
+    assert set(stats.tool_output_excerpt_ids) == {big.id, small.id}
+    assert [e.output_id for e in built.tool_output_excerpts] == list(stats.tool_output_excerpt_ids)
+    assert stats.tool_output_candidates == 3  # the scope's outputs only
+    assert stats.total_tokens <= stats.budget_tokens
+    assert stats.status_tokens - plain.stats.status_tokens == stats.tool_output_excerpt_tokens > 0
+    assert stats.total_tokens - plain.stats.total_tokens == stats.tool_output_excerpt_tokens
+    text = built.renderings[0].content
+    # After the window (and before the new message), each labelled with tool, args, handle.
+    assert text.index("I will look at the logs") < text.index(big.id) < text.index("why the")
+    assert (
+        f'<tool_output id="{big.id}" tool="read_log" args=\'{{"path":"/var/log/k.log"}}\'>' in text
+    )
+    for excerpt in built.tool_output_excerpts:
+        assert sum(len(p.text) for p in excerpt.parts) <= 4 * 1000
+        for part in excerpt.parts:  # the handle reads each part back
+            read = tools.stub.ReadToolOutput(
+                tpb.ReadToolOutputRequest(
+                    agent="a1", id=excerpt.output_id, offset=part.offset, length=part.length
+                )
+            )
+            assert read.data.decode() == part.text and part.text.rstrip("\n") in text
+    big_parts = next(e for e in built.tool_output_excerpts if e.output_id == big.id).parts
+    assert any("segfault in module zeta" in p.text for p in big_parts if p.part == "match")
+    # A tight budget keeps what fits and lists the rest as left out; the total holds.
+    tight = build(
+        tool_output_excerpts=2,
+        tool_output_excerpt_tokens=1000,
+        budget_tokens=plain.stats.total_tokens + 150,
+    )
+    assert list(tight.stats.tool_output_excerpt_ids) == [small.id]
+    assert list(tight.stats.tool_output_excerpts_left_out_ids) == [big.id]
+    assert tight.stats.total_tokens <= tight.stats.budget_tokens
+    capped = build(tool_output_excerpts=2, tool_output_excerpts_max_tokens=1)
+    assert not capped.stats.tool_output_excerpt_ids
+    assert len(capped.stats.tool_output_excerpts_left_out_ids) == 2
+    with pytest.raises(grpc.RpcError) as info:
+        build(tool_output_excerpts=21)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "options.tool_output_excerpts" in (info.value.details() or "")
+
+
+def test_relevance_stays_current_as_outputs_come_and_go(
+    tools: Tools, server: InProcessServer
+) -> None:
+    """The scope's cached index follows every put and delete, also writes it never saw
+    (straight to the store, as another replica's would be)."""
+    from contextd.domain.tool_outputs import ToolOutputFilter
+
+    def found(query: str, **fields: str) -> list[str]:
+        return [o.pointer.id for o in tools.select(query, k=100, **fields).outputs]
+
+    first = [tools.put(f"alpha result {i}", task_id=f"t{i % 2}") for i in range(4)]
+    assert set(found("alpha")) == {p.id for p in first}
+    more = tools.put("alpha alpha alpha", thread="t2")
+    assert found("alpha")[0] == more.id  # added to the index, and ranked first
+    assert found("alpha", thread="t2") == [more.id]
+    assert set(found("alpha", task_id="t1")) == {first[1].id, first[3].id}
+    tools.stub.DeleteToolOutputs(tpb.DeleteToolOutputsRequest(filter=tools.filter(task_id="t0")))
+    assert set(found("alpha")) == {first[1].id, first[3].id, more.id}
+    store = server.running.store
+    store.delete_tool_outputs(ToolOutputFilter("default", "a1", "", thread="t2"))  # unseen
+    assert set(found("alpha")) == {first[1].id, first[3].id}
+    beta = tools.put("beta only")
+    assert found("beta") == [beta.id] and not tools.select("alpha beta", k=1).fallback
+    assert tools.select("gamma").fallback

@@ -282,9 +282,29 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         ledger_evicted=s.ledger_evicted,
         compaction_deferred=s.compaction_deferred,
         summary_attempts=s.summary_attempts,
+        tool_output_excerpt_ids=[a.pointer.id for a in result.excerpts.added],
+        tool_output_excerpt_tokens=result.excerpts.tokens,
+        tool_output_excerpts_left_out_ids=result.excerpts.left_out_ids,
+        tool_output_candidates=result.excerpts.candidates,
     )
+    excerpts = [
+        pb.BuildExcerpt(
+            output_id=a.pointer.id,
+            tool_name=a.pointer.tool_name,
+            args_json=a.pointer.args_json,
+            score=a.score,
+            parts=[
+                pb.BuildExcerptPart(offset=e.offset, length=e.length, text=e.text, part=e.part)
+                for e in a.parts
+            ],
+            tokens=a.tokens,
+        )
+        for a in result.excerpts.added
+    ]
     if not full:
-        return pb.BuildContextResponse(stats=stats, renderings=renderings)
+        return pb.BuildContextResponse(
+            stats=stats, renderings=renderings, tool_output_excerpts=excerpts
+        )
     return pb.BuildContextResponse(
         system_prompt=ctx.system_prompt,
         docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
@@ -292,6 +312,7 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         messages=messages,
         stats=stats,
         renderings=renderings,
+        tool_output_excerpts=excerpts,
     )
 
 

@@ -11,7 +11,8 @@ from contextd.api.convert import scope_of, scope_pb, timestamp_pb
 from contextd.api.servicer import ContextServicer, _fingerprint
 from contextd.api.tenant import caller_tenant
 from contextd.app.service import ContextService
-from contextd.app.tool_outputs import CHUNK, Excerpt
+from contextd.app.tool_output_reads import Excerpt
+from contextd.app.tool_outputs import CHUNK
 from contextd.domain.errors import InvalidArgument
 from contextd.domain.idempotency import AlreadyDone, RequestRecord, check_request_id, replay
 from contextd.domain.limits import TOOL_OUTPUT_MAX_UNARY_BYTES

@@ -73,6 +73,46 @@ class TenantBytes:
                 if done:
                     usage.admitted += adding
 
+    @contextmanager
+    def admitting_as_it_comes(self, tenant: str, what: str) -> Iterator[Callable[[int], None]]:
+        """Admit a write whose size is learned as it arrives (a streamed tool output):
+        the block calls `grow(n)` before it stores n more bytes, which is refused
+        (RESOURCE_EXHAUSTED) when they would take the tenant over its quota; what grew is
+        counted as stored if the block succeeds."""
+        reserved = 0
+        usage: _Usage | None = None
+
+        def grow(adding: int) -> None:
+            nonlocal reserved, usage
+            if not self.limit or adding <= 0:
+                return
+            while True:
+                self._refresh(tenant)
+                with self._lock:
+                    found = self._usage.get(tenant)
+                    if found is None:
+                        continue
+                    if usage is not None and found is not usage:
+                        # Forgotten as idle and read again: carry what this write holds.
+                        usage.in_flight -= reserved
+                        found.in_flight += reserved
+                    usage = found
+                    check_room(usage.used(), adding, self.limit, what)
+                    usage.in_flight += adding
+                    reserved += adding
+                    return
+
+        done = False
+        try:
+            yield grow
+            done = True
+        finally:
+            if usage is not None:
+                with self._lock:
+                    usage.in_flight -= reserved
+                    if done:
+                        usage.admitted += reserved
+
     def forget(self, tenant: str) -> None:
         """Data of the tenant was deleted: read its sum again before the next write."""
         with self._lock:

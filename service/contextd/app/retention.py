@@ -9,10 +9,12 @@ A pass visits every agent with a retention policy, every thread of it, and for e
    mark: also what an append after expiry left behind its expiry marker);
 3. with `delete_overflow`, deletes the messages a cap left out of the window (those
    whose tool group starts at or before last sequence - max_messages);
-4. records a `retention.swept` event on the thread with what it deleted.
+4. when the thread is expired, deletes its context's tool outputs (same tenant, agent,
+   scope and thread) stored `ttl` or more ago, with their stored data;
+5. records a `retention.swept` event on the thread with what it deleted.
 
-Deletes go a chunk at a time (at most `chunk_rows` messages, one short transaction
-each), so appends wait at most one chunk. Nothing a pass decides is kept in memory
+Deletes go a chunk at a time (at most `chunk_rows` messages or tool outputs, one short
+transaction each), so appends wait at most one chunk. Nothing a pass decides is kept in memory
 between chunks: a pass stopped anywhere (a restart, a crash) leaves only marks that are
 already true, and the next pass finds what is left and finishes it.
 """
@@ -44,6 +46,7 @@ class SweepReport:
     threads: int = 0  # threads it deleted messages of
     expired_deleted: int = 0
     overflow_deleted: int = 0
+    tool_outputs_deleted: int = 0
     transactions: int = 0  # delete transactions (chunks)
     complete: bool = True  # False: stopped before the end (shutting down)
 
@@ -113,10 +116,14 @@ class RetentionCalls(UseCases):
         start = thread.oldest_group_start
         if policy.delete_overflow and policy.max_messages and start is not None and start <= floor:
             overflow = self._delete(thread, floor, True, chunk_rows, report)
-        if expired or overflow:
+        outputs = 0
+        if policy.expired(thread.last_message_time_us, now):
+            outputs = self._delete_outputs(thread, now - policy.ttl_us, chunk_rows, report)
+        if expired or overflow or outputs:
             report.threads += 1
             report.expired_deleted += expired
             report.overflow_deleted += overflow
+            report.tool_outputs_deleted += outputs
             self._store.record_event(
                 thread.key,
                 SWEPT_EVENT,
@@ -124,12 +131,28 @@ class RetentionCalls(UseCases):
                     "expired_deleted": expired,
                     "overflow_deleted": overflow,
                     "deleted": expired + overflow,
+                    "tool_outputs_deleted": outputs,
                     "expired_through_sequence": expired_through,
                     "overflow_through_sequence": max(floor, 0) if overflow else 0,
                     "max_messages": policy.max_messages,
                     "ttl_seconds": policy.ttl_us / 1_000_000,
                 },
             )
+
+    def _delete_outputs(
+        self, thread: RetainedThread, cutoff_us: int, chunk_rows: int, report: SweepReport
+    ) -> int:
+        """The expired context's tool outputs stored at or before `cutoff_us` (now - ttl),
+        a chunk at a time; their bytes stop counting toward the tenant's quota."""
+        deleted = 0
+        while True:
+            n = self._store.delete_expired_tool_outputs(thread, cutoff_us, chunk_rows)
+            report.transactions += 1 if n else 0  # the store skips a chunk with nothing to do
+            deleted += n
+            if n < chunk_rows:
+                if deleted:
+                    self._quota.forget(thread.key.tenant)
+                return deleted
 
     def _delete(
         self,

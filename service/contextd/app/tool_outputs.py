@@ -10,25 +10,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from contextd import core
 from contextd.app.base import UseCases
 from contextd.app.paging import page_size
+from contextd.app.tool_output_reads import (
+    Excerpt,
+    ResultReader,
+    _text,
+    ranked_outputs,
+)
+from contextd.domain.context import ToolCall, parse_tool_calls
 from contextd.domain.errors import InvalidArgument
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.limits import (
     DEFAULT_GREP_MATCHES,
     DEFAULT_READ_BYTES,
     DEFAULT_RELEVANT_K,
-    EXCERPT_PASSAGE_CHARS,
     INDEX_HEAD_CHARS,
     INDEX_TAIL_CHARS,
-    MAX_EXCERPT_SCAN_BYTES,
     MAX_EXCERPT_TOKENS,
     MAX_GREP_CONTEXT_LINES,
     MAX_GREP_LINE_CHARS,
@@ -36,8 +41,9 @@ from contextd.domain.limits import (
     MAX_GREP_PATTERN_CHARS,
     MAX_GREP_SCAN_BYTES,
     MAX_READ_BYTES,
-    MAX_RELEVANCE_CANDIDATES,
     MAX_RELEVANT_K,
+    MAX_TOOL_ARGS_BYTES,
+    MAX_TOOL_NAME_CHARS,
     PREVIEW_HEAD_CHARS,
     PREVIEW_TAIL_CHARS,
     TOOL_OUTPUT_CHUNK_BYTES,
@@ -66,6 +72,8 @@ from contextd.domain.tool_outputs import (
 from contextd.ports.tool_outputs import BlobUpload
 
 CHUNK = TOOL_OUTPUT_CHUNK_BYTES
+# A tool name an output can be stored under (domain/tool_outputs.py's rule).
+_TOOL_NAME = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_TOOL_NAME_CHARS}}}")
 # A line longer than this is cut into pieces by grep (a result without line breaks must
 # not become one line held whole).
 _MAX_GREP_LINE_BYTES = 1 << 20
@@ -73,15 +81,6 @@ _MAX_GREP_LINE_BYTES = 1 << 20
 RecordFor = Callable[[str], RequestRecord | None]
 """The request record of a put, given the SHA-256 of its result (a retry must send the
 same bytes), or None without a request id."""
-
-
-@dataclass(frozen=True, slots=True)
-class Excerpt:
-    output_id: str
-    offset: int
-    length: int
-    text: str
-    part: str  # "whole", "head", "match" or "tail"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,17 +113,6 @@ def _chars(data: bytes) -> int:
         return 0
     array = np.frombuffer(data, dtype=np.uint8)
     return int(np.count_nonzero((array & 0xC0) != 0x80))
-
-
-def _text(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
-
-
-def _align(data: bytes, i: int) -> int:
-    """`i` moved forward past UTF-8 continuation bytes (a character's start)."""
-    while 0 < i < len(data) and (data[i] & 0xC0) == 0x80:
-        i += 1
-    return i
 
 
 class _Intake:
@@ -199,15 +187,20 @@ class ToolOutputCalls(UseCases):
             if len(m.content) <= limit // 4 or len(m.content.encode()) <= limit:
                 continue
             data = m.content.encode()
+            call = self._call_answered(key, messages[:i], m.tool_call_id)
             pointer = self.put_tool_output(
                 NewToolOutput(
                     tenant=key.tenant,
                     agent=key.agent,
                     scope=key.scope,
                     thread=key.thread,
-                    tool_name="tool_result",
+                    tool_name=call.name if call else "tool_result",
                     tool_description="a tool result appended to the conversation",
-                    args_json=json.dumps({"tool_call_id": m.tool_call_id}),
+                    args_json=(
+                        _args_of(call.arguments_json)
+                        if call
+                        else json.dumps({"tool_call_id": m.tool_call_id})
+                    ),
                 ),
                 [data],
             )
@@ -217,6 +210,20 @@ class ToolOutputCalls(UseCases):
                 metadata=with_tool_output(m.metadata, pointer.id, pointer.size_bytes, i),
             )
         return out
+
+    def _call_answered(
+        self, key: ContextKey, earlier: Sequence[NewMessage], call_id: str
+    ) -> ToolCall | None:
+        """The tool call a result answers, when it names a tool that an output can be
+        stored under: declared earlier in the same append, else by the thread's newest
+        stored message declaring the call id."""
+        if not call_id:
+            return None
+        for m in reversed(earlier):
+            call = _call_in(m.tool_calls, call_id)
+            if call is not None:
+                return call
+        return _call_in(self._store.tool_calls_declaring(key, call_id) or "", call_id)
 
     def _preview(self, pointer: ToolOutputPointer, data: bytes | None = None) -> str:
         """Head, handle and tail of a stored result (read from the store unless given);
@@ -247,9 +254,22 @@ class ToolOutputCalls(UseCases):
 
         The result is re-chunked here; at most one chunk and one piece are held at a
         time. Small results stay inline in the pointer's row. When `pieces` raises (the
-        client went away) or the result passes `max_bytes`, nothing is stored.
+        client went away) or the result passes `max_bytes`, nothing is stored. The
+        result's bytes count toward the tenant's stored-bytes quota, admitted piece by
+        piece as they arrive (TENANT_STORAGE_EXHAUSTED, nothing stored, once one would
+        pass it).
         """
         output = check_new_output(output)
+        with self._quota.admitting_as_it_comes(output.tenant, "this tool output") as grow:
+            return self._put_tool_output(output, _metered(pieces, grow), record_for, max_bytes)
+
+    def _put_tool_output(
+        self,
+        output: NewToolOutput,
+        pieces: Iterable[bytes],
+        record_for: RecordFor | None,
+        max_bytes: int | None,
+    ) -> ToolOutputPointer:
         limits = self.tool_output_limits
         limit = limits.max_bytes if max_bytes is None else max_bytes
         inline_limit = min(limits.inline_bytes, CHUNK)
@@ -329,7 +349,10 @@ class ToolOutputCalls(UseCases):
     def delete_tool_outputs(
         self, where: ToolOutputFilter, record: RequestRecord | None = None
     ) -> int:
-        return self._store.delete_tool_outputs(check_filter(where), record)
+        deleted = self._store.delete_tool_outputs(check_filter(where), record)
+        if deleted:
+            self._quota.forget(where.tenant)  # their bytes no longer count
+        return deleted
 
     # ------------------------------------------------------------------ reads
 
@@ -389,14 +412,10 @@ class ToolOutputCalls(UseCases):
             raise unreadable(pointer.id, "it is not the result stored")
 
     def read_range(self, pointer: ToolOutputPointer, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the result (shorter at its end)."""
-        end = min(pointer.size_bytes, offset + length)
-        if end <= offset:
-            return b""
-        first, last = offset // CHUNK, (end - 1) // CHUNK
-        chunks = self._store.read_tool_output_chunks(pointer, first, last - first + 1)
-        data = b"".join(chunks)
-        return data[offset - first * CHUNK : end - first * CHUNK]
+        return ResultReader(self._store).read_range(pointer, offset, length)
+
+    def excerpts(self, pointer: ToolOutputPointer, query: str, budget_tokens: int) -> list[Excerpt]:
+        return ResultReader(self._store).excerpts(pointer, query, budget_tokens)
 
     def read_tool_output(
         self, tenant: str, agent: str, scope: str, output_id: str, offset: int, length: int
@@ -512,124 +531,42 @@ class ToolOutputCalls(UseCases):
                 f"excerpt_tokens must be 0 to {MAX_EXCERPT_TOKENS:,}", field="excerpt_tokens"
             )
         k = k or DEFAULT_RELEVANT_K
-        candidates = self._store.tool_output_index(where, MAX_RELEVANCE_CANDIDATES)
-        ranked = rank(query, candidates, k, keyword)
+        ranked, _ = ranked_outputs(self._store, where, query, k, keyword)
         fallback = not ranked
         if fallback:
-            ranked = [(p, 0.0) for p, _ in candidates[:k]]
+            ranked = [(p, 0.0) for p in self._store.list_tool_outputs(where, None, k)]
         return [
             Relevant(p, score, tuple(self.excerpts(p, query, excerpt_tokens)))
             for p, score in ranked
         ], fallback
 
-    def excerpts(self, pointer: ToolOutputPointer, query: str, budget_tokens: int) -> list[Excerpt]:
-        """Parts of a result within about `budget_tokens` tokens: the whole result when it
-        fits; else its head, the passages that best match `query` and its tail, in result
-        order. Looks for matches in at most MAX_EXCERPT_SCAN_BYTES after the head."""
-        if budget_tokens <= 0 or pointer.kind == ToolOutputKind.BINARY:
-            return []
-        budget = 4 * budget_tokens  # characters, about bytes for mostly-ASCII text
-        size = pointer.size_bytes
-        if size <= budget:
-            data = self.read_range(pointer, 0, size)
-            return [Excerpt(pointer.id, 0, size, _text(data), "whole")]
-        quarter = budget // 4
-        head = self.read_range(pointer, 0, quarter)
-        head_end = _align(head, len(head) - 1) if len(head) < size else len(head)
-        cut = head.rfind(b"\n", 0, head_end)
-        head_end = cut + 1 if cut > quarter // 2 else _last_char_start(head, head_end)
-        tail_start = max(head_end, size - quarter)
-        tail = self.read_range(pointer, tail_start, size - tail_start)
-        skip = _align(tail, 0)
-        newline = tail.find(b"\n", 0, len(tail) // 2)
-        skip = newline + 1 if newline >= 0 else skip
-        tail, tail_start = tail[skip:], tail_start + skip
-        parts = [Excerpt(pointer.id, 0, head_end, _text(head[:head_end]), "head")]
-        room = budget - head_end - len(tail)
-        middle_end = min(tail_start, head_end + MAX_EXCERPT_SCAN_BYTES)
-        if room > 0 and middle_end > head_end:
-            parts += self._matching_passages(pointer, query, head_end, middle_end, room)
-        parts.append(Excerpt(pointer.id, tail_start, len(tail), _text(tail), "tail"))
-        return sorted(parts, key=lambda e: e.offset)
 
-    def _range_pieces(self, pointer: ToolOutputPointer, start: int, end: int) -> Iterator[bytes]:
-        """Bytes [start, end) of the result, one stored chunk read at a time."""
-        index = start // CHUNK
-        while start < end:
-            chunks = self._store.read_tool_output_chunks(pointer, index, 1)
-            if not chunks:
-                return
-            base = index * CHUNK
-            yield chunks[0][start - base : end - base]
-            index += 1
-            start = base + CHUNK
-
-    def _matching_passages(
-        self, pointer: ToolOutputPointer, query: str, start: int, end: int, room: int
-    ) -> list[Excerpt]:
-        """The passages of [start, end) that best match `query` (BM25 over passages of
-        about EXCERPT_PASSAGE_CHARS bytes cut at line breaks) within `room` bytes."""
-        offsets: list[int] = []
-        texts: list[str] = []
-        pending = bytearray()
-        position = start  # the offset of pending[0]
-        for data in self._range_pieces(pointer, start, end):
-            pending += data
-            while len(pending) >= 2 * EXCERPT_PASSAGE_CHARS:
-                stop = _passage_end(pending)
-                offsets.append(position)
-                texts.append(_text(bytes(pending[:stop])))
-                del pending[:stop]
-                position += stop
-        if pending:
-            offsets.append(position)
-            texts.append(_text(bytes(pending)))
-        index = core.Bm25Index()
-        index.add(list(range(len(texts))), texts)
-        ids, _scores = index.search(query, min(len(texts), 64))
-        chosen: list[Excerpt] = []
-        for i in ids:
-            text = texts[i]
-            length = len(text.encode("utf-8", "replace"))
-            if length > room:
-                continue
-            room -= length
-            chosen.append(Excerpt(pointer.id, offsets[i], length, text, "match"))
-        return chosen
+def _call_in(tool_calls: str, call_id: str) -> ToolCall | None:
+    """The call of this id in a tool_calls text, when its name is a valid tool name."""
+    for call in parse_tool_calls(tool_calls) if tool_calls else []:
+        if call.id == call_id:
+            return call if _TOOL_NAME.fullmatch(call.name) else None
+    return None
 
 
-def _passage_end(data: bytearray) -> int:
-    """Where the passage at the start of `data` ends: after its last line break within
-    EXCERPT_PASSAGE_CHARS bytes, else there (at a character's start)."""
-    cut = data.rfind(b"\n", 0, EXCERPT_PASSAGE_CHARS)
-    if cut >= EXCERPT_PASSAGE_CHARS // 2:
-        return cut + 1
-    return max(1, _last_char_start(bytes(data[: EXCERPT_PASSAGE_CHARS + 1]), EXCERPT_PASSAGE_CHARS))
+def _args_of(arguments_json: str) -> str:
+    """A call's arguments as the args of its stored output (a JSON object; anything else
+    under "arguments")."""
+    try:
+        parsed = json.loads(arguments_json) if arguments_json.strip() else {}
+    except (ValueError, RecursionError):
+        parsed = arguments_json
+    if not isinstance(parsed, dict):
+        parsed = {"arguments": parsed}
+    text = json.dumps(parsed, ensure_ascii=False)
+    return text if len(text.encode()) <= MAX_TOOL_ARGS_BYTES else "{}"
 
 
-def _last_char_start(data: bytes, i: int) -> int:
-    """`i` moved back to a character's start."""
-    while 0 < i < len(data) and (data[i] & 0xC0) == 0x80:
-        i -= 1
-    return i
-
-
-def rank(
-    query: str, candidates: list[tuple[ToolOutputPointer, str]], k: int, keyword: bool
-) -> list[tuple[ToolOutputPointer, float]]:
-    """The best k candidates for `query`, highest score first (ties: older first), only
-    those that match at all. BM25 over each candidate's index text, or keyword overlap
-    with its tool description."""
-    if not candidates:
-        return []
-    if keyword:
-        scores = core.keyword_scores(query, [p.tool_description for p, _ in candidates])
-        order = sorted((i for i, s in enumerate(scores) if s > 0), key=lambda i: (-scores[i], i))
-        return [(candidates[i][0], float(scores[i])) for i in order[:k]]
-    index = core.Bm25Index()
-    index.add(list(range(len(candidates))), [text for _, text in candidates])
-    ids, values = index.search(query, k)
-    return [(candidates[i][0], float(s)) for i, s in zip(ids, values, strict=True) if s > 0]
+def _metered(pieces: Iterable[bytes], grow: Callable[[int], None]) -> Iterator[bytes]:
+    """The pieces, each admitted by the quota before it is handed on."""
+    for piece in pieces:
+        grow(len(piece))
+        yield piece
 
 
 def _grep(

@@ -86,6 +86,14 @@ def agent_bytes(a: Agent) -> int:
     return len(a.system_prompt) + sum(len(d.name) + len(d.content) for d in a.docs) + 128
 
 
+# Bounds of the build options that add tool output excerpts (app/build/excerpts.py).
+EXCERPT_OPTION_BOUNDS = (
+    ("tool_output_excerpts", 0, 20),
+    ("tool_output_excerpt_tokens", 1, 8_000),
+    ("tool_output_excerpts_max_tokens", 1, 32_000),
+)
+
+
 def check_overrides(options: BuildOverrides) -> None:
     """Reject option values no build could honour, naming the field."""
     positive = {
@@ -103,6 +111,12 @@ def check_overrides(options: BuildOverrides) -> None:
     for name, value in non_negative.items():
         if value is not None and value < 0:
             raise InvalidArgument(f"options.{name} must not be negative", field=f"options.{name}")
+    for name, low, high in EXCERPT_OPTION_BOUNDS:
+        value = getattr(options, name)
+        if value is not None and not low <= value <= high:
+            raise InvalidArgument(
+                f"options.{name} must be {low} to {high:,}", field=f"options.{name}"
+            )
     if options.safety_margin is not None and not 0.0 <= options.safety_margin < 1.0:
         raise InvalidArgument(
             "options.safety_margin must be at least 0 and below 1", field="options.safety_margin"

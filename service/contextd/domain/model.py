@@ -86,6 +86,10 @@ class BuildOverrides:
     safety_margin: float | None = None
     output_reserve_tokens: int | None = None
     budget_tokens: int | None = None
+    # Excerpts of the scope's stored tool outputs (app/build/excerpts.py).
+    tool_output_excerpts: int | None = None
+    tool_output_excerpt_tokens: int | None = None
+    tool_output_excerpts_max_tokens: int | None = None
 
     def over(self, top: BuildOverrides) -> BuildOverrides:
         """`top`'s set fields over this one's."""

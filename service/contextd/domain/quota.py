@@ -2,7 +2,8 @@
 
 A tenant's stored bytes are the content, tool_calls and metadata (UTF-8) of every message
 its threads hold (cleared ones included: a clear deletes nothing) plus the `size_bytes` of
-every snapshot it keeps: the unit of the message size limit and of the snapshot limits.
+every snapshot it keeps, plus the `size_bytes` (the result's size, before compression) of
+every tool output it stores: the unit of the message size limit and of the snapshot limits.
 Agents' settings, status entries and events are bounded per agent by their own limits and
 are not counted.
 

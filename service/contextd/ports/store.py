@@ -371,8 +371,8 @@ class UsageStore(Protocol):
 
     def tenant_stored_bytes(self, tenant: str) -> int:
         """Content, tool_calls and metadata bytes (UTF-8) of every message of the
-        tenant's threads, plus the size_bytes of its snapshots; read from per-thread
-        counters, never by scanning messages."""
+        tenant's threads, plus the size_bytes of its snapshots and of its tool outputs;
+        read from per-thread counters, never by scanning messages."""
 
 
 class MessageSearch(Protocol):

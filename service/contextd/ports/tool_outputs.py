@@ -14,10 +14,18 @@ What every engine must do:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+
+if TYPE_CHECKING:
+    from contextd.domain.model import ContextKey
+    from contextd.ports.store import RetainedThread
+
+
+IndexedOutput = tuple[str, int, str, str | None, str | None, str, str]
+"""(id, create_time_us, thread, task_id, query_id, tool_name, index_text)."""
 
 
 class BlobUpload(Protocol):
@@ -74,3 +82,26 @@ class ToolOutputStore(Protocol):
         self, where: ToolOutputFilter, record: RequestRecord | None = None
     ) -> int:
         """Delete the pointers and their stored data; returns how many."""
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        """Delete at most `limit` outputs of the thread's context (tenant, agent, scope,
+        thread) stored at or before `cutoff_us`, and their stored data, provided the
+        thread's newest message is still at or before `cutoff_us` (checked in the
+        delete's transaction: an append that just arrived keeps them). Returns how many
+        (fewer than `limit`: none are left)."""
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        """The `tool_calls` text of the thread's newest stored message that declares the
+        call id (None: no such message), so a result kept aside can name its tool."""
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        """(count, sum of create_time_us) of the scope's outputs: what a cached relevance
+        index checks itself against (every put and delete changes it)."""
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        """The scope's outputs by (create time, id), strictly after `after`, as a
+        relevance index reads them."""

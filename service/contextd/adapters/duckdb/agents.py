@@ -123,18 +123,19 @@ class AgentsMixin(DuckDBBase):
         """Delete the agent and everything it holds; return how many messages it had.
 
         In two steps, so that a large agent does not hold up every other tenant's writes
-        (removing 235,000 messages in one transaction blocked all appends for ~350 ms):
-        one short transaction deletes the agent, its threads, status entries and events,
-        and records its context ids in `deleted_contexts`. From that commit on the agent
-        is gone: its messages are reachable only through those threads, and a new agent
-        of the same name gets new context ids (ids are never reused while any message
-        still carries them). Then the messages are removed a chunk at a time, each chunk
-        its own writer job queued behind whatever arrived meanwhile. The call returns when
-        they are all gone, or when the server begins to stop; what a stop or a crash
-        leaves is removed at the next start.
+        (removing 235,000 messages in one transaction blocked all appends for ~350 ms): one
+        short transaction deletes the agent, its threads, status entries, events, snapshots
+        and tool outputs (their files once it commits), and records its context ids in
+        `deleted_contexts`. From that commit on the agent is gone: its messages are
+        reachable only through those threads, and a new agent of the same name gets new
+        context ids (ids are never reused while any message still carries them). Then the
+        messages are removed a chunk at a time, each chunk its own writer job queued behind
+        whatever arrived meanwhile. The call returns when they are all gone, or when the
+        server begins to stop; what a stop or a crash leaves is removed at the next start.
         """
 
         documents: list[str] = []  # the agent's snapshot documents, removed after the commit
+        outputs: list[str] = []  # its tool output files, removed after the commit
 
         def mark(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[int]]:
             check_etag(_require_agent(cur, tenant, name), etag)
@@ -170,6 +171,7 @@ class AgentsMixin(DuckDBBase):
             cur.execute(f"DELETE FROM events WHERE {where}", [tenant, name])
             cur.execute("DELETE FROM agents WHERE tenant = ? AND name = ?", [tenant, name])
             documents[:] = self._drop_agent_snapshots(cur, tenant, name)
+            outputs[:] = self._drop_agent_tool_outputs(cur, tenant, name)
             # In the same writer job: the next append must not reuse the deleted ids.
             self._forget_contexts(tenant, name)
             return (int(row[0]) if row else 0), contexts
@@ -178,6 +180,7 @@ class AgentsMixin(DuckDBBase):
         marked = record.with_encoder(lambda r: record.encode(r[0])) if record else None
         count, contexts = self._write(mark, marked)
         self._remove_documents(documents)
+        self._remove_tool_output_files(outputs)
         if contexts:
             try:
                 self._purge(contexts)

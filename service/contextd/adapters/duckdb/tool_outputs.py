@@ -33,7 +33,10 @@ from contextd.adapters.blobs.rows import (
 from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
 from contextd.domain.errors import StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
+from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+from contextd.ports.store import RetainedThread
+from contextd.ports.tool_outputs import IndexedOutput
 
 TOOL_OUTPUTS_DIR = "tool_outputs"
 _SUFFIX = ".chunks"
@@ -186,17 +189,16 @@ class ToolOutputsMixin(DuckDBBase):
     ) -> list[ToolOutputPointer]:
         if not ids:
             return []
+        # By id alone, which DuckDB answers from the primary key's index (with more
+        # conditions it scans the table: 10 ms at 100,000 outputs); the tenant, agent and
+        # scope are then checked on the rows found.
         rows = (
             self._cursor()
-            .execute(
-                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE scope_key = ? AND "
-                f"tenant = ? AND agent = ? AND scope = ? AND id IN "
-                f"({', '.join('?' * len(ids))})",
-                [_scope_key(tenant, agent, scope), tenant, agent, scope, *ids],
-            )
+            .execute(f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE id = ANY(?)", [list(ids)])
             .fetchall()
         )
-        return [pointer_from_row(r) for r in rows]
+        found = [pointer_from_row(r) for r in rows]
+        return [p for p in found if (p.tenant, p.agent, p.scope) == (tenant, agent, scope)]
 
     def read_tool_output_chunks(
         self, pointer: ToolOutputPointer, first: int, count: int
@@ -247,6 +249,126 @@ class ToolOutputsMixin(DuckDBBase):
 
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None
         count, paths = self._write(delete, recorded)
+        self._remove_tool_output_files(paths)
+        return count
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        key = thread.key
+        where = (
+            "scope_key = ? AND tenant = ? AND agent = ? AND scope = ? AND thread = ? AND "
+            "create_time_us <= ?"
+        )
+        params = [
+            _scope_key(key.tenant, key.agent, key.scope),
+            key.tenant,
+            key.agent,
+            key.scope,
+            key.thread,
+            cutoff_us,
+        ]
+        # A read first: a sweep visits expired threads again on every pass, and most
+        # have no output left to delete (no writer job for them).
+        if (
+            _first(
+                self._cursor().execute(f"SELECT 1 FROM tool_outputs WHERE {where} LIMIT 1", params)
+            )
+            is None
+        ):
+            return 0
+
+        def chunk(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[str]]:
+            row = _first(
+                cur.execute(
+                    "SELECT last_message_time_us FROM threads WHERE context_id = ?",
+                    [thread.context_id],
+                )
+            )
+            if row is None:
+                return 0, []
+            if max(int(row[0] or 0), self._pending.last_of(thread.context_id)) > cutoff_us:
+                return 0, []  # appended to since it was read: alive again
+            rows = cur.execute(
+                f"SELECT id, path FROM tool_outputs WHERE {where} LIMIT ?", [*params, limit]
+            ).fetchall()
+            if rows:
+                ids = [str(r[0]) for r in rows]
+                cur.execute(
+                    f"DELETE FROM tool_outputs WHERE id IN ({', '.join('?' * len(ids))})", ids
+                )
+            return len(rows), [str(r[1]) for r in rows if r[1] is not None]
+
+        count, paths = self._write(chunk)
+        self._remove_tool_output_files(paths)
+        return count
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        row = _first(
+            self._cursor().execute(
+                "SELECT tool_calls FROM messages WHERE context_id = (SELECT context_id FROM "
+                "threads WHERE tenant = ? AND agent = ? AND scope = ? AND thread = ?) AND "
+                "tool_call_ids <> '' AND list_contains(string_split(tool_call_ids, ','), ?) "
+                "ORDER BY sequence DESC LIMIT 1",
+                [key.tenant, key.agent, key.scope, key.thread, call_id],
+            )
+        )
+        return None if row is None else str(row[0])
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        row = _first(
+            self._cursor().execute(
+                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "WHERE scope_key = ? AND tenant = ? AND agent = ? AND scope = ?",
+                [_scope_key(tenant, agent, scope), tenant, agent, scope],
+            )
+        )
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        position = after or (-1, "")
+        rows = (
+            self._cursor()
+            .execute(
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "FROM tool_outputs WHERE scope_key = ? AND tenant = ? AND agent = ? AND "
+                "scope = ? AND (create_time_us > ? OR (create_time_us = ? AND id > ?)) "
+                "ORDER BY create_time_us, id LIMIT ?",
+                [
+                    _scope_key(tenant, agent, scope),
+                    tenant,
+                    agent,
+                    scope,
+                    position[0],
+                    position[0],
+                    position[1],
+                    limit,
+                ],
+            )
+            .fetchall()
+        )
+        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]
+
+    def _drop_agent_tool_outputs(
+        self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str
+    ) -> list[str]:
+        """Delete every tool output row of the agent, in every scope (in the caller's
+        transaction: DeleteAgent's); returns the paths of their files, to remove once
+        that commits (a crash before leaves files no row names: the next open removes
+        them)."""
+        params = [tenant, agent]
+        rows = cur.execute(
+            "SELECT path FROM tool_outputs WHERE tenant = ? AND agent = ? AND path IS NOT NULL",
+            params,
+        ).fetchall()
+        cur.execute("DELETE FROM tool_outputs WHERE tenant = ? AND agent = ?", params)
+        return [str(r[0]) for r in rows]
+
+    def _remove_tool_output_files(self, paths: Sequence[str]) -> None:
+        """Remove files whose rows are gone; one that cannot be removed now is removed at
+        the next start."""
         for relative in paths:
             try:
                 (self._data_dir / relative).unlink(missing_ok=True)
@@ -255,7 +377,6 @@ class ToolOutputsMixin(DuckDBBase):
                     "removing a deleted tool output's file failed; the next start removes it",
                     extra={"path": relative, "detail": str(exc)[:300]},
                 )
-        return count
 
     # ----------------------------------------------------------------- helpers
 

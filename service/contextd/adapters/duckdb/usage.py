@@ -1,6 +1,6 @@
 """A tenant's stored bytes on DuckDB: its threads' byte counters (pending counts added,
-see thread_counters.py) plus its snapshots' sizes. One row per thread is read, never a
-message."""
+see thread_counters.py) plus its snapshots' and tool outputs' sizes. One row per thread
+and per output is read, never a message."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ class UsageMixin(DuckDBBase):
             row = cur.execute(
                 _LIVE_THREADS + "SELECT (SELECT coalesce(sum(stored_bytes), 0) FROM live_threads "
                 "WHERE tenant = ?) + (SELECT coalesce(sum(size_bytes), 0) FROM snapshots "
+                "WHERE tenant = ?) + (SELECT coalesce(sum(size_bytes), 0) FROM tool_outputs "
                 "WHERE tenant = ?)",
-                [tenant, tenant],
+                [tenant, tenant, tenant],
             ).fetchone()
             if self._pending.unchanged_since(generation):
                 return int(row[0]) if row else 0

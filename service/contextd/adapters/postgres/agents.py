@@ -137,6 +137,15 @@ class AgentsMixin(PostgresBase):
                 conn.execute(
                     f"DELETE FROM {table} WHERE tenant = %s AND agent = %s", [tenant, name]
                 )
+            # Its tool outputs, in every scope, and their chunks.
+            conn.execute(
+                "DELETE FROM tool_output_chunks WHERE tenant = %s AND output_id IN "
+                "(SELECT id FROM tool_outputs WHERE tenant = %s AND agent = %s)",
+                [tenant, tenant, name],
+            )
+            conn.execute(
+                "DELETE FROM tool_outputs WHERE tenant = %s AND agent = %s", [tenant, name]
+            )
             conn.execute("DELETE FROM agents WHERE tenant = %s AND name = %s", [tenant, name])
             return int(row[0]) if row else 0
 

@@ -37,7 +37,10 @@ from contextd.adapters.postgres.base import (
 )
 from contextd.domain.errors import Unavailable
 from contextd.domain.idempotency import AlreadyDone, RequestRecord, replay
+from contextd.domain.model import ContextKey
 from contextd.domain.tool_outputs import ToolOutputFilter, ToolOutputPointer
+from contextd.ports.store import RetainedThread
+from contextd.ports.tool_outputs import IndexedOutput
 
 
 class ChunkUpload:
@@ -246,3 +249,79 @@ class ToolOutputsMixin(PostgresBase):
             return len(ids)
 
         return self._write(delete, record)
+
+    def delete_expired_tool_outputs(
+        self, thread: RetainedThread, cutoff_us: int, limit: int
+    ) -> int:
+        key = thread.key
+        where = "tenant = %s AND agent = %s AND scope = %s AND thread = %s AND create_time_us <= %s"
+        params = [key.tenant, key.agent, key.scope, key.thread, cutoff_us]
+        # A read first: a sweep visits expired threads again on every pass, and most
+        # have no output left to delete (no write transaction for them).
+        with self._reading() as conn:
+            if first_row(conn, f"SELECT 1 FROM tool_outputs WHERE {where} LIMIT 1", params) is None:
+                return 0
+
+        def chunk(conn: Conn) -> int:
+            # FOR SHARE: an append (which locks the row FOR UPDATE) waits for this chunk,
+            # or this chunk sees the append's newer message time.
+            row = first_row(
+                conn,
+                "SELECT last_message_time_us FROM threads WHERE tenant = %s AND "
+                "context_id = %s FOR SHARE",
+                [key.tenant, thread.context_id],
+            )
+            if row is None or int(row[0] or 0) > cutoff_us:
+                return 0  # gone, or appended to since it was read: alive again
+            ids = [
+                str(r[0])
+                for r in conn.execute(
+                    "DELETE FROM tool_outputs WHERE tenant = %s AND id IN (SELECT id FROM "
+                    f"tool_outputs WHERE {where} LIMIT %s) RETURNING id",
+                    [key.tenant, *params, limit],
+                ).fetchall()
+            ]
+            if ids:
+                conn.execute(
+                    "DELETE FROM tool_output_chunks WHERE tenant = %s AND output_id = ANY(%s)",
+                    [key.tenant, ids],
+                )
+            return len(ids)
+
+        return self._write(chunk)
+
+    def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
+        with self._reading() as conn:
+            row = first_row(
+                conn,
+                "SELECT m.tool_calls FROM threads t JOIN tool_calls c ON c.tenant = t.tenant "
+                "AND c.context_id = t.context_id JOIN messages m ON m.tenant = c.tenant AND "
+                "m.id = c.message_id WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s "
+                "AND t.thread = %s AND c.call_id = %s",
+                [key.tenant, key.agent, key.scope, key.thread, call_id],
+            )
+        return None if row is None else str(row[0])
+
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+        # An index-only range of tool_outputs_by_scope (tenant, agent, scope, time, id).
+        with self._reading() as conn:
+            row = first_row(
+                conn,
+                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "WHERE tenant = %s AND agent = %s AND scope = %s",
+                [tenant, agent, scope],
+            )
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
+    def tool_output_docs(
+        self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
+    ) -> list[IndexedOutput]:
+        position = after or (-1, "")
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "FROM tool_outputs WHERE tenant = %s AND agent = %s AND scope = %s AND "
+                "(create_time_us, id) > (%s, %s) ORDER BY create_time_us, id LIMIT %s",
+                [tenant, agent, scope, position[0], position[1], limit],
+            ).fetchall()
+        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]

@@ -42,6 +42,7 @@ from contextd.app.build.compaction import (
     trim_columns,
     valid_cuts,
 )
+from contextd.app.build.handles import full_text_handle
 from contextd.app.build.render import Framing, joined_system, render_docs
 from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer, SummaryResult
 from contextd.domain.context import (
@@ -632,36 +633,37 @@ def _enforce(items: list[HistoryItem], budget: int) -> tuple[list[HistoryItem], 
     return items, dropped
 
 
-def cut_marker(item_id: int, removed: int) -> str:
+def cut_marker(handle: str | None, removed: int) -> str:
     """The note that stands where a cut took text out: how much, and the handle that
     fetches the whole text (stored messages only; a summary has no handle)."""
-    if item_id > 0:
-        return f"\n[… {removed} more chars truncated; full text: message:{item_id}]\n"
+    if handle is not None:
+        return f"\n[… {removed} more chars truncated; full text: {handle}]\n"
     return f"\n[… {removed} chars truncated]\n"
 
 
-def cut_text(text: str, limit: int, item_id: int) -> str:
+def cut_text(text: str, limit: int, handle: str | None) -> str:
     """``text`` cut to at most ``limit`` characters, marker included: its head and its
     tail (where errors usually are) with :func:`cut_marker` between them. A text within
     the limit is returned as is; a limit shorter than the marker gives the marker alone."""
     if len(text) <= limit:
         return text
-    body = max(0, limit - len(cut_marker(item_id, len(text))))
+    body = max(0, limit - len(cut_marker(handle, len(text))))
     for _ in range(2):  # the marker's length depends on the count it names
-        body = max(0, limit - len(cut_marker(item_id, len(text) - body)))
+        body = max(0, limit - len(cut_marker(handle, len(text) - body)))
     head = body // 2
     tail = body - head
-    marker = cut_marker(item_id, len(text) - body)
+    marker = cut_marker(handle, len(text) - body)
     return text[:head] + marker + (text[len(text) - tail :] if tail else "")
 
 
 def _cut(item: HistoryItem, limit: int) -> HistoryItem:
-    """``item`` with its content cut to ``limit`` characters (see :func:`cut_text`)."""
-    item_id = item.id if not item.is_summary else 0
+    """``item`` with its content cut to ``limit`` characters (see :func:`cut_text`); the
+    marker names where the whole text is read back (see handles.py)."""
+    handle = full_text_handle(item) if item.id > 0 and not item.is_summary else None
     content = item.content
     if len(content) <= limit:  # a cut asked of a short text still marks it as cut
-        return replace(item, content=content[:limit] + cut_marker(item_id, 0))
-    return replace(item, content=cut_text(content, limit, item_id))
+        return replace(item, content=content[:limit] + cut_marker(handle, 0))
+    return replace(item, content=cut_text(content, limit, handle))
 
 
 def _fit_item(item: HistoryItem, max_tokens: int, cost: ItemCost) -> HistoryItem | None:

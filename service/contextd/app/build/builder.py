@@ -30,6 +30,7 @@ from contextd.app.build.compaction import (
     repair_tool_pairs,
     summary_body,
 )
+from contextd.app.build.excerpts import ExcerptReport, add_excerpts
 from contextd.app.build.render import render
 from contextd.app.build.summarizer import Summarizer
 from contextd.domain.batches import prepare_batch, stored_tokenizer
@@ -109,6 +110,8 @@ class BuildResult:
     # Window messages whose tool call or results are outside the history being built,
     # rewritten as text (see `repair_tool_pairs`) or, when they did not fit, dropped.
     orphaned_ids: tuple[int, ...] = ()
+    # Excerpts of stored tool outputs the build added (app/build/excerpts.py).
+    excerpts: ExcerptReport = field(default_factory=ExcerptReport)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +213,14 @@ class ContextBuilder:
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
         context = replace(context, stats=_account(context, window))
+        context, excerpts = add_excerpts(
+            self._store,
+            plan.key,
+            request.user_message,
+            (plan.agent.build_options or BuildOverrides()).over(request.overrides),
+            context,
+            count,
+        )
         stats = context.stats
         summary_id: int | None = None
         new_summary = context.summary is not None and stats.summarizer_path in ("llm", "fallback")
@@ -251,6 +262,7 @@ class ContextBuilder:
             event,
             len(window.items),
             window.orphaned_ids,
+            excerpts,
         )
 
     # ----------------------------------------------------------------- CompactContext

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from contextd import core
 from contextd.app.build import ledger
+from contextd.app.build.handles import full_text_handle
 from contextd.app.build.summarizer import SummaryResult, strip_specifics
 from contextd.domain.context import (
     HistoryItem,
@@ -413,5 +414,5 @@ def elision_stub(item: HistoryItem, tool_name: str | None) -> str:
     return (
         f"[tool result elided: {tool_name or 'unknown tool'} returned "
         f"{len(item.content)} chars in {lines} lines, starting: {first!r}.{details} "
-        f"Full output: message:{item.id}]"
+        f"Full output: {full_text_handle(item)}]"
     )
