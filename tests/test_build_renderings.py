@@ -9,6 +9,7 @@ import pytest
 
 from conftest import Client, rendering
 from contextd import core
+from contextd.app.build.builder import MAX_SUMMARY_SOURCE_CHARS
 from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 
@@ -119,9 +120,10 @@ def test_a_huge_budget_is_clamped_to_the_models_window(client: Client) -> None:
 
 
 def test_summarize_reads_a_bounded_source(client: Client) -> None:
-    """A summarizing build used to load up to 5,000 whole messages, whatever their size."""
+    """A summarizing build used to load up to 5,000 whole messages, whatever their size:
+    its source is bounded in characters (here 5 MB of window, more than the bound)."""
     text = "z" * 1_990
-    for start in range(0, 1_000, 250):
+    for start in range(0, 2_500, 250):
         batch = [
             pb.Message(role=pb.ROLE_USER, content=f"{i:05d}{text}")
             for i in range(start, start + 250)
@@ -137,8 +139,8 @@ def test_summarize_reads_a_bounded_source(client: Client) -> None:
     ).stats
     assert stats.summarizer_path in ("llm", "fallback")
     source_chars = stats.messages_loaded * 1_995
-    assert source_chars <= 400_000 + 8 * budget + 1_995
-    assert stats.messages_loaded < 1_000
+    assert source_chars <= MAX_SUMMARY_SOURCE_CHARS + 8 * budget + 1_995
+    assert stats.messages_loaded < 2_500  # not the whole window
     # Nothing is lost from the accounting: what was not read is dropped.
     summarized = stats.last_summarized_id >= stats.first_summarized_id > 0
     assert summarized and stats.dropped_count > 0
