@@ -46,7 +46,7 @@ from bench.stats import (
     ratio,
     timed,
 )
-from bench.trim import langchain_messages, langchain_trim, newest_first
+from bench.trim import langchain_messages, langchain_trim, newest_first, openai_framed
 
 TENANT = "default"
 AGENT = "bench-reader"
@@ -186,14 +186,18 @@ def run(sz: Sizes) -> Section:
         def load() -> list[Any]:
             return store.list_messages(where, WindowSpec(0, 0), None, n + 1)
 
+        # The peers count each message as the rendered request does (OpenAI's framing), as
+        # contextd's build does: the same job, or they would keep more than fits.
         def naive_loop() -> list[Any]:
             rows = load()
-            return rows[newest_first([m.token_count for m in rows], budget) :]
+            costs, room = openai_framed([m.token_count for m in rows], budget)
+            return rows[newest_first(costs, room) :]
 
         def naive_langchain() -> list[Any]:
             rows = load()
             messages = langchain_messages([int(m.role) for m in rows], [m.content for m in rows])
-            return langchain_trim(messages, [m.token_count for m in rows], budget)
+            costs, room = openai_framed([m.token_count for m in rows], budget)
+            return langchain_trim(messages, costs, room)
 
         progress("read path: checking the paths agree")
         kept_ours = [m.id for m in ours()]

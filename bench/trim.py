@@ -31,6 +31,19 @@ from bench.stats import fmt_ms, fmt_ratio, median_time, progress, ratio
 NO_TRUNCATION = 1 << 30  # max_chars_per_message: langchain does not truncate, so neither do we
 
 
+# What one chat message costs an OpenAI model besides its content (3 tokens of framing
+# and 1 for a "user"/"assistant" role), and what the request costs once (the reply's
+# priming): contextd's builds count a request as its provider does (docs/api.md, "Budgets
+# that hold"), so a peer doing the same job must count the same way.
+OPENAI_PER_MESSAGE = 4
+OPENAI_PER_REQUEST = 3
+
+
+def openai_framed(tokens: Sequence[int], budget: int) -> tuple[list[int], int]:
+    """Per-message costs and the history budget under OpenAI's chat accounting."""
+    return [t + OPENAI_PER_MESSAGE for t in tokens], budget - OPENAI_PER_REQUEST
+
+
 def newest_first(tokens: Sequence[int], budget: int) -> int:
     """Index of the oldest kept message of the longest newest suffix within ``budget``."""
     total = 0
