@@ -428,6 +428,7 @@ def run_strategy(
     t: Transcript, strategy: str, budget: int, summarizer: Any, step: int, rolling: bool
 ) -> Outcome:
     from contextd.app.build.assembly import assemble
+    from contextd.app.build.builder import governing_formats
     from contextd.domain.context import HistoryItem, counter_for_model
 
     count = counter_for_model(MODEL)
@@ -445,6 +446,8 @@ def run_strategy(
             history=window,
             options=opts,
             summarizer=summarizer,
+            # What a BuildContext for gpt-4o bounds: its own provider's rendering.
+            formats=governing_formats("gpt-4o", ()),
         )
         if ctx.stats.summarizer_path in ("llm", "fallback") and ctx.summary is not None:
             outcome.compactions += 1
@@ -691,8 +694,8 @@ def run(sz: Sizes) -> Section:
             "≤ 1.0 x budget",
             f"worst {over:.3f} x budget",
             over <= 1.0,
-            "the budget counts messages' texts, not the rendering's per-message framing "
-            "and tool_call JSON (being addressed apart from the ledger)",
+            "a build bounds the rendering its model's provider counts (framing, tool_call "
+            "JSON, placeholders); a rendering over it is a bug",
         ),
         Target(
             "Provider-valid renderings",
