@@ -205,3 +205,21 @@ def test_messages_follow_prints_new_messages(server: InProcessServer, client: Cl
     finally:
         follower.kill()
         follower.communicate(timeout=30)
+
+
+def test_messages_search(server: InProcessServer, client: Client) -> None:
+    """`contextd messages search` goes through the typed client's search_messages: best
+    match first, whole history with --all, the match marked in the table."""
+    client.append("demo", "the deploy timed out at 03:00", thread="t1")
+    client.append("demo", "lunch at noon", "deploy again after the timeout fix", thread="t2")
+    _run(server, "context", "clear", "--agent", "demo", "--thread", "t1")
+    window = _run(server, "messages", "search", "deploy timeout", "--agent", "demo", "--json")
+    hits = [json.loads(line) for line in window.stdout.splitlines()]
+    assert [h["message"]["content"] for h in hits] == ["deploy again after the timeout fix"]
+    everything = _run(
+        server, "messages", "search", "deploy timeout", "--agent", "demo", "--all", "--json"
+    )
+    found = [json.loads(line)["message"]["content"] for line in everything.stdout.splitlines()]
+    assert sorted(found) == ["deploy again after the timeout fix", "the deploy timed out at 03:00"]
+    table = _run(server, "messages", "search", "lunch", "--agent", "demo").stdout
+    assert "«lunch»" in table

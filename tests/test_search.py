@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +27,10 @@ from contextd.v1 import key_service_pb2 as kpb
 from contextd.v1 import key_service_pb2_grpc as kpb_grpc
 
 DAY_US = 86_400 * 1_000_000
+
+
+def pb_duration(seconds: int) -> duration_pb2.Duration:
+    return duration_pb2.Duration(seconds=seconds)
 
 
 def search(
@@ -129,6 +134,18 @@ def test_the_window_honours_clears_and_age_and_the_history_keeps_all(
     clock.advance(DAY_US + 1)
     assert search(client, "a1", "alpha").hits == []
     assert len(search(client, "a1", "alpha", range=pb.MESSAGE_RANGE_ALL).hits) == 4
+
+
+def test_the_window_honours_retention_caps_and_expiry(client: Client, clock: ManualClock) -> None:
+    """Searching the window sees what every window read sees: at most the newest
+    max_messages, and nothing of an expired context (the history keeps it until swept)."""
+    policy = pb.RetentionPolicy(max_messages=2, ttl=pb_duration(3_600))
+    client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1", retention=policy)))
+    client.append("a1", "delta one", "delta two", "delta three")
+    assert sorted(contents(search(client, "a1", "delta"))) == ["delta three", "delta two"]
+    clock.advance(3_600 * 1_000_000)
+    assert search(client, "a1", "delta").hits == []
+    assert len(search(client, "a1", "delta", range=pb.MESSAGE_RANGE_ALL).hits) == 3
 
 
 def test_a_named_thread_limits_the_search(client: Client) -> None:

@@ -32,7 +32,7 @@ from contextd.domain.quota import stored_bytes
 from contextd.domain.validation import (
     check_name,
 )
-from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec, window_spec
+from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 from contextd.ports.store import ThreadFilter
 
 
@@ -107,11 +107,13 @@ class MessageCalls(UseCases):
         if message_range == MessageRange.WINDOW:
             now = self._clock.now_us()
             if position is not None and position.window is not None:
-                window = WindowSpec(*position.window)  # the first page's window
+                # The first page's window; retention applies as of each page (like thread
+                # markers, read live).
+                window = WindowSpec(*position.window).with_retention(
+                    found.retention_for(scope), now
+                )
             else:
-                window = window_spec(now, found.rolling_window_us, found.last_clear_time_us)
-            # Retention applies as of each page (like thread markers, read live).
-            window = window.with_retention(found.retention_for(scope), now)
+                window = found.window_at(scope, now)
         after = (int(position.position[0]), int(position.position[1])) if position else None
         where = ThreadFilter(tenant, agent, scope, thread or None)
         rows = self._store.list_messages(where, window, after, size + 1)

@@ -13,7 +13,7 @@ from contextd.app.base import UseCases
 from contextd.domain.model import MessageRange
 from contextd.domain.search import SearchHit, SearchQuery, hits_wanted, query_terms, with_snippet
 from contextd.domain.validation import check_name
-from contextd.domain.window import WindowSpec, window_spec
+from contextd.domain.window import WindowSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +42,7 @@ class SearchCalls(UseCases):
         found = self._store.get_agent(tenant, agent)
         window: WindowSpec | None = None
         if message_range == MessageRange.WINDOW:
-            window = window_spec(
-                self._clock.now_us(), found.rolling_window_us, found.last_clear_time_us
-            )
+            window = found.window_at(scope, self._clock.now_us())
         ranked = self._store.search_messages(
             SearchQuery(
                 tenant=tenant,

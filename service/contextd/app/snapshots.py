@@ -48,7 +48,7 @@ from contextd.domain.snapshots import (
     new_snapshot_id,
 )
 from contextd.domain.validation import check_name, tool_call_ids
-from contextd.domain.window import WindowSpec, window_spec
+from contextd.domain.window import WindowSpec
 from contextd.ports.store import ThreadFilter
 
 log = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ class SnapshotCalls(UseCases):
                     reason="THREAD_NOT_FOUND",
                 )
             now = self._clock.tick()
-            window = window_spec(
-                now, found.rolling_window_us, found.last_clear_time_us
-            ).with_retention(found.retention_for(scope), now)
+            window = found.window_at(scope, now)
             where = ThreadFilter(tenant, agent, scope, thread or None)
             messages, ledgers = self._read_cut(where, window)
         items = [HistoryItem.from_stored(m) for m in messages]

@@ -21,7 +21,6 @@ from contextd.domain.model import (
 from contextd.domain.validation import (
     check_name,
 )
-from contextd.domain.window import window_spec
 from contextd.ports.store import ThreadFilter
 
 
@@ -82,9 +81,7 @@ class ThreadCalls(UseCases):
             thread_clear = one.last_clear_time_us
         now = self._clock.now_us()
         policy = found.retention_for(scope)
-        window = window_spec(now, found.rolling_window_us, found.last_clear_time_us).with_retention(
-            policy, now
-        )
+        window = found.window_at(scope, now)
         counts = self._store.context_counts(
             ThreadFilter(tenant, agent, scope, thread or None), window
         )

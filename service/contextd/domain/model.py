@@ -13,6 +13,7 @@ from enum import IntEnum
 from typing import Generic, TypeVar
 
 from contextd.domain.retention import KEEP_EVERYTHING, RetentionPolicy, ScopeRetention, policy_for
+from contextd.domain.window import WindowSpec, window_spec
 
 T = TypeVar("T")
 
@@ -61,6 +62,14 @@ class Agent:
     def retention_for(self, scope: str) -> RetentionPolicy:
         """The retention policy of the agent's contexts in `scope`."""
         return policy_for(self.retention, self.retention_overrides, scope)
+
+    def window_at(self, scope: str, now_us: int) -> WindowSpec:
+        """The window of the agent's contexts in `scope` at `now_us`: the rolling window
+        and the agent-wide clear, with the scope's retention (caps, expiry). Every read of
+        a window starts here, so none of them can leave retention out."""
+        return window_spec(now_us, self.rolling_window_us, self.last_clear_time_us).with_retention(
+            self.retention_for(scope), now_us
+        )
 
     @property
     def etag(self) -> str:

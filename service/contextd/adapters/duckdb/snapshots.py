@@ -23,6 +23,7 @@ from urllib.parse import quote
 import duckdb
 
 from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
+from contextd.adapters.duckdb.files import fsync_dir, remove_stray_files
 from contextd.adapters.rows import SNAPSHOT_COLUMNS, snapshot_from_row
 from contextd.domain.errors import DataLoss, StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
@@ -43,14 +44,6 @@ def document_path(info: SnapshotInfo) -> str:
     return f"{SNAPSHOTS_DIR}/{agent}/{utc_name(info.create_time_us)}_{info.id}.json"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomically(path: Path, data: bytes) -> None:
     """`path` holds `data` whole or does not exist, also across a crash."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,8 +53,8 @@ def write_atomically(path: Path, data: bytes) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(temporary, path)
-    _fsync_dir(path.parent)
-    _fsync_dir(path.parent.parent)
+    fsync_dir(path.parent)
+    fsync_dir(path.parent.parent)
 
 
 def _io_failed(what: str) -> StoreUnavailable:
@@ -257,24 +250,14 @@ class SnapshotsMixin(DuckDBBase):
         that stopped before its file) and temporary files; report rows without files."""
         root = self._data_dir / SNAPSHOTS_DIR
         known = {str(r[0]) for r in self._cursor().execute("SELECT path FROM snapshots").fetchall()}
-        removed = 0
-        if root.is_dir():
-            for path in root.glob("*/*"):
-                relative = path.relative_to(self._data_dir).as_posix()
-                stray = path.name.endswith(".tmp") or (
-                    path.suffix == ".json" and relative not in known
-                )
-                if stray and path.is_file():
-                    try:
-                        path.unlink()
-                        removed += 1
-                    except OSError as exc:
-                        log.warning(
-                            "removing a stray snapshot document failed",
-                            extra={"path": relative, "detail": str(exc)[:300]},
-                        )
-        if removed:
-            log.info("removed snapshot documents no snapshot names", extra={"files": removed})
+        remove_stray_files(
+            self._data_dir,
+            root,
+            lambda path, relative: (
+                path.name.endswith(".tmp") or (path.suffix == ".json" and relative not in known)
+            ),
+            "snapshot document",
+        )
         missing = sorted(p for p in known if not (self._data_dir / p).is_file())
         if missing:
             log.warning(

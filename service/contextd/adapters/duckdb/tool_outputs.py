@@ -31,6 +31,7 @@ from contextd.adapters.blobs.rows import (
     pointer_values,
 )
 from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
+from contextd.adapters.duckdb.files import fsync_dir, remove_stray_files
 from contextd.domain.errors import StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import ContextKey
@@ -48,14 +49,6 @@ def _io_failed(what: str) -> StoreUnavailable:
         f"the store could not {what} a tool output's result (I/O error); retry later",
         retry_after_s=RETRY_AFTER_S,
     )
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileUpload:
@@ -95,7 +88,7 @@ class FileUpload:
             os.fsync(self._out.fileno())
             self._out.close()
             os.replace(self.temporary, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except OSError as exc:
             self.abort()
             raise _io_failed("write") from exc
@@ -391,25 +384,12 @@ class ToolOutputsMixin(DuckDBBase):
         """At open: remove temporary files and files no row names (a put that did not
         commit, a delete that stopped before its files)."""
         root = self._data_dir / TOOL_OUTPUTS_DIR
-        if not root.is_dir():
-            return
         known = {
             str(r[0])
             for r in self._cursor()
             .execute("SELECT path FROM tool_outputs WHERE path IS NOT NULL")
             .fetchall()
         }
-        removed = 0
-        for path in root.glob("*/*"):
-            relative = path.relative_to(self._data_dir).as_posix()
-            if path.is_file() and relative not in known:
-                try:
-                    path.unlink()
-                    removed += 1
-                except OSError as exc:
-                    log.warning(
-                        "removing a stray tool output file failed",
-                        extra={"path": relative, "detail": str(exc)[:300]},
-                    )
-        if removed:
-            log.info("removed tool output files no output names", extra={"files": removed})
+        remove_stray_files(
+            self._data_dir, root, lambda _, relative: relative not in known, "tool output file"
+        )

@@ -59,7 +59,7 @@ from contextd.domain.model import (
     StoredMessage,
 )
 from contextd.domain.validation import quote
-from contextd.domain.window import WindowSpec, window_spec
+from contextd.domain.window import WindowSpec
 from contextd.ports.store import ContextRef, Store
 
 COMPRESSED_EVENT = "context.compressed"
@@ -375,9 +375,7 @@ class ContextBuilder:
         key = ContextKey(tenant, agent_name, scope, thread)
         context = self._store.context_ref(key)
         now = self._store.clock.now_us()
-        agent_window = window_spec(
-            now, agent.rolling_window_us, agent.last_clear_time_us
-        ).with_retention(agent.retention_for(scope), now)
+        agent_window = agent.window_at(scope, now)
         window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
         return _Plan(agent, key, chosen, budget, options, now, agent_window, window, context)
 
