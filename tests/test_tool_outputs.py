@@ -784,3 +784,27 @@ def test_relevance_stays_current_as_outputs_come_and_go(
     beta = tools.put("beta only")
     assert found("beta") == [beta.id] and not tools.select("alpha beta", k=1).fallback
     assert tools.select("gamma").fallback
+
+
+def test_a_blob_in_a_kept_aside_result_names_its_tool_output(
+    server: InProcessServer, tools: Tools
+) -> None:
+    """The stub of a base64 blob in the preview of a result kept aside names the tool
+    output that holds the whole result (ReadToolOutput), not the message, whose stored
+    content is only the preview."""
+    import base64
+    import random
+
+    client = server.client
+    shot = [{"id": "c1", "name": "screenshot", "input": {}}]
+    client.append("a1", "show me the page")
+    client.append("a1", "", role=pb.ROLE_TOOL_USE, tool_calls=json.dumps(shot))
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + random.Random(3).randbytes(60_000)).decode()
+    client.append("a1", f"screenshot: {png}", role=pb.ROLE_TOOL_RESULT, tool_call_id="c1")
+    built = client.stub.BuildContext(
+        pb.BuildContextRequest(agent="a1", thread="t1", formats=[pb.CONTEXT_FORMAT_TEXT])
+    )
+    (kept,) = tools.pointers(tool_name="screenshot")
+    stubs = [line for m in built.messages for line in re.findall(r"\[base64 [^\]]*\]", m.content)]
+    assert stubs and all(f"full text: tool output {kept.id}" in s for s in stubs), stubs
+    assert "message:" not in "".join(stubs)

@@ -3,8 +3,8 @@
 A model reads nothing in a base64 image or a binary dump, but each costs about a token
 per 1.5 to 4 characters, and cutting one in half (truncation) keeps the noise and loses
 the size. So before anything is counted, every such blob in a stored message becomes
-one line naming its kind, its size and the ``message:<id>`` handle that fetches the
-whole text; the text around it stays.
+one line naming its kind, its size and the handle that fetches the whole text
+(`handles.full_text_handle`); the text around it stays.
 
 What counts as a blob:
 
@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
+from contextd.app.build.handles import full_text_handle
 from contextd.domain.context import HistoryItem
 
 MIN_BASE64_CHARS = 256
@@ -63,7 +64,9 @@ def stub_blobs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[in
     changed: list[int] = []
     for item in items:
         text = item.content if item.id > 0 and not item.is_summary else ""
-        stubbed = replace_blobs(text, item.id) if len(text) >= MIN_BASE64_CHARS else text
+        stubbed = (
+            replace_blobs(text, full_text_handle(item)) if len(text) >= MIN_BASE64_CHARS else text
+        )
         if stubbed != text:
             out.append(replace(item, content=stubbed))
             changed.append(item.id)
@@ -72,10 +75,12 @@ def stub_blobs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[in
     return out, changed
 
 
-def replace_blobs(text: str, message_id: int) -> str:
-    """``text`` with its blobs replaced by stubs naming ``message:<message_id>``."""
+def replace_blobs(text: str, handle: str) -> str:
+    """``text`` with its blobs replaced by stubs naming ``handle``, where the whole text
+    is read back (`handles.full_text_handle`: a kept-aside tool output names its output,
+    any other stored message ``message:<id>``)."""
     if _is_binary(text):
-        return stub("binary data", len(text), len(text.encode("utf-8", "replace")), message_id)
+        return stub("binary data", len(text), len(text.encode("utf-8", "replace")), handle)
 
     def b64(match: re.Match[str]) -> str:
         head, body, tail = _core(match.group(3))
@@ -85,7 +90,7 @@ def replace_blobs(text: str, message_id: int) -> str:
         kind = match.group(2) or _sniff(compact)
         size = len(compact) * 3 // 4 - compact.count("=")
         chars = len(match.group(0)) - len(head) - len(tail)
-        return head + stub(f"base64 {kind}", chars, size, message_id) + tail
+        return head + stub(f"base64 {kind}", chars, size, handle) + tail
 
     text = _BASE64.sub(b64, text)
 
@@ -93,7 +98,7 @@ def replace_blobs(text: str, message_id: int) -> str:
         run = match.group(0)
         if _entropy(run.lower()) < MIN_HEX_ENTROPY:
             return run
-        return stub("hex data", len(run), len(run) // 2, message_id)
+        return stub("hex data", len(run), len(run) // 2, handle)
 
     return _HEX.sub(hexdump, text)
 
@@ -113,9 +118,8 @@ def _core(run: str) -> tuple[str, str, str]:
     return head, "\n".join(lines[first:last]), tail
 
 
-def stub(kind: str, chars: int, size_bytes: int, message_id: int) -> str:
+def stub(kind: str, chars: int, size_bytes: int, handle: str) -> str:
     """The line that stands for a blob."""
-    handle = f"message:{message_id}" if message_id > 0 else "not stored"
     return f"[{kind}, {chars:,} chars, about {size_bytes:,} bytes, omitted; full text: {handle}]"
 
 
