@@ -18,6 +18,7 @@ from pathlib import Path
 from bench import (
     appends,
     bm25,
+    buildscale,
     machine,
     pg,
     quality,
@@ -34,10 +35,11 @@ from bench.model import Section
 from bench.sizes import Sizes, sizes
 from bench.stats import progress
 
-BENCHMARKS: dict[str, Callable[[Sizes], Section]] = {
+BENCHMARKS: dict[str, Callable[[Sizes], Section | list[Section]]] = {
     "tokens": tokens.run,
     "trim": trim.run,
     "readpath": readpath.run,
+    "buildscale": buildscale.run,
     "bm25": bm25.run,
     "appends": appends.run,
     "window_reads": window_reads.run,
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         progress(f"== {name} ==")
         try:
-            sections.append(BENCHMARKS[name](sz))
+            made = BENCHMARKS[name](sz)
+            sections.extend(made if isinstance(made, list) else [made])
         except Exception as exc:
             traceback.print_exc()
             kind = "correctness check failed" if isinstance(exc, AssertionError) else "crashed"

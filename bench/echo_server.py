@@ -7,6 +7,11 @@ token_count, as contextd fills them for an agent without a model), so the reques
 response bytes match. Whatever it reaches is what any Python gRPC server reaches on this machine,
 so contextd's append rate is reported as a share of it.
 
+It also answers BuildContext with a canned reply of the size the caller names in its
+metadata (``x-reply-bytes``, with ``x-reply-messages`` context messages and
+``x-reply-ids`` dropped ids, as a real reply holds), built once per shape: the round trip
+of a same-size reply with no work behind it, set beside contextd's BuildContext RPC.
+
 Run: ``python -m bench.echo_server --port 0 --workers 32``; it prints one JSON line
 ``{"message": "echo serving", "port": N}`` on stderr and serves until SIGTERM.
 """
@@ -35,6 +40,7 @@ class EchoServicer(pb_grpc.ContextServiceServicer):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next_id = 1
+        self._replies: dict[tuple[int, int, int], pb.BuildContextResponse] = {}
 
     def AppendMessages(
         self, request: pb.AppendMessagesRequest, context: grpc.ServicerContext
@@ -52,6 +58,57 @@ class EchoServicer(pb_grpc.ContextServiceServicer):
             receipt.create_time.FromMicroseconds(now_us)
             receipts.append(receipt)
         return pb.AppendMessagesResponse(receipts=receipts)
+
+    def BuildContext(
+        self, request: pb.BuildContextRequest, context: grpc.ServicerContext
+    ) -> pb.BuildContextResponse:
+        meta = {k: str(v) for k, v in context.invocation_metadata()}
+        shape = (
+            int(meta.get("x-reply-messages", "0")),
+            int(meta.get("x-reply-ids", "0")),
+            int(meta.get("x-reply-bytes", "0")),
+        )
+        with self._lock:
+            reply = self._replies.get(shape)
+            if reply is None:
+                reply = self._replies[shape] = canned_reply(*shape)
+        return reply
+
+
+ROLES = (pb.ROLE_USER, pb.ROLE_ASSISTANT)
+
+
+def canned_reply(messages: int, ids: int, size: int) -> pb.BuildContextResponse:
+    """A BuildContextResponse of ``messages`` context messages and ``ids`` dropped ids,
+    the contents sized so that the whole serializes to ``size`` bytes (padded in
+    system_prompt for the last few)."""
+    reply = pb.BuildContextResponse(
+        messages=[
+            pb.ContextMessage(id=10_000_000 + i, role=ROLES[i % 2], sequence=i)
+            for i in range(messages)
+        ]
+    )
+    reply.stats.dropped_ids.extend(range(1_000_000, 1_000_000 + ids))
+    reply.stats.budget_tokens = 8_000
+    if messages:
+        # Each content's length prefix takes 1-3 bytes besides its characters.
+        each = max(0, (size - reply.ByteSize()) // messages - 3)
+        while True:
+            for message in reply.messages:
+                message.content = "x" * each
+            if reply.ByteSize() <= size or each == 0:
+                break
+            each -= 1 + (reply.ByteSize() - size) // messages
+            each = max(0, each)
+    # A few rounds: the padding's own length prefix grows with it.
+    for _ in range(4):
+        missing = size - reply.ByteSize()
+        if missing <= 0:
+            break
+        reply.system_prompt += "x" * missing
+    while reply.ByteSize() > size and reply.system_prompt:
+        reply.system_prompt = reply.system_prompt[:-1]
+    return reply
 
 
 def main() -> None:

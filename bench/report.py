@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.model import Section, Target
 
@@ -103,6 +104,11 @@ def markdown(
             *_table(section.headers, section.rows),
             "",
         ]
+        if section.raw.get("chart"):
+            out += [
+                f"![{section.title}]({section_chart_name(section)})",
+                "",
+            ]
         out += [f"- {f}" for f in section.findings]
         out.append("")
     return "\n".join(out)
@@ -134,6 +140,48 @@ def chart(sections: list[Section], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("contextd advantage (x, log scale; > 1 = contextd better; | = target)")
     ax.set_title("contextd vs baselines")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def section_chart_name(section: Section) -> str:
+    return f"benchmarks-{section.key}.png"
+
+
+def section_chart(section: Section, path: Path) -> None:
+    """A section's own figure from ``raw["chart"]``: one line per series of (x, y) points on
+    log-log axes, and single marked points (e.g. the interleaved thread) beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = section.raw["chart"]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colors: dict[str, Any] = {}
+    for label, series in spec["series"].items():
+        drawn = [(float(x), float(y)) for x, y in series if y == y and y > 0]
+        if not drawn:
+            continue
+        xs = [x for x, _ in drawn]
+        ys = [y for _, y in drawn]
+        style = "--" if "gRPC" in label else "-"
+        (line,) = ax.plot(xs, ys, style, marker="o", label=label)
+        colors[label] = line.get_color()
+    for label, points in spec.get("points", {}).items():
+        color = colors.get(label, colors.get(label.replace(", in process", ""), "black"))
+        for x, y in points:
+            ax.plot([x], [y], marker="D", fillstyle="none", markersize=10, color=color)
+    if spec.get("points"):
+        ax.plot([], [], "D", fillstyle="none", color="black", label=spec.get("points_label", ""))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(spec.get("xlabel", ""))
+    ax.set_ylabel(spec.get("ylabel", ""))
+    ax.set_title(spec.get("title", section.title))
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -176,6 +224,9 @@ def write(
         )
     )
     chart(sections, doc_dir / CHART_NAME)
+    for section in sections:
+        if section.raw.get("chart"):
+            section_chart(section, doc_dir / section_chart_name(section))
     md = doc_dir / "benchmarks.md"
     md.write_text(markdown(sections, machine, mode, wall_s, failures) + "\n")
     return md
