@@ -14,8 +14,9 @@ Two ways to fill an 8,000-token budget with a thread's newest messages:
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from bench.sqlite_baseline import INSERT, SCHEMA
@@ -51,6 +52,15 @@ class SqlitePeer:
         self.con.execute("BEGIN")
         self.con.executemany(INSERT, batch)
         self.con.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """``synchronous=OFF`` within the block (a fill whose durability is not measured)."""
+        self.con.execute("PRAGMA synchronous=OFF")
+        try:
+            yield
+        finally:
+            self.con.execute("PRAGMA synchronous=FULL")
 
     def plan(self) -> str:
         """SQLite's plan of the newest-first read (must walk the index, not sort)."""
