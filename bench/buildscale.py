@@ -722,6 +722,7 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
         "series": chart,
         "points": {k: [[MIXED_MAIN, v]] for k, v in mixed.items()},
         "points_label": "interleaved",
+        "hlines": {f"target: p50 <= {P50_GOAL_S * 1e3:.0f} ms": P50_GOAL_S * 1e3},
     }
     return Section(
         key="buildscale",

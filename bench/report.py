@@ -151,7 +151,8 @@ def section_chart_name(section: Section) -> str:
 
 def section_chart(section: Section, path: Path) -> None:
     """A section's own figure from ``raw["chart"]``: one line per series of (x, y) points on
-    log-log axes, and single marked points (e.g. the interleaved thread) beside them."""
+    log-log axes, single marked points (e.g. the interleaved thread) beside them, and
+    dotted horizontal lines (targets)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,6 +176,8 @@ def section_chart(section: Section, path: Path) -> None:
             ax.plot([x], [y], marker="D", fillstyle="none", markersize=10, color=color)
     if spec.get("points"):
         ax.plot([], [], "D", fillstyle="none", color="black", label=spec.get("points_label", ""))
+    for label, y in spec.get("hlines", {}).items():
+        ax.axhline(y, color="black", linestyle=":", linewidth=1, label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel(spec.get("xlabel", ""))
