@@ -439,6 +439,7 @@ def run(sz: Sizes) -> list[Section]:
     counts = [0] * needed
     raw: dict[str, Any] = {"cases": {c.key: {"label": c.label, "length": c.length} for c in cases}}
     with contextlib.ExitStack() as stack:
+        stack.callback(gc.unfreeze)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="contextd-bench-scale-")))
         duck_dir = tmp / "duckdb" / "data"
         duck = servers.start_contextd(duck_dir)
@@ -545,7 +546,6 @@ def run(sz: Sizes) -> list[Section]:
         progress("build scale: timing in-process builds and the SQLite peer, in turns")
         local = _rounds(fns, ROUNDS[mode], limits)
         raw["footprint"] = _footprint(FOOTPRINT_N[mode], history, counts, tmp)
-    gc.unfreeze()
     samples = {**local, **{f"rpc_{k}": v for k, v in rpc.items()}}
     raw["samples"] = samples
     return [_scale_section(sz, cases, raw), _footprint_section(sz, raw)]
