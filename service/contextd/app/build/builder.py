@@ -60,7 +60,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, Store
+from contextd.ports.store import ContextRef, Store, read_consistently
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
@@ -166,36 +166,8 @@ class ContextBuilder:
     def build(self, request: BuildRequest) -> BuildResult:
         # One snapshot for every read of the build; the summarizer (a network call) and
         # any write come after it.
-        with self._store.snapshot():
-            plan = self._plan(
-                request.tenant,
-                request.agent,
-                request.scope,
-                request.thread,
-                request.model,
-                request.overrides,
-            )
-            window = self._load_history(plan)
-            count = counter_with_known(counter_for_model(plan.model), window.known_counts)
-            status = status_preamble(
-                self._store.list_status(
-                    plan.key.tenant,
-                    plan.key.agent,
-                    plan.key.scope,
-                    None,
-                    STATUS_ENTRIES,
-                    plan.now_us,
-                ),
-                self._store.thread_activity(
-                    plan.key.tenant,
-                    plan.key.agent,
-                    plan.key.scope,
-                    plan.agent_window,
-                    STATUS_THREADS,
-                ),
-                plan.now_us,
-                plan.key.thread,
-            )
+        plan, window, status = read_consistently(self._store, lambda: self._read(request))
+        count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         try:
             context = assemble(
                 system_prompt=plan.agent.system_prompt,
@@ -265,6 +237,38 @@ class ContextBuilder:
             excerpts,
         )
 
+    def _read(self, request: BuildRequest) -> tuple[_Plan, _Window, str]:
+        """Every read of a build (inside its snapshot): the plan, the window, the status."""
+        plan = self._plan(
+            request.tenant,
+            request.agent,
+            request.scope,
+            request.thread,
+            request.model,
+            request.overrides,
+        )
+        window = self._load_history(plan)
+        status = status_preamble(
+            self._store.list_status(
+                plan.key.tenant,
+                plan.key.agent,
+                plan.key.scope,
+                None,
+                STATUS_ENTRIES,
+                plan.now_us,
+            ),
+            self._store.thread_activity(
+                plan.key.tenant,
+                plan.key.agent,
+                plan.key.scope,
+                plan.agent_window,
+                STATUS_THREADS,
+            ),
+            plan.now_us,
+            plan.key.thread,
+        )
+        return plan, window, status
+
     # ----------------------------------------------------------------- CompactContext
 
     def compact(
@@ -279,14 +283,17 @@ class ContextBuilder:
     ) -> CompactResult:
         """Summarize on demand. With a record, the summary is stored with the request id
         in one transaction; a concurrent retry that loses the race gets AlreadyDone."""
-        with self._store.snapshot():
+
+        def read() -> tuple[_Plan, _Window]:
             plan = self._plan(tenant, agent, scope, thread, model, overrides)
             if plan.context is None:
                 raise NotFound(
                     f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
                     reason="THREAD_NOT_FOUND",
                 )
-            window = self._load_history(plan, everything=True)
+            return plan, self._load_history(plan, everything=True)
+
+        plan, window = read_consistently(self._store, read)
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         previous = window.previous_summary
         items, _repaired = repair_tool_pairs(window.items)
