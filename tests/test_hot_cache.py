@@ -44,6 +44,7 @@ from conftest import (
 )
 from contextd.adapters.duckdb.store import Store
 from contextd.api.server import create_server
+from contextd.app.service import ContextService
 from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
@@ -71,6 +72,11 @@ class Node:
         self.running = create_server(settings, clock=self.clock)
         self.client = connect(f"127.0.0.1:{self.running.port}")
         self.snapshots: list[str] = []
+
+    @property
+    def service(self) -> ContextService:
+        assert self.running.service is not None
+        return self.running.service
 
     @property
     def store(self) -> Store:
@@ -228,7 +234,7 @@ def _apply(node: Node, op: tuple[Any, ...]) -> Any:
             )
         )
     if kind == "sweep":
-        return node.running.service.sweep_retention(chunk_rows=args[0])
+        return node.service.sweep_retention(chunk_rows=args[0])
     if kind == "compact":
         thread, scope = args
         return _outcome(
@@ -477,7 +483,7 @@ def test_retention_and_its_sweep_are_in_the_next_build(hot: Node) -> None:
         )
     )
     assert _kept(hot) == ["m3", "m4"]
-    hot.running.service.sweep_retention()
+    hot.service.sweep_retention()
     assert _kept(hot) == ["m3", "m4"]
     hot.client.append("a1", "m5")
     assert _kept(hot) == ["m4", "m5"]
