@@ -80,7 +80,7 @@ class Node:
 
     @property
     def store(self) -> Store:
-        store = self.running.service._store
+        store = self.service._store
         assert isinstance(store, Store)
         return store
 
