@@ -154,6 +154,10 @@ class _Window:
     orphaned_ids: tuple[int, ...] = ()
     # Every window message's id, in window order (summarized ones included).
     window_ids: npt.NDArray[np.int64] | None = None
+    # Where `summarized_ids` and `not_loaded_ids` are in `window_ids` (positions), so the
+    # dropped runs are found on NumPy masks, never from Python tuples of the window.
+    summarized_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
+    not_loaded_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
 
 
 class ContextBuilder:
@@ -409,8 +413,17 @@ class ContextBuilder:
             rest, previous = _not_summarized(all_ids, previous)
         ids = all_ids[rest]
         summarized = _summarized_ids(all_ids, rest)
+        summarized_at = _covered_positions(len(all_ids), rest)
         if len(ids) == 0:
-            return _Window([], previous, (), stamps, summarized_ids=summarized, window_ids=all_ids)
+            return _Window(
+                [],
+                previous,
+                (),
+                stamps,
+                summarized_ids=summarized,
+                window_ids=all_ids,
+                summarized_at=summarized_at,
+            )
         roles, groups, orphans = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
@@ -452,6 +465,10 @@ class ContextBuilder:
             summarized,
             tuple(orphaned),
             all_ids,
+            summarized_at,
+            slice(rest.start or 0, (rest.start or 0) + start)
+            if isinstance(rest, slice)
+            else rest[:start],
         )
 
     def _outside_calls(
@@ -636,6 +653,15 @@ def _summarized_ids(
     return tuple(ids[covered].tolist())
 
 
+def _covered_positions(n: int, rest: slice | npt.NDArray[np.intp]) -> slice | npt.NDArray[np.intp]:
+    """The window positions a stored summary stands for: those `rest` leaves out."""
+    if isinstance(rest, slice):
+        return slice(0, rest.start or 0)
+    covered = np.ones(n, dtype=bool)
+    covered[rest] = False
+    return np.flatnonzero(covered)
+
+
 def _repair_pair_columns(
     ids: npt.NDArray[np.int64],
     roles: npt.NDArray[np.uint8],
@@ -711,24 +737,31 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     elif summarized is None:
         summarized = context.summary.summary_of
     dropped = lost + window.not_loaded_ids + stats.dropped_ids
+    runs: tuple[tuple[int, int], ...] = ()
+    if window.window_ids is not None and dropped:
+        gone = np.zeros(len(window.window_ids), dtype=bool)
+        if lost:
+            gone[window.summarized_at] = True
+        gone[window.not_loaded_at] = True
+        if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
+            gone |= np.isin(window.window_ids, np.asarray(stats.dropped_ids, dtype=np.int64))
+        runs = _runs_of(window.window_ids, gone)
     return replace(
         stats,
         messages_before=stats.messages_before + len(window.not_loaded_ids),
         dropped_ids=dropped,
-        dropped_ranges=_runs(window.window_ids, dropped),
+        dropped_ranges=runs,
         summarized_range=summarized,
     )
 
 
-def _runs(
-    order: npt.NDArray[np.int64] | None, dropped: Sequence[int]
+def _runs_of(
+    order: npt.NDArray[np.int64], gone: npt.NDArray[np.bool_]
 ) -> tuple[tuple[int, int], ...]:
-    """The dropped ids as (first, last) of each run of consecutive window messages that
-    were all dropped: every dropped message is in exactly one run and no other window
-    message is. Vectorised, as the window may hold a million messages."""
-    if order is None or not dropped or len(order) == 0:
-        return ()
-    gone = np.isin(order, np.asarray(dropped, dtype=np.int64))
+    """The dropped ids (`gone`, a mask over the window's ids in window order) as (first,
+    last) of each run of consecutive window messages that were all dropped: every dropped
+    message is in exactly one run and no other window message is. Vectorised, as the
+    window may hold a million messages."""
     edges = np.diff(np.concatenate(([False], gone, [False])).astype(np.int8))
     starts = np.flatnonzero(edges == 1)
     ends = np.flatnonzero(edges == -1) - 1
