@@ -40,6 +40,7 @@ from contextd.domain.context import (
     Budget,
     BuildStats,
     HistoryItem,
+    IdList,
     StrategyOptions,
     ToolCall,
     counter_for_model,
@@ -143,12 +144,12 @@ class _Window:
     items: list[HistoryItem]
     previous_summary: HistoryItem | None
     # Window messages left out because they cannot fit (oldest first): dropped.
-    not_loaded_ids: tuple[int, ...]
+    not_loaded_ids: npt.NDArray[np.int64]
     stamps: dict[int, MessageStamp]
     # Counts the store made at insert under the build's tokenizer, by counted text.
     known_counts: dict[str, int] = field(default_factory=dict)
     # Window messages the previous summary stands for (oldest first).
-    summarized_ids: tuple[int, ...] = ()
+    summarized_ids: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
     # Window messages (loaded or not) whose tool call or results are missing from the
     # history being built, in window order.
     orphaned_ids: tuple[int, ...] = ()
@@ -401,7 +402,7 @@ class ContextBuilder:
         anything older. See :func:`_repair_pair_columns`.
         """
         if plan.context is None:
-            return _Window([], None, (), {})
+            return _Window([], None, _NO_IDS, {})
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
         stamps = {stored_summary.id: MessageStamp.of(stored_summary)} if stored_summary else {}
@@ -418,7 +419,7 @@ class ContextBuilder:
             return _Window(
                 [],
                 previous,
-                (),
+                _NO_IDS,
                 stamps,
                 summarized_ids=summarized,
                 window_ids=all_ids,
@@ -459,7 +460,7 @@ class ContextBuilder:
         return _Window(
             items,
             previous,
-            tuple(ids[:start].tolist()),
+            ids[:start],
             stamps | {m.id: MessageStamp.of(m) for m in loaded},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
             summarized,
@@ -566,6 +567,8 @@ class ContextBuilder:
         return stored[0]
 
 
+_NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+
 # The largest prompt budget a build applies, whatever a request or agent asks for.
 MAX_BUILD_BUDGET_TOKENS = 1_000_000
 
@@ -643,14 +646,14 @@ def _not_summarized(
 
 def _summarized_ids(
     ids: npt.NDArray[np.int64], rest: slice | npt.NDArray[np.intp]
-) -> tuple[int, ...]:
+) -> npt.NDArray[np.int64]:
     """The window ids a stored summary stands for: those `rest` (from
     :func:`_not_summarized`) leaves out."""
     if isinstance(rest, slice):
-        return tuple(ids[: rest.start or 0].tolist())
+        return ids[: rest.start or 0]
     covered = np.ones(len(ids), dtype=bool)
     covered[rest] = False
-    return tuple(ids[covered].tolist())
+    return ids[covered]
 
 
 def _covered_positions(n: int, rest: slice | npt.NDArray[np.intp]) -> slice | npt.NDArray[np.intp]:
@@ -731,16 +734,17 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     """
     stats = context.stats
     summarized = stats.summarized_range
-    lost: tuple[int, ...] = ()
+    lost = _NO_IDS
     if context.summary is None:
         lost = window.summarized_ids
     elif summarized is None:
         summarized = context.summary.summary_of
-    dropped = lost + window.not_loaded_ids + stats.dropped_ids
+    # Kept as arrays: a long window's dropped ids are nearly all of it (see IdList).
+    dropped = IdList(lost, window.not_loaded_ids, stats.dropped_ids)
     runs: tuple[tuple[int, int], ...] = ()
     if window.window_ids is not None and dropped:
         gone = np.zeros(len(window.window_ids), dtype=bool)
-        if lost:
+        if len(lost):
             gone[window.summarized_at] = True
         gone[window.not_loaded_at] = True
         if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
