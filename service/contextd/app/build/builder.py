@@ -742,14 +742,32 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     # Kept as arrays: a long window's dropped ids are nearly all of it (see IdList).
     dropped = IdList(lost, window.not_loaded_ids, stats.dropped_ids)
     runs: tuple[tuple[int, int], ...] = ()
-    if window.window_ids is not None and dropped:
-        gone = np.zeros(len(window.window_ids), dtype=bool)
+    order = window.window_ids
+    if (
+        order is not None
+        and dropped
+        and isinstance(window.summarized_at, slice)
+        and isinstance(window.not_loaded_at, slice)
+    ):
+        # The common case: what the summary stands for and what was not loaded are two
+        # ranges of window positions, and assembly dropped a few of the loaded rest.
+        loaded_from = window.not_loaded_at.stop or 0
+        intervals = [(window.not_loaded_at.start or 0, loaded_from)]
+        if len(lost):
+            intervals.append((0, window.summarized_at.stop or 0))
+        if stats.dropped_ids:
+            wanted = np.asarray(stats.dropped_ids, dtype=np.int64)
+            at = loaded_from + np.flatnonzero(np.isin(order[loaded_from:], wanted))
+            intervals += [(p, p + 1) for p in at.tolist()]
+        runs = _runs_of_intervals(order, intervals)
+    elif order is not None and dropped:
+        gone = np.zeros(len(order), dtype=bool)
         if len(lost):
             gone[window.summarized_at] = True
         gone[window.not_loaded_at] = True
         if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
-            gone |= np.isin(window.window_ids, np.asarray(stats.dropped_ids, dtype=np.int64))
-        runs = _runs_of(window.window_ids, gone)
+            gone |= np.isin(order, np.asarray(stats.dropped_ids, dtype=np.int64))
+        runs = _runs_of(order, gone)
     return replace(
         stats,
         messages_before=stats.messages_before + len(window.not_loaded_ids),
@@ -757,6 +775,20 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         dropped_ranges=runs,
         summarized_range=summarized,
     )
+
+
+def _runs_of_intervals(
+    order: npt.NDArray[np.int64], intervals: list[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    """As :func:`_runs_of`, from half-open ranges of dropped window positions (merged
+    where they touch or overlap): no pass over the whole window."""
+    runs: list[list[int]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return tuple((int(order[a]), int(order[b - 1])) for a, b in runs)
 
 
 def _runs_of(
