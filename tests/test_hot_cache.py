@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +40,7 @@ from conftest import (
     TOOL_RESULT,
     TOOL_USE,
     USER,
+    ServerProcess,
     connect,
     scope_pb,
     span,
@@ -533,3 +537,29 @@ def test_the_bound_holds_and_a_reloaded_thread_builds_the_same(tmp_path: Path) -
         assert cache.bytes <= cache.max_bytes
     finally:
         node.stop()
+
+
+# ----------------------------------------------------------------- the flag
+
+
+def test_serve_with_the_cache_off_builds_the_same(tmp_path: Path) -> None:
+    """`contextd serve --hot-cache-bytes 0` (here by its environment variable) serves
+    builds by SQL; a negative size is refused before anything opens."""
+    proc = ServerProcess(tmp_path / "off", extra_env={"CONTEXTD_HOT_CACHE_BYTES": "0"})
+    client = proc.start()
+    try:
+        client.append("a1", "one", "two")
+        built = client.stub.BuildContext(pb.BuildContextRequest(agent="a1", thread="t1"))
+        assert [m.content for m in built.messages] == ["one", "two"]
+    finally:
+        client.channel.close()
+        proc.stop()
+    refused = subprocess.run(
+        [sys.executable, "-m", "contextd", "serve", "--hot-cache-bytes", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CONTEXTD_DATA_DIR": str(tmp_path / "never")},
+    )
+    assert refused.returncode == 2
+    assert "hot-cache-bytes" in refused.stderr and "Traceback" not in refused.stderr
