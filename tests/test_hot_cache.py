@@ -493,6 +493,21 @@ def test_retention_and_its_sweep_are_in_the_next_build(hot: Node) -> None:
     assert _kept(hot) == ["m4", "m5"]
 
 
+def test_an_append_to_an_expired_thread_is_in_the_next_build(hot: Node) -> None:
+    _warm(hot, "old")
+    _warm(hot, "elsewhere", thread="t2")
+    hot.client.stub.UpdateAgent(
+        pb.UpdateAgentRequest(
+            agent=pb.Agent(name="a1", retention=pb.RetentionPolicy(ttl=span(DAY))),
+            update_mask=field_mask_pb2.FieldMask(paths=["retention"]),
+        )
+    )
+    hot.clock.advance(2 * DAY)
+    hot.client.append("a1", "new")  # finds t1 expired: its clear marker moves
+    assert _kept(hot) == ["new"]
+    assert "t2" not in _built(hot).status  # t2 expired too: no activity
+
+
 def test_a_stored_summary_is_in_the_next_build(hot: Node) -> None:
     _warm(hot, *[f"message {i} " + "word " * 40 for i in range(12)])
     summary = hot.client.stub.CompactContext(

@@ -410,11 +410,9 @@ class HotCache:
                 self._appended(*appended)
 
     def _appended(self, batch: pa.Table, expired: Iterable[int]) -> None:
-        for context_id in expired:
-            key = self.by_context_id.get(context_id)
-            if key is not None:
-                self._drop(_ckey(key))
-                self._drop(("t", key.tenant, key.agent, key.scope))
+        # Threads the append found expired had their clear marker moved: their entries
+        # (and their scope's thread rows) are dropped below, whichever are cached.
+        moved = set(expired)
         if batch.num_rows == 0:
             return
         context_ids = batch.column("context_id").to_numpy()
@@ -441,6 +439,10 @@ class HotCache:
                 batch.column("scope")[first].as_py(),
                 batch.column("thread")[first].as_py(),
             )
+            if context_id in moved:
+                self._drop(_ckey(key))
+                self._drop(("t", key.tenant, key.agent, key.scope))
+                continue
             agent = self.entries.get(("a", key.tenant, key.agent))
             if isinstance(agent, _Small) and agent.value is None:
                 self._drop(("a", key.tenant, key.agent))  # an append created the agent
