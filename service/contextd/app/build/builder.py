@@ -682,29 +682,31 @@ def _repair_pair_columns(
     result no longer holds a group open that nothing would close (which kept the trimmer
     from keeping anything older). Vectorised: O(window) with no Python object per row.
     """
-    is_result = roles == int(Role.TOOL_RESULT)
-    is_head = (groups >= 0) & (groups == ids) & ~is_result
-    head_at = np.flatnonzero(is_head)
-    result_at = np.flatnonzero(is_result)
-    answered = np.zeros(len(ids), dtype=bool)  # results whose call comes before them
-    heard = np.zeros(len(ids), dtype=bool)  # calls with at least one such result
+    # Two passes over the window (roles, groups); the rest is over the few grouped rows.
+    result = int(Role.TOOL_RESULT)
+    result_at = np.flatnonzero(roles == result)
+    grouped = np.flatnonzero(groups >= 0)
+    head_at = grouped[(groups[grouped] == ids[grouped]) & (roles[grouped] != result)]
+    answered_at = heard_at = np.empty(0, dtype=np.intp)  # results whose call is before them
     if len(head_at) and len(result_at):
         order = np.argsort(ids[head_at], kind="stable")
-        head_ids, head_at = ids[head_at][order], head_at[order]
+        head_ids, heads = ids[head_at][order], head_at[order]
         wanted = groups[result_at]
         at = np.minimum(np.searchsorted(head_ids, wanted), len(head_ids) - 1)
-        ok = (head_ids[at] == wanted) & (head_at[at] < result_at)
-        answered[result_at[ok]] = True
-        heard[head_at[at[ok]]] = True
-    orphan_results = is_result & ~answered
-    orphan_calls = is_head & ~heard
-    orphans = orphan_results | orphan_calls
-    if not orphans.any():
+        ok = (head_ids[at] == wanted) & (heads[at] < result_at)
+        answered_at, heard_at = result_at[ok], heads[at[ok]]
+    orphan_results = np.setdiff1d(result_at, answered_at, assume_unique=True)
+    orphan_calls = np.setdiff1d(head_at, heard_at)
+    orphans = np.zeros(len(ids), dtype=bool)
+    if not len(orphan_results) and not len(orphan_calls):
         return roles, groups, orphans
+    orphans[orphan_results] = True
+    orphans[orphan_calls] = True
     roles = roles.copy()
     roles[orphan_results] = int(Role.USER)
     roles[orphan_calls] = int(Role.ASSISTANT)
-    groups = np.where(orphans, -1, groups)
+    groups = groups.copy()
+    groups[orphans] = -1
     return roles, groups, orphans
 
 
