@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 import pytest
+from contract import support
 from google.protobuf import field_mask_pb2
 from google.protobuf.json_format import MessageToDict
 from hypothesis import HealthCheck, given, settings
@@ -51,6 +52,8 @@ from contextd.api.server import create_server
 from contextd.app.service import ContextService
 from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
+from contextd.domain.model import AgentSettings, ContextKey
+from contextd.ports.store import SnapshotMoved, read_consistently
 from contextd.v1 import context_service_pb2 as pb
 
 pytestmark = pytest.mark.duckdb_only
@@ -578,3 +581,41 @@ def test_serve_with_the_cache_off_builds_the_same(tmp_path: Path) -> None:
     )
     assert refused.returncode == 2
     assert "hot-cache-bytes" in refused.stderr and "Traceback" not in refused.stderr
+
+
+# ----------------------------------------------------------------- one committed point
+
+
+def test_a_snapshot_that_moved_under_cached_reads_is_read_again_by_sql(tmp_path: Path) -> None:
+    """A commit between a snapshot's cached reads and one it must make by SQL would mix
+    two states: the read raises SnapshotMoved, and `read_consistently` runs the block
+    again, by SQL alone, which then sees the later state throughout."""
+    store = Store.open(tmp_path / "s.duckdb")
+    try:
+        k = ContextKey("default", "a1", "", "t1")
+        store.append(k, support.batch("one"), AgentSettings())
+        store.context_ref(k)  # warm: read once by SQL, then from memory
+        calls: list[int] = []
+
+        def block() -> list[str]:
+            calls.append(1)
+            assert store.context_ref(k) is not None  # cached: fixes the snapshot's state
+            if len(calls) == 1:
+                store.append(k, support.batch("two"), None)  # a commit meanwhile
+            return support.history(store, k)  # by SQL
+
+        assert read_consistently(store, block) == ["one", "two"]
+        assert len(calls) == 2 and store.hot_stats.moved == 1
+        # A snapshot whose first read went to SQL pins that state; cached reads after
+        # it are of the same state, so a later commit is simply not seen.
+        with store.snapshot():
+            assert support.history(store, k) == ["one", "two"]
+            store.append(k, support.batch("later"), None)
+            assert store.context_ref(k) is not None
+            assert support.history(store, k) == ["one", "two"]
+        with pytest.raises(SnapshotMoved), store.snapshot():
+            store.context_ref(k)
+            store.append(k, support.batch("three"), None)
+            store.list_messages(support.where(k), None, None, 100)
+    finally:
+        store.close()
