@@ -75,11 +75,12 @@ def _ckey(key: ContextKey) -> tuple[str, ...]:
 
 
 def _grow(array: npt.NDArray[Any], n: int, extra: int) -> npt.NDArray[Any]:
-    """`array` with room for `extra` more rows after its first `n` (amortized doubling).
+    """`array` with room for `extra` more rows after its first `n` (amortized growth by
+    half: a long thread's columns do not double past the cache's bound on one append).
     A reader holding the old array keeps a valid view of its first `n` rows."""
     if n + extra <= len(array):
         return array
-    grown = np.empty(max(2 * len(array), n + extra, 16), dtype=array.dtype)
+    grown = np.empty(max(len(array) + len(array) // 2, n + extra, 16), dtype=array.dtype)
     grown[:n] = array[:n]
     return grown
 
