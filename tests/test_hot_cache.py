@@ -24,6 +24,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,13 @@ from conftest import (
 )
 from contextd.adapters.duckdb.store import Store
 from contextd.api.server import create_server
+from contextd.app.build.builder import BuildRequest
+from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
-from contextd.domain.model import AgentSettings, ContextKey
+from contextd.domain.errors import NotFound
+from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
 from contextd.ports.store import SnapshotMoved, read_consistently
 from contextd.v1 import context_service_pb2 as pb
 
@@ -617,5 +621,59 @@ def test_a_snapshot_that_moved_under_cached_reads_is_read_again_by_sql(tmp_path:
             store.context_ref(k)
             store.append(k, support.batch("three"), None)
             store.list_messages(support.where(k), None, None, 100)
+    finally:
+        store.close()
+
+
+# ----------------------------------------------------------------- racing writes
+
+
+def test_builds_racing_appends_each_see_one_committed_prefix(tmp_path: Path) -> None:
+    """Builds on several threads while appends land (to the thread and beside it): each
+    build's window is one committed prefix of the thread, never a mix of two states."""
+    store = Store.open(tmp_path / "race.duckdb")
+    service = ContextService(store, ExtractiveSummarizer())
+    total = 240
+    failures: list[str] = []
+
+    def append() -> None:
+        i = 0
+        while i < total:
+            n = 1 + i % 3
+            batch = [NewMessage(role=Role.USER, content=f"m{j}") for j in range(i, i + n)]
+            service.append_messages("default", "a1", "", "t1", batch, create_agent=True)
+            service.append_messages(
+                "default", "a1", "", "t2", [NewMessage(role=Role.USER, content="x")]
+            )
+            i += n
+
+    def build() -> None:
+        request = BuildRequest(
+            "default", "a1", "", "t1", overrides=BuildOverrides(budget_tokens=100_000)
+        )
+        for _ in range(60):
+            try:
+                kept = [it.content for it in service.build_context(request).context.history]
+            except NotFound:
+                continue  # before the first append
+            if kept != [f"m{j}" for j in range(len(kept))]:
+                failures.append(f"not a prefix: {kept[:5]}...{kept[-5:]}")
+
+    service.append_messages(
+        "default", "a1", "", "t0", [NewMessage(role=Role.USER, content="first")], create_agent=True
+    )
+    try:
+        workers = [threading.Thread(target=append)] + [
+            threading.Thread(target=build) for _ in range(3)
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        assert not failures, failures[:3]
+        final = service.build_context(
+            BuildRequest("default", "a1", "", "t1", overrides=BuildOverrides(budget_tokens=100_000))
+        )
+        assert [it.content for it in final.context.history] == [f"m{j}" for j in range(total)]
     finally:
         store.close()
