@@ -677,3 +677,26 @@ def test_builds_racing_appends_each_see_one_committed_prefix(tmp_path: Path) -> 
         assert [it.content for it in final.context.history] == [f"m{j}" for j in range(total)]
     finally:
         store.close()
+
+
+def test_a_build_reaching_older_than_the_cached_content_reads_it_by_sql(tmp_path: Path) -> None:
+    """The cache keeps the newest 4,096 messages' content of a thread; a budget that keeps
+    more reads the older part by SQL, and the build is the same as without the cache."""
+    start = wall_clock_us()
+    nodes = [Node(tmp_path, "hot", start, 256 << 20), Node(tmp_path, "cold", start, 0)]
+    try:
+        for node in nodes:
+            node.client.append("a1", *[f"m{i}" for i in range(4_500)])
+        request = pb.BuildContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(budget_tokens=200_000)
+        )
+        for round_ in range(2):
+            built = [MessageToDict(n.client.stub.BuildContext(request)) for n in nodes]
+            assert built[0] == built[1]
+            assert len(built[0]["messages"]) == 4_500 + round_
+            for node in nodes:
+                node.client.append("a1", "one more")
+        assert nodes[0].store.hot_stats.hits > 0
+    finally:
+        for node in nodes:
+            node.stop()
