@@ -64,6 +64,8 @@ class Settings:
     tool_output_max_bytes: int = 1 << 30
     # Most bytes one tenant stores, messages and snapshots (0: no limit).
     tenant_max_bytes: int = 0
+    # Memory of the DuckDB engine's hot cache of what builds read (0: off).
+    hot_cache_bytes: int = 256 << 20
 
     @property
     def uses_postgres(self) -> bool:
@@ -111,6 +113,9 @@ _SERVE_OPTIONS: dict[str, str] = {
     "tenant_max_bytes": "most bytes one tenant stores: content + tool_calls + metadata of its "
     "messages, and its snapshots (0: no limit); a write that would pass it is "
     "RESOURCE_EXHAUSTED (TENANT_STORAGE_EXHAUSTED)",
+    "hot_cache_bytes": "most bytes of memory the DuckDB engine keeps of what builds read "
+    "(threads' columns and recent content, agents, status), least recently used out first "
+    "(0: off; every build then reads by SQL)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json lines or plain text",
     "summary_model": "Anthropic model that writes compaction summaries (the API key is read "
@@ -123,7 +128,13 @@ _SERVE_OPTIONS: dict[str, str] = {
 _CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
 _MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
-_MAY_BE_ZERO = {"grace_seconds", "tenant_max_rps", "sweep_interval_seconds", "tenant_max_bytes"}
+_MAY_BE_ZERO = {
+    "grace_seconds",
+    "tenant_max_rps",
+    "sweep_interval_seconds",
+    "tenant_max_bytes",
+    "hot_cache_bytes",
+}
 
 
 def _number(kind: type[int] | type[float], name: str) -> Callable[[str], int | float]:

@@ -23,4 +23,5 @@ def open_store(settings: Settings, clock: MonotonicClock | None = None) -> Store
         write_timeout_s=settings.write_timeout_seconds,
         memory_limit=settings.store_memory_limit,
         delete_chunk_rows=settings.delete_chunk_rows,
+        hot_cache_bytes=settings.hot_cache_bytes,
     )

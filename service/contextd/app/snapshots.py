@@ -29,6 +29,7 @@ from contextd.domain.errors import (
 )
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import (
+    Agent,
     ContextKey,
     MessageReceipt,
     NewMessage,
@@ -49,7 +50,7 @@ from contextd.domain.snapshots import (
 )
 from contextd.domain.validation import check_name, tool_call_ids
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ThreadFilter
+from contextd.ports.store import ThreadFilter, read_consistently
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class SnapshotCalls(UseCases):
         check_name(scope, "scope", allow_empty=True)
         check_name(thread, "thread", allow_empty=True)
         check_description(description)
-        with self._store.snapshot():
+
+        def read() -> tuple[Agent, int, list[StoredMessage], list[list[str]]]:
             found = self._store.get_agent(tenant, agent)
             if thread and self._store.get_thread(ContextKey(tenant, agent, scope, thread)) is None:
                 raise NotFound(
@@ -89,7 +91,10 @@ class SnapshotCalls(UseCases):
             now = self._clock.tick()
             window = found.window_at(scope, now)
             where = ThreadFilter(tenant, agent, scope, thread or None)
-            messages, ledgers = self._read_cut(where, window)
+            return found, now, *self._read_cut(where, window)
+
+        # One snapshot (run again if an engine's cached reads moved under it).
+        found, now, messages, ledgers = read_consistently(self._store, read)
         items = [HistoryItem.from_stored(m) for m in messages]
         previous: list[str] = []
         for ledger in ledgers:

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, overload
+
+import numpy as np
+import numpy.typing as npt
 
 from contextd import core
 from contextd.domain.model import AgentDoc, Role, StoredMessage
@@ -257,6 +260,63 @@ SummarizerPath = Literal["llm", "fallback", "reused"]
 or the previous summary reused because nothing new had to be folded."""
 
 
+class IdList(Sequence[int]):
+    """Message ids held as NumPy int64 arrays, made Python ints only where read.
+
+    A build over a million-message window drops nearly all of it; a tuple of a million
+    ints cost more than the rest of the build (the response lists only the newest 10,000
+    and the count). Compares equal to any sequence of the same ids."""
+
+    __slots__ = ("_flat", "_parts")
+
+    def __init__(self, *parts: npt.NDArray[np.int64] | Sequence[int]) -> None:
+        self._parts = [np.asarray(p, dtype=np.int64) for p in parts if len(p)]
+        self._flat: npt.NDArray[np.int64] | None = None
+
+    def array(self) -> npt.NDArray[np.int64]:
+        """All the ids, in order, as one array (made once)."""
+        if self._flat is None:
+            if len(self._parts) == 1:
+                self._flat = self._parts[0]
+            elif self._parts:
+                self._flat = np.concatenate(self._parts)
+            else:
+                self._flat = np.empty(0, dtype=np.int64)
+        return self._flat
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._parts)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
+        if isinstance(index, slice):
+            return tuple(self.array()[index].tolist())
+        return int(self.array()[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.array().tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, IdList):
+            return bool(np.array_equal(self.array(), other.array()))
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == len(self) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        return any(len(p) for p in self._parts)
+
+    def __repr__(self) -> str:
+        return f"IdList({list(self)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class BuildStats:
     """What a build did, for the caller's response and logs (the
@@ -270,7 +330,7 @@ class BuildStats:
     new_message_tokens: int = 0
     messages_before: int = 0
     messages_after: int = 0
-    dropped_ids: tuple[int, ...] = ()
+    dropped_ids: Sequence[int] = ()
     dropped_ranges: tuple[tuple[int, int], ...] = ()
     """``dropped_ids`` as (first, last) id of each run of consecutive window messages
     that were all dropped, oldest first."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 
@@ -45,6 +45,25 @@ from contextd.domain.search import SearchQuery
 from contextd.domain.snapshots import SnapshotInfo
 from contextd.domain.window import WindowSpec
 from contextd.ports.tool_outputs import ToolOutputStore
+
+T = TypeVar("T")
+
+
+class SnapshotMoved(Exception):
+    """Raised by a read inside `snapshot()` of an engine that serves some reads from
+    memory (DuckDB's hot cache) when a commit happened between those reads and one it
+    must make by SQL: the reads would not be of one state. The block is run again
+    (`read_consistently`), and then reads by SQL alone."""
+
+
+def read_consistently(store: ContextReader, block: Callable[[], T]) -> T:
+    """`block()` inside `store.snapshot()`, run again once if the snapshot moved."""
+    try:
+        with store.snapshot():
+            return block()
+    except SnapshotMoved:
+        with store.snapshot():
+            return block()
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import duckdb
 
-from contextd.adapters.duckdb.base import DuckDBBase, _first
+from contextd.adapters.duckdb.base import NOTHING, DuckDBBase, _first
 from contextd.adapters.rows import KEY_COLUMNS, key_from_row
 from contextd.domain.access import ApiKey, key_not_found
 from contextd.domain.idempotency import RequestRecord
@@ -29,7 +29,7 @@ class AccessMixin(DuckDBBase):
             )
             return ApiKey(key.key_id, key.tenant, key.role, key.name, now)
 
-        created = self._write(insert, record)
+        created = self._write(insert, record, NOTHING)  # keys are not cached
         self._active_keys_known = True
         return created
 
@@ -72,7 +72,7 @@ class AccessMixin(DuckDBBase):
             cur.execute("UPDATE api_keys SET revoke_time_us = ? WHERE key_id = ?", [now, key_id])
             return ApiKey(key.key_id, key.tenant, key.role, key.name, key.create_time_us, now)
 
-        revoked = self._write(revoke, record)
+        revoked = self._write(revoke, record, NOTHING)
         self._active_keys_known = None  # read again on the next ask
         return revoked
 

@@ -9,7 +9,9 @@ import duckdb
 
 from contextd.adapters.duckdb.base import (
     _INSERT_AGENT,
+    NOTHING,
     DuckDBBase,
+    Touches,
     _find_agent,
     _first,
     _require_agent,
@@ -54,7 +56,7 @@ class AgentsMixin(DuckDBBase):
             cur.execute(_INSERT_AGENT, agent_row(tenant, name, settings, now_us))
             return _require_agent(cur, tenant, name)
 
-        return self._write(create, record)
+        return self._write(create, record, Touches(agent_settings=((tenant, name),)))
 
     def get_agent(self, tenant: str, name: str) -> Agent:
         return _require_agent(self._cursor(), tenant, name)
@@ -103,7 +105,7 @@ class AgentsMixin(DuckDBBase):
             )
             return _require_agent(cur, tenant, name)
 
-        return self._write(update, record)
+        return self._write(update, record, Touches(agent_settings=((tenant, name),)))
 
     def list_agents(self, tenant: str, after_name: str | None, limit: int) -> list[Agent]:
         rows = (
@@ -178,7 +180,7 @@ class AgentsMixin(DuckDBBase):
 
         # A retry is answered with the count alone, as the first call was.
         marked = record.with_encoder(lambda r: record.encode(r[0])) if record else None
-        count, contexts = self._write(mark, marked)
+        count, contexts = self._write(mark, marked, Touches(agents=((tenant, name),)))
         self._remove_documents(documents)
         self._remove_tool_output_files(outputs)
         if contexts:
@@ -223,7 +225,8 @@ class AgentsMixin(DuckDBBase):
                 )
                 return int(last)
 
-            last = self._write(chunk)
+            # Deleted contexts: no key reaches them any more, nothing cached changes.
+            last = self._write(chunk, touches=NOTHING)
             if last is None:
                 return
             after = last

@@ -50,6 +50,9 @@ from contextd.domain.model import (
 )
 from contextd.domain.window import WindowSpec
 
+if TYPE_CHECKING:
+    from contextd.adapters.duckdb.hot import HotCache
+
 log = logging.getLogger("contextd.adapters.duckdb.store")
 
 T = TypeVar("T")
@@ -248,10 +251,33 @@ class _AppendJob:
         return sum(len(batch) for _, batch in self.parts())
 
 
+@dataclass(frozen=True, slots=True)
+class Touches:
+    """What a write job changes of what the hot cache (hot.py) holds, beyond appends,
+    which the writer applies from their rows. Each name drops the entries it covers."""
+
+    # (tenant, agent): the agent's settings entry only.
+    agent_settings: tuple[tuple[str, str], ...] = ()
+    # (tenant, agent): everything of the agent (its settings, threads, scopes, status).
+    agents: tuple[tuple[str, str], ...] = ()
+    # (tenant, agent, scope): every thread of the scope and its activity.
+    scopes: tuple[tuple[str, str, str], ...] = ()
+    # (tenant, agent, scope): the scope's status entries.
+    status: tuple[tuple[str, str, str], ...] = ()
+    # One thread (and its scope's activity).
+    contexts: tuple[ContextKey, ...] = ()
+
+
+NOTHING = Touches()
+EVERYTHING: Touches | None = None
+
+
 @dataclass(slots=True)
 class _CallJob:
     fn: Callable[[duckdb.DuckDBPyConnection], Any]
     future: Future[Any]
+    # What the job changes of the hot cache (hot.py); None: anything (all is dropped).
+    touches: Touches | None = None
 
 
 _STOP = object()
@@ -454,6 +480,9 @@ class DuckDBBase:
         finally:
             self._local.in_snapshot = False
 
+    _hot: HotCache
+    _hot_appended: tuple[pa.Table, tuple[int, ...]] | None
+
     if TYPE_CHECKING:  # defined by the mixins, called across them
 
         def _submit(self, job: _AppendJob | _CallJob) -> Any: ...
@@ -462,6 +491,7 @@ class DuckDBBase:
             self,
             fn: Callable[[duckdb.DuckDBPyConnection], T],
             record: RequestRecord | None = None,
+            touches: Touches | None = None,
         ) -> T: ...
 
         def _failed(self, exc: duckdb.Error) -> ContextdError | None: ...

@@ -412,7 +412,7 @@ class MessagesMixin(DuckDBBase):
         # costs more than the statements themselves, so a group makes one call. The
         # scripts read their rows from the Arrow tables below through DuckDB's replacement
         # scans (the names of this frame's local variables); they carry no parameters.
-        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)  # noqa: F841 - scanned by the script
+        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)
         script = [] if in_transaction else ["BEGIN TRANSACTION"]
         script.append(
             f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
@@ -474,6 +474,7 @@ class MessagesMixin(DuckDBBase):
             script.append(_INSERT_REQUESTS)
         script.append("COMMIT")
         writer.execute(";\n".join(script))
+        self._hot_appended = (contextd_batch, tuple(expiries))  # for the hot cache (hot.py)
         self._context_ids.update(new_contexts)
         self._last_sequence.update(numbered)
         self._id_high_water = high_water

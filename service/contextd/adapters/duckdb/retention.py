@@ -17,7 +17,7 @@ from typing import Any
 
 import duckdb
 
-from contextd.adapters.duckdb.base import DuckDBBase, _first
+from contextd.adapters.duckdb.base import DuckDBBase, Touches, _first
 from contextd.adapters.rows import AGENT_COLUMNS, agent_from_row
 from contextd.domain.model import Agent, ContextKey
 from contextd.domain.retention import KEEP_EVERYTHING
@@ -94,7 +94,7 @@ class RetentionMixin(DuckDBBase):
             )
             return max(int(row[0]), last_sequence)
 
-        return int(self._write(mark))
+        return int(self._write(mark, touches=Touches(contexts=(thread.key,))))
 
     def delete_retained(
         self, thread: RetainedThread, through: int, by_group: bool, limit: int
@@ -140,4 +140,4 @@ class RetentionMixin(DuckDBBase):
                 )
             return len(gone)
 
-        return int(self._write(chunk))
+        return int(self._write(chunk, touches=Touches(contexts=(thread.key,))))

@@ -22,7 +22,14 @@ from urllib.parse import quote
 
 import duckdb
 
-from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
+from contextd.adapters.duckdb.base import (
+    NOTHING,
+    RETRY_AFTER_S,
+    DuckDBBase,
+    _first,
+    _scope_key,
+    log,
+)
 from contextd.adapters.duckdb.files import fsync_dir, remove_stray_files
 from contextd.adapters.rows import SNAPSHOT_COLUMNS, snapshot_from_row
 from contextd.domain.errors import DataLoss, StoreBusy, StoreUnavailable
@@ -119,7 +126,7 @@ class SnapshotsMixin(DuckDBBase):
             return info
 
         try:
-            return self._write(insert, record)
+            return self._write(insert, record, NOTHING)  # snapshots are not cached
         except StoreBusy:
             # The row may still commit: keep the file (a start removes it if it did not).
             raise
@@ -215,7 +222,7 @@ class SnapshotsMixin(DuckDBBase):
 
         # A retry is answered with the snapshot alone, as the first call was.
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None
-        info, relative = self._write(delete, recorded)
+        info, relative = self._write(delete, recorded, NOTHING)
         self._remove_documents([relative])
         return info
 

@@ -9,7 +9,9 @@ from typing import Any
 import duckdb
 
 from contextd.adapters.duckdb.base import (
+    NOTHING,
     DuckDBBase,
+    Touches,
     _context_row,
     _first,
     _require_agent,
@@ -61,7 +63,7 @@ class StatusMixin(DuckDBBase):
             )
             return replace(entry, update_time_us=now_us)
 
-        return self._write(upsert, record)
+        return self._write(upsert, record, Touches(status=((tenant, agent, scope),)))
 
     def list_status(
         self,
@@ -111,7 +113,7 @@ class StatusMixin(DuckDBBase):
             cur.execute(f"DELETE FROM status_entries WHERE {where}", params)
             return count
 
-        return self._write(clear, record)
+        return self._write(clear, record, Touches(status=((tenant, agent, scope),)))
 
     def record_event(self, key: ContextKey, event_type: str, data: dict[str, Any]) -> Event:
         def insert(cur: duckdb.DuckDBPyConnection) -> Event:
@@ -140,7 +142,7 @@ class StatusMixin(DuckDBBase):
             self._next_event_id += 1
             return Event(event_id, event_type, key.agent, key.scope, key.thread, now_us, text)
 
-        return self._write(insert)
+        return self._write(insert, touches=NOTHING)  # events are not cached
 
     def list_events(
         self,

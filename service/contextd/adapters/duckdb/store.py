@@ -32,6 +32,7 @@ from contextd.adapters.duckdb.base import (
     _first,
     log,
 )
+from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotMixin, LoadStats
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.retention import RetentionMixin
@@ -57,6 +58,7 @@ from contextd.domain.model import (
 
 @_failures_translated
 class Store(
+    HotMixin,
     AccessMixin,
     AgentsMixin,
     MessagesMixin,
@@ -85,8 +87,13 @@ class Store(
         *,
         write_timeout_s: float = 30.0,
         delete_chunk_rows: int = 5_000,
+        hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
     ) -> None:
         self._con = con
+        # What builds read, kept coherent by the writer (hot.py); 0 bytes: off.
+        self._hot = HotCache(hot_cache_bytes)
+        self.hot_stats = LoadStats()
+        self._hot_appended = None
         self._data_dir = Path(".")
         self._max_group_rows = max_group_rows
         self._write_timeout_s = write_timeout_s
@@ -164,6 +171,7 @@ class Store(
         write_timeout_s: float = 30.0,
         memory_limit: str = "",
         delete_chunk_rows: int = 5_000,
+        hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
     ) -> Store:
         """Open (creating if needed) the DuckDB file and migrate it to the current schema.
 
@@ -192,6 +200,7 @@ class Store(
             clock,
             write_timeout_s=write_timeout_s,
             delete_chunk_rows=delete_chunk_rows,
+            hot_cache_bytes=hot_cache_bytes,
         )
         store._data_dir = path.parent
         try:

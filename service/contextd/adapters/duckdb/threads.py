@@ -9,6 +9,7 @@ import duckdb
 from contextd.adapters.duckdb.base import (
     _LIVE_THREADS,
     DuckDBBase,
+    Touches,
     _context_row,
     _first,
     _require_agent,
@@ -43,7 +44,7 @@ class ThreadsMixin(DuckDBBase):
             )
             return now_us
 
-        return self._write(clear, record)
+        return self._write(clear, record, Touches(agent_settings=((tenant, agent),)))
 
     def clear_scope(
         self, tenant: str, agent: str, scope: str, record: RequestRecord | None = None
@@ -63,7 +64,7 @@ class ThreadsMixin(DuckDBBase):
             )
             return now_us
 
-        return self._write(clear, record)
+        return self._write(clear, record, Touches(scopes=((tenant, agent, scope),)))
 
     def clear_thread(self, key: ContextKey, record: RequestRecord | None = None) -> int:
         def clear(cur: duckdb.DuckDBPyConnection) -> int:
@@ -80,7 +81,7 @@ class ThreadsMixin(DuckDBBase):
             )
             return now_us
 
-        return self._write(clear, record)
+        return self._write(clear, record, Touches(contexts=(key,)))
 
     def _thread_rows(self, sql: str, params: list[Any]) -> list[Any]:
         """The rows of `sql`, which selects from `live_threads`: the threads table with

@@ -30,7 +30,14 @@ from contextd.adapters.blobs.rows import (
     pointer_from_row,
     pointer_values,
 )
-from contextd.adapters.duckdb.base import RETRY_AFTER_S, DuckDBBase, _first, _scope_key, log
+from contextd.adapters.duckdb.base import (
+    NOTHING,
+    RETRY_AFTER_S,
+    DuckDBBase,
+    _first,
+    _scope_key,
+    log,
+)
 from contextd.adapters.duckdb.files import fsync_dir, remove_stray_files
 from contextd.domain.errors import StoreBusy, StoreUnavailable
 from contextd.domain.idempotency import RequestRecord
@@ -135,7 +142,7 @@ class ToolOutputsMixin(DuckDBBase):
             return pointer
 
         try:
-            return self._write(insert, record)
+            return self._write(insert, record, NOTHING)  # tool outputs are not cached
         except StoreBusy:
             raise  # the row may still commit: keep the file (an open removes it if not)
         except BaseException:
@@ -241,7 +248,7 @@ class ToolOutputsMixin(DuckDBBase):
             return len(rows), [str(r[0]) for r in rows if r[0] is not None]
 
         recorded = record.with_encoder(lambda r: record.encode(r[0])) if record else None
-        count, paths = self._write(delete, recorded)
+        count, paths = self._write(delete, recorded, NOTHING)
         self._remove_tool_output_files(paths)
         return count
 
@@ -292,7 +299,7 @@ class ToolOutputsMixin(DuckDBBase):
                 )
             return len(rows), [str(r[1]) for r in rows if r[1] is not None]
 
-        count, paths = self._write(chunk)
+        count, paths = self._write(chunk, touches=NOTHING)
         self._remove_tool_output_files(paths)
         return count
 

@@ -22,9 +22,12 @@ import duckdb
 from contextd.adapters.duckdb.base import (
     _ADD_TO_THREAD_COUNTERS,
     _STOP,
+    EVERYTHING,
+    NOTHING,
     RETRY_AFTER_S,
     DuckDBBase,
     T,
+    Touches,
     _AppendJob,
     _CallJob,
     _first,
@@ -98,15 +101,21 @@ class WriterMixin(DuckDBBase):
         )
 
     def _write(
-        self, fn: Callable[[duckdb.DuckDBPyConnection], T], record: RequestRecord | None = None
+        self,
+        fn: Callable[[duckdb.DuckDBPyConnection], T],
+        record: RequestRecord | None = None,
+        touches: Touches | None = None,
     ) -> T:
         """Run `fn` in its own transaction on the writer thread and return its result.
+
+        `touches` names what the write changes of the hot cache (hot.py); None, the
+        default, drops all of it after the commit.
 
         With a record, the transaction first looks the request id up (AlreadyDone with
         the first payload, or REQUEST_ID_REUSED) and, after `fn`, records its result.
         """
         if record is None:
-            result: T = self._submit(_CallJob(fn=fn, future=Future()))
+            result: T = self._submit(_CallJob(fn=fn, future=Future(), touches=touches))
             return result
 
         def recorded(cur: duckdb.DuckDBPyConnection) -> T:
@@ -117,7 +126,7 @@ class WriterMixin(DuckDBBase):
             _save_records(cur, [(record, record.encode(value))], self.clock.tick())
             return value
 
-        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Future()))
+        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Future(), touches=touches))
         return recorded_result
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
@@ -277,14 +286,21 @@ class WriterMixin(DuckDBBase):
                 return False
 
     def _run_call(self, writer: duckdb.DuckDBPyConnection, call: _CallJob) -> None:
+        began = False
         try:
             writer.execute("BEGIN TRANSACTION")
             result = call.fn(writer)
+            self._hot.begin_commit()
+            began = True
             writer.execute("COMMIT")
         except BaseException as exc:
             self._rollback(writer)
+            if began:  # the commit failed: nothing changed, but drop all to be sure
+                self._hot.end_commit(EVERYTHING)
             call.future.set_exception(exc)
         else:
+            # The cache follows the commit before its caller hears of it (hot.py).
+            self._hot.end_commit(call.touches)
             call.future.set_result(result)
 
     @staticmethod
@@ -356,9 +372,12 @@ class WriterMixin(DuckDBBase):
     ) -> None:
         # New context ids enter the cache only after their commit, so it needs no restore.
         saved = (self._next_message_id, self._next_context_id)
+        self._hot_appended = None
+        self._hot.begin_commit()
         try:
             receipts, counted = self._insert_appends(writer, jobs)  # commits
         except BaseException as exc:
+            self._hot.end_commit(EVERYTHING)
             self._rollback(writer)
             self._next_message_id, self._next_context_id = saved
             self._calls.clear()  # may name ids of the rolled-back rows; the table still knows
@@ -373,6 +392,9 @@ class WriterMixin(DuckDBBase):
             return
         for context_id, (n, tokens, first_us, last_us, min_source_us, nbytes) in counted.items():
             self._pending.add(context_id, n, tokens, first_us, last_us, min_source_us, nbytes)
+        # The hot cache takes the committed rows before any caller is answered (hot.py).
+        self._hot.end_commit(NOTHING, self._hot_appended)
+        self._hot_appended = None
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
 

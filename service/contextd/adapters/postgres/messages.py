@@ -390,14 +390,24 @@ class MessagesMixin(PostgresBase):
     # ----------------------------------------------------------------- what a build reads
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
+        """The thread's ref, and with it (one round trip, not two) its latest summary,
+        which `latest_summary` then answers from memory inside the same snapshot."""
         with self._reading() as conn:
             row = first(
                 conn,
-                "SELECT context_id, last_clear_us, latest_summary_id FROM threads "
-                "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s",
+                f"SELECT t.context_id, t.last_clear_us, t.latest_summary_id, {_SELECT_MESSAGES} "
+                "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
+                "AND m.context_id = t.context_id AND m.id = t.latest_summary_id "
+                "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
                 [key.tenant, key.agent, key.scope, key.thread],
             )
-        return ContextRef(int(row[0]), row[1], int(row[2]), key) if row else None
+        if row is None:
+            return None
+        ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
+        if getattr(self._local, "conn", None) is not None and ref.latest_summary_id:
+            summary = message_from_row(row[3:]) if row[3] is not None else None
+            self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
+        return ref
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window's narrow columns as one row of six binary arrays (PostgreSQL's
@@ -460,6 +470,12 @@ class MessagesMixin(PostgresBase):
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
             return None
+        read = getattr(self._local, "summary", None)  # by context_ref, in this snapshot
+        if read is not None and getattr(self._local, "conn", None) is not None:
+            context_id, summary_id, summary = read
+            if (context_id, summary_id) == (context.context_id, context.latest_summary_id):
+                stored: StoredMessage | None = summary
+                return stored
         with self._reading() as conn:
             row = first(
                 conn,

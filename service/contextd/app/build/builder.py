@@ -40,6 +40,7 @@ from contextd.domain.context import (
     Budget,
     BuildStats,
     HistoryItem,
+    IdList,
     StrategyOptions,
     ToolCall,
     counter_for_model,
@@ -60,7 +61,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, Store
+from contextd.ports.store import ContextRef, Store, read_consistently
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
@@ -143,17 +144,21 @@ class _Window:
     items: list[HistoryItem]
     previous_summary: HistoryItem | None
     # Window messages left out because they cannot fit (oldest first): dropped.
-    not_loaded_ids: tuple[int, ...]
+    not_loaded_ids: npt.NDArray[np.int64]
     stamps: dict[int, MessageStamp]
     # Counts the store made at insert under the build's tokenizer, by counted text.
     known_counts: dict[str, int] = field(default_factory=dict)
     # Window messages the previous summary stands for (oldest first).
-    summarized_ids: tuple[int, ...] = ()
+    summarized_ids: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
     # Window messages (loaded or not) whose tool call or results are missing from the
     # history being built, in window order.
     orphaned_ids: tuple[int, ...] = ()
     # Every window message's id, in window order (summarized ones included).
     window_ids: npt.NDArray[np.int64] | None = None
+    # Where `summarized_ids` and `not_loaded_ids` are in `window_ids` (positions), so the
+    # dropped runs are found on NumPy masks, never from Python tuples of the window.
+    summarized_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
+    not_loaded_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
 
 
 class ContextBuilder:
@@ -166,36 +171,8 @@ class ContextBuilder:
     def build(self, request: BuildRequest) -> BuildResult:
         # One snapshot for every read of the build; the summarizer (a network call) and
         # any write come after it.
-        with self._store.snapshot():
-            plan = self._plan(
-                request.tenant,
-                request.agent,
-                request.scope,
-                request.thread,
-                request.model,
-                request.overrides,
-            )
-            window = self._load_history(plan)
-            count = counter_with_known(counter_for_model(plan.model), window.known_counts)
-            status = status_preamble(
-                self._store.list_status(
-                    plan.key.tenant,
-                    plan.key.agent,
-                    plan.key.scope,
-                    None,
-                    STATUS_ENTRIES,
-                    plan.now_us,
-                ),
-                self._store.thread_activity(
-                    plan.key.tenant,
-                    plan.key.agent,
-                    plan.key.scope,
-                    plan.agent_window,
-                    STATUS_THREADS,
-                ),
-                plan.now_us,
-                plan.key.thread,
-            )
+        plan, window, status = read_consistently(self._store, lambda: self._read(request))
+        count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         try:
             context = assemble(
                 system_prompt=plan.agent.system_prompt,
@@ -265,6 +242,38 @@ class ContextBuilder:
             excerpts,
         )
 
+    def _read(self, request: BuildRequest) -> tuple[_Plan, _Window, str]:
+        """Every read of a build (inside its snapshot): the plan, the window, the status."""
+        plan = self._plan(
+            request.tenant,
+            request.agent,
+            request.scope,
+            request.thread,
+            request.model,
+            request.overrides,
+        )
+        window = self._load_history(plan)
+        status = status_preamble(
+            self._store.list_status(
+                plan.key.tenant,
+                plan.key.agent,
+                plan.key.scope,
+                None,
+                STATUS_ENTRIES,
+                plan.now_us,
+            ),
+            self._store.thread_activity(
+                plan.key.tenant,
+                plan.key.agent,
+                plan.key.scope,
+                plan.agent_window,
+                STATUS_THREADS,
+            ),
+            plan.now_us,
+            plan.key.thread,
+        )
+        return plan, window, status
+
     # ----------------------------------------------------------------- CompactContext
 
     def compact(
@@ -279,14 +288,17 @@ class ContextBuilder:
     ) -> CompactResult:
         """Summarize on demand. With a record, the summary is stored with the request id
         in one transaction; a concurrent retry that loses the race gets AlreadyDone."""
-        with self._store.snapshot():
+
+        def read() -> tuple[_Plan, _Window]:
             plan = self._plan(tenant, agent, scope, thread, model, overrides)
             if plan.context is None:
                 raise NotFound(
                     f"agent {agent!r} has no thread {plan.key.thread!r} in scope {scope!r}",
                     reason="THREAD_NOT_FOUND",
                 )
-            window = self._load_history(plan, everything=True)
+            return plan, self._load_history(plan, everything=True)
+
+        plan, window = read_consistently(self._store, read)
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         previous = window.previous_summary
         items, _repaired = repair_tool_pairs(window.items)
@@ -390,7 +402,7 @@ class ContextBuilder:
         anything older. See :func:`_repair_pair_columns`.
         """
         if plan.context is None:
-            return _Window([], None, (), {})
+            return _Window([], None, _NO_IDS, {})
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
         stamps = {stored_summary.id: MessageStamp.of(stored_summary)} if stored_summary else {}
@@ -402,8 +414,17 @@ class ContextBuilder:
             rest, previous = _not_summarized(all_ids, previous)
         ids = all_ids[rest]
         summarized = _summarized_ids(all_ids, rest)
+        summarized_at = _covered_positions(len(all_ids), rest)
         if len(ids) == 0:
-            return _Window([], previous, (), stamps, summarized_ids=summarized, window_ids=all_ids)
+            return _Window(
+                [],
+                previous,
+                _NO_IDS,
+                stamps,
+                summarized_ids=summarized,
+                window_ids=all_ids,
+                summarized_at=summarized_at,
+            )
         roles, groups, orphans = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
@@ -439,12 +460,16 @@ class ContextBuilder:
         return _Window(
             items,
             previous,
-            tuple(ids[:start].tolist()),
+            ids[:start],
             stamps | {m.id: MessageStamp.of(m) for m in loaded},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
             summarized,
             tuple(orphaned),
             all_ids,
+            summarized_at,
+            slice(rest.start or 0, (rest.start or 0) + start)
+            if isinstance(rest, slice)
+            else rest[:start],
         )
 
     def _outside_calls(
@@ -542,6 +567,8 @@ class ContextBuilder:
         return stored[0]
 
 
+_NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+
 # The largest prompt budget a build applies, whatever a request or agent asks for.
 MAX_BUILD_BUDGET_TOKENS = 1_000_000
 
@@ -619,14 +646,23 @@ def _not_summarized(
 
 def _summarized_ids(
     ids: npt.NDArray[np.int64], rest: slice | npt.NDArray[np.intp]
-) -> tuple[int, ...]:
+) -> npt.NDArray[np.int64]:
     """The window ids a stored summary stands for: those `rest` (from
     :func:`_not_summarized`) leaves out."""
     if isinstance(rest, slice):
-        return tuple(ids[: rest.start or 0].tolist())
+        return ids[: rest.start or 0]
     covered = np.ones(len(ids), dtype=bool)
     covered[rest] = False
-    return tuple(ids[covered].tolist())
+    return ids[covered]
+
+
+def _covered_positions(n: int, rest: slice | npt.NDArray[np.intp]) -> slice | npt.NDArray[np.intp]:
+    """The window positions a stored summary stands for: those `rest` leaves out."""
+    if isinstance(rest, slice):
+        return slice(0, rest.start or 0)
+    covered = np.ones(n, dtype=bool)
+    covered[rest] = False
+    return np.flatnonzero(covered)
 
 
 def _repair_pair_columns(
@@ -646,29 +682,31 @@ def _repair_pair_columns(
     result no longer holds a group open that nothing would close (which kept the trimmer
     from keeping anything older). Vectorised: O(window) with no Python object per row.
     """
-    is_result = roles == int(Role.TOOL_RESULT)
-    is_head = (groups >= 0) & (groups == ids) & ~is_result
-    head_at = np.flatnonzero(is_head)
-    result_at = np.flatnonzero(is_result)
-    answered = np.zeros(len(ids), dtype=bool)  # results whose call comes before them
-    heard = np.zeros(len(ids), dtype=bool)  # calls with at least one such result
+    # Two passes over the window (roles, groups); the rest is over the few grouped rows.
+    result = int(Role.TOOL_RESULT)
+    result_at = np.flatnonzero(roles == result)
+    grouped = np.flatnonzero(groups >= 0)
+    head_at = grouped[(groups[grouped] == ids[grouped]) & (roles[grouped] != result)]
+    answered_at = heard_at = np.empty(0, dtype=np.intp)  # results whose call is before them
     if len(head_at) and len(result_at):
         order = np.argsort(ids[head_at], kind="stable")
-        head_ids, head_at = ids[head_at][order], head_at[order]
+        head_ids, heads = ids[head_at][order], head_at[order]
         wanted = groups[result_at]
         at = np.minimum(np.searchsorted(head_ids, wanted), len(head_ids) - 1)
-        ok = (head_ids[at] == wanted) & (head_at[at] < result_at)
-        answered[result_at[ok]] = True
-        heard[head_at[at[ok]]] = True
-    orphan_results = is_result & ~answered
-    orphan_calls = is_head & ~heard
-    orphans = orphan_results | orphan_calls
-    if not orphans.any():
+        ok = (head_ids[at] == wanted) & (heads[at] < result_at)
+        answered_at, heard_at = result_at[ok], heads[at[ok]]
+    orphan_results = np.setdiff1d(result_at, answered_at, assume_unique=True)
+    orphan_calls = np.setdiff1d(head_at, heard_at)
+    orphans = np.zeros(len(ids), dtype=bool)
+    if not len(orphan_results) and not len(orphan_calls):
         return roles, groups, orphans
+    orphans[orphan_results] = True
+    orphans[orphan_calls] = True
     roles = roles.copy()
     roles[orphan_results] = int(Role.USER)
     roles[orphan_calls] = int(Role.ASSISTANT)
-    groups = np.where(orphans, -1, groups)
+    groups = groups.copy()
+    groups[orphans] = -1
     return roles, groups, orphans
 
 
@@ -698,30 +736,70 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     """
     stats = context.stats
     summarized = stats.summarized_range
-    lost: tuple[int, ...] = ()
+    lost = _NO_IDS
     if context.summary is None:
         lost = window.summarized_ids
     elif summarized is None:
         summarized = context.summary.summary_of
-    dropped = lost + window.not_loaded_ids + stats.dropped_ids
+    # Kept as arrays: a long window's dropped ids are nearly all of it (see IdList).
+    dropped = IdList(lost, window.not_loaded_ids, stats.dropped_ids)
+    runs: tuple[tuple[int, int], ...] = ()
+    order = window.window_ids
+    if (
+        order is not None
+        and dropped
+        and isinstance(window.summarized_at, slice)
+        and isinstance(window.not_loaded_at, slice)
+    ):
+        # The common case: what the summary stands for and what was not loaded are two
+        # ranges of window positions, and assembly dropped a few of the loaded rest.
+        loaded_from = window.not_loaded_at.stop or 0
+        intervals = [(window.not_loaded_at.start or 0, loaded_from)]
+        if len(lost):
+            intervals.append((0, window.summarized_at.stop or 0))
+        if stats.dropped_ids:
+            wanted = np.asarray(stats.dropped_ids, dtype=np.int64)
+            at = loaded_from + np.flatnonzero(np.isin(order[loaded_from:], wanted))
+            intervals += [(p, p + 1) for p in at.tolist()]
+        runs = _runs_of_intervals(order, intervals)
+    elif order is not None and dropped:
+        gone = np.zeros(len(order), dtype=bool)
+        if len(lost):
+            gone[window.summarized_at] = True
+        gone[window.not_loaded_at] = True
+        if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
+            gone |= np.isin(order, np.asarray(stats.dropped_ids, dtype=np.int64))
+        runs = _runs_of(order, gone)
     return replace(
         stats,
         messages_before=stats.messages_before + len(window.not_loaded_ids),
         dropped_ids=dropped,
-        dropped_ranges=_runs(window.window_ids, dropped),
+        dropped_ranges=runs,
         summarized_range=summarized,
     )
 
 
-def _runs(
-    order: npt.NDArray[np.int64] | None, dropped: Sequence[int]
+def _runs_of_intervals(
+    order: npt.NDArray[np.int64], intervals: list[tuple[int, int]]
 ) -> tuple[tuple[int, int], ...]:
-    """The dropped ids as (first, last) of each run of consecutive window messages that
-    were all dropped: every dropped message is in exactly one run and no other window
-    message is. Vectorised, as the window may hold a million messages."""
-    if order is None or not dropped or len(order) == 0:
-        return ()
-    gone = np.isin(order, np.asarray(dropped, dtype=np.int64))
+    """As :func:`_runs_of`, from half-open ranges of dropped window positions (merged
+    where they touch or overlap): no pass over the whole window."""
+    runs: list[list[int]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return tuple((int(order[a]), int(order[b - 1])) for a, b in runs)
+
+
+def _runs_of(
+    order: npt.NDArray[np.int64], gone: npt.NDArray[np.bool_]
+) -> tuple[tuple[int, int], ...]:
+    """The dropped ids (`gone`, a mask over the window's ids in window order) as (first,
+    last) of each run of consecutive window messages that were all dropped: every dropped
+    message is in exactly one run and no other window message is. Vectorised, as the
+    window may hold a million messages."""
     edges = np.diff(np.concatenate(([False], gone, [False])).astype(np.int8))
     starts = np.flatnonzero(edges == 1)
     ends = np.flatnonzero(edges == -1) - 1
