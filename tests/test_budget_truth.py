@@ -273,6 +273,17 @@ def test_base64_blobs_become_a_stub_with_size_kind_and_handle() -> None:
     assert ctx.history[0].content == plain and ctx.stats.elided_ids == ()
 
 
+def test_the_same_blob_in_two_messages_names_each_ones_own_handle() -> None:
+    """Stubs are remembered between builds (a hot thread's newest messages come back on
+    every build); the same text in two messages still gets each message's handle."""
+    text = f"Screenshot attached:\n{PNG}\nsame again"
+    history = [HistoryItem(8, Role.USER, text), HistoryItem(9, Role.ASSISTANT, text)]
+    for _ in range(2):  # the second build answers from what the first remembered
+        ctx = assemble(system_prompt="", history=history, budget=50_000, count_tokens=GPT)
+        assert "message:8]" in ctx.history[0].content
+        assert "message:9]" in ctx.history[1].content
+
+
 def _conversation(n: int) -> list[HistoryItem]:
     items = []
     for i in range(1, n + 1):
