@@ -31,6 +31,7 @@ the Anthropic and OpenAI renderings obey the APIs' pairing and alternation rules
 """
 
 import base64
+import bisect
 import json
 import random
 import string
@@ -56,6 +57,7 @@ class Transcript:
     items: list[Any]  # HistoryItem
     planted: dict[int, list[tuple[str, str]]]  # message id -> [(category, text)]
     goal: str
+    realistic: bool = True
 
 
 @dataclass
@@ -75,13 +77,19 @@ class Outcome:
 
 
 class Gen:
-    """Random specifics of each category, unique within a transcript."""
+    """Random specifics of each category, unique within a transcript. With ``vocabulary``
+    their names are made of words programmers use (``src/lease/worker_12.py``), as real
+    names are; without, of random letters (``src/qzkfjw/xbnqa_12.py``, the stress case,
+    about twice the tokens)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, vocabulary: bool = False) -> None:
         self.r = random.Random(seed)
         self.n = 0
+        self.vocabulary = vocabulary
 
     def word(self, k: int = 6) -> str:
+        if self.vocabulary:
+            return self.r.choice(WORDS)[:k]
         return "".join(self.r.choice(string.ascii_lowercase) for _ in range(k))
 
     def hex(self, k: int) -> str:
@@ -179,6 +187,58 @@ class Gen:
         }[category]()
 
 
+WORDS = (
+    "api auth batch cache check client config core cron data db deploy diff event "
+    "fetch file gate grpc handler index job lease limit lock log merge meta model node "
+    "order parse plan pool proto queue rate read repo retry route rpc sched schema "
+    "server shard slot sort spec state store stream sync task tenant test token trace "
+    "user util view window worker write"
+).split()
+"""Words of real code and file names (truncated to the length a form asks for)."""
+
+HEAPS = {c: (2.0, 0.6) for c in CATEGORIES} | {"number": (2.0, 0.75)}
+"""Per category (K, beta) of Heaps' law, distinct entities after n references ~ K n^beta:
+beta 0.6, the middle of what vocabulary growth measures in text and code (0.4-0.7);
+numbers 0.75, because measured values (timings, sizes, counts) are mostly fresh."""
+
+STACK_ZIPF = 1.0
+"""A reused entity is picked by its rank in the category's recency stack (1 = the one
+referenced last) with weight 1/rank^s: the LRU stack model of locality of reference."""
+
+
+class Pool:
+    """The entities a transcript refers to, with reuse, deterministic (seeded).
+
+    Each reference is to a new entity with Heaps' law's rate, K beta n^(beta-1) after n
+    references of the category (the first always new), else to one already seen, chosen
+    from the category's recency stack by :data:`STACK_ZIPF`; the chosen one moves to the
+    top. So most references go to a small working set that drifts as the work moves on,
+    and new files, commands, ids and errors keep appearing, ever more rarely."""
+
+    def __init__(self, gen: Gen) -> None:
+        self.gen = gen
+        self.stacks: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+        self.refs = dict.fromkeys(CATEGORIES, 0)
+        self._cum: list[float] = []
+
+    def _rank(self, size: int) -> int:
+        while len(self._cum) < size:
+            k = len(self._cum) + 1
+            self._cum.append((self._cum[-1] if self._cum else 0.0) + 1.0 / k**STACK_ZIPF)
+        return bisect.bisect_left(self._cum, self.gen.r.random() * self._cum[size - 1])
+
+    def of(self, category: str) -> str:
+        stack, n = self.stacks[category], self.refs[category]
+        self.refs[category] = n + 1
+        k, beta = HEAPS[category]
+        if not stack or self.gen.r.random() < k * beta * (n + 1) ** (beta - 1):
+            text = self.gen.of(category)
+        else:
+            text = stack.pop(min(self._rank(len(stack)), len(stack) - 1))
+        stack.insert(0, text)
+        return text
+
+
 FILLER = (
     "Let me look at how this fits together before changing anything. "
     "I think the simplest thing is to keep the behaviour and only move the check. "
@@ -196,19 +256,20 @@ GOALS = {
 }
 
 
-def _items(kind: str, n: int, seed: int) -> Transcript:
+def _items(kind: str, n: int, seed: int, realistic: bool = True) -> Transcript:
     from contextd.domain.context import HistoryItem
     from contextd.domain.model import Role
 
-    g = Gen(seed)
+    g = Gen(seed, vocabulary=realistic)
     r = g.r
+    source = Pool(g).of if realistic else g.of
     items: list[Any] = []
     planted: dict[int, list[tuple[str, str]]] = {}
     goal = GOALS[kind]
     items.append(HistoryItem(1, Role.USER, f"Please help me {goal}. Here is what I know so far."))
 
     def plant(mid: int, cats: Sequence[str]) -> list[str]:
-        out = [g.of(c) for c in cats]
+        out = [source(c) for c in cats]
         planted.setdefault(mid, []).extend(zip(cats, out, strict=True))
         return out
 
@@ -298,14 +359,14 @@ def _items(kind: str, n: int, seed: int) -> Transcript:
     # A tool group cut at the end would be repaired, not measured: end on a whole turn.
     while items and items[-1].role.name in ("TOOL_USE",):
         planted.pop(items.pop().id, None)
-    return Transcript(kind, items, planted, goal)
+    return Transcript(kind, items, planted, goal, realistic)
 
 
-def transcripts(sizes_: Sequence[int]) -> list[Transcript]:
+def transcripts(sizes_: Sequence[int], realistic: bool = True) -> list[Transcript]:
     out = []
     for i, kind in enumerate(("coding", "chat", "support", "cjk")):
         for j, n in enumerate(sizes_):
-            out.append(_items(kind, n, seed=1_000 * i + j))
+            out.append(_items(kind, n, seed=1_000 * i + j, realistic=realistic))
     return out
 
 

@@ -219,7 +219,7 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
 
     # The caller stores the summary; the next build reuses it and folds only newer ones.
     fake.reply_text(checkpoint("updated checkpoint"))
-    window = [*long_conversation(1, 50), first.summary]
+    window = [*long_conversation(1, 90), first.summary]
     second = assemble(
         system_prompt="s",
         history=window,

@@ -13,6 +13,7 @@ from test_build_context import _build, running
 from test_compaction import checkpoint
 
 from conftest import Client
+from contextd import core
 from contextd.api.server import RunningServer
 from contextd.app.build import ledger
 from contextd.app.build.assembly import assemble
@@ -45,10 +46,23 @@ def fake() -> Iterator[FakeAnthropic]:
         yield server
 
 
+_MADE: list[AnthropicSummarizer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Each test's summarizers close their HTTP clients (no socket left to the GC)."""
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def llm(fake: FakeAnthropic, **kw: int) -> AnthropicSummarizer:
-    return AnthropicSummarizer(
+    made = AnthropicSummarizer(
         AnthropicConfig(api_key="k", base_url=fake.base_url, timeout_s=5.0, **kw)  # type: ignore[arg-type]
     )
+    _MADE.append(made)
+    return made
 
 
 def session(first: int, n: int) -> list[HistoryItem]:
@@ -87,13 +101,42 @@ def test_entries_keep_provenance_and_references() -> None:
     text = ledger.render(found)
     assert text.splitlines() == [
         "## Specifics",
-        "[message:7]",
-        "- src/a.py (x3)",
-        "- make test",
-        "[message:9]",
-        "- ORD-12-X",
-    ]
+        ledger.LEGEND,
+        "7: src/a.py (x3) · make test",
+        "9: ORD-12-X",
+    ], "one line per source, its provenance once"
     assert ledger.parse("## Goal\ng\n\n" + text) == found
+
+
+def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None:
+    """A line per source message: its id once and a separator per entry, in place of a
+    [message:<id>] line and a dash line per entry. Ledgers stored in the older form still
+    read; an entry holding the separator keeps a line of its own."""
+    # one or two new entries per message, as transcripts bring them
+    entries = [Entry(f"src/sched/lease_{i}.py", 10 + 2 * i // 3, 1 + i % 2) for i in range(60)]
+    text = ledger.render(entries)
+    old_form = ["## Specifics"]
+    for source in sorted({e.source for e in entries}):
+        old_form.append(f"[message:{source}]")
+        old_form += [
+            f"- {e.text}" + (f" (x{e.refs})" if e.refs > 1 else "")
+            for e in entries
+            if e.source == source
+        ]
+    (new_t, old_t) = core.count_tokens_batch([text, "\n".join(old_form)], "o200k_base")
+    assert new_t <= 0.85 * old_t, (new_t, old_t)
+    assert ledger.parse(text) == entries
+    assert ledger.parse("\n".join(old_form)) == entries
+    odd = [Entry("echo a · b", 4), Entry("src/x.py", 4), Entry("v1.2.3", 5, 2)]
+    assert ledger.render(odd).splitlines() == [
+        "## Specifics",
+        ledger.LEGEND,
+        "[message:4]",
+        "- echo a · b",
+        "- src/x.py",
+        "5: v1.2.3 (x2)",
+    ]
+    assert ledger.parse(ledger.render(odd)) == odd
 
 
 def test_merge_keeps_old_entries_once_and_counts_repeats() -> None:
@@ -171,7 +214,9 @@ def test_goal_and_evidence_survive_ten_rolling_compactions(fake: FakeAnthropic, 
         assert GOAL in text, f"goal lost after {compactions} compactions"
     assert compactions >= 10
     assert summary is not None
-    kept = parse_specifics(summary.content)
+    # What the summary carries: its ledger and the entries it held out while the recent
+    # messages held them (`pytest -q` is in every call).
+    kept = parse_specifics(ledger.restore(summary).content)
     # The failure lines of the folded part are in the ledger, verbatim, unless the build
     # that left them out said so; the newest are always there.
     lo, hi = summary.summary_of or (0, 0)

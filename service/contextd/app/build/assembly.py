@@ -259,6 +259,7 @@ def assemble(
             ledger_tokens=hist.ledger_stats.tokens,
             ledger_added=hist.ledger_stats.added,
             ledger_evicted=hist.ledger_stats.evicted,
+            ledger_in_context=hist.ledger_stats.in_context,
             compaction_deferred=hist.compaction_deferred,
             summary_attempts=hist.summary_attempts,
         )
@@ -349,7 +350,8 @@ def _prepare(
     elided = [i for i in order if i in seen or i in stubbed]
     max_chars = options.max_chars_per_message if options.truncate else NO_CHAR_LIMIT
     if summary is not None:
-        summary = replace(summary, token_count=cost([summary])[0])
+        # Counted as stored: the entries it held out mostly stay out (see ledger.restore).
+        summary = replace(ledger.restore(summary), token_count=cost([summary])[0])
     work = _Columns.build(raw, max_chars, cost)
     return _Prepared(summary, work, before, repaired, elided, order)
 
@@ -427,20 +429,19 @@ def _compress(
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
     ledger_stats = ledger.LedgerStats()
+    prepared_summary = summary
+    present: set[str] = set()
     if summary is not None:
         # The recent part comes first; the summary gets what is left, at least `reserve`;
         # its ledger at most its share of the budget (the least referenced entries go).
         cap = max(budget - sum(work.costs), reserve)
-        summary, ledger_stats = ledger.fit_item(
-            summary,
-            max_item_tokens=cap,
-            max_ledger_tokens=int(budget * ledger.LEDGER_SHARE),
-            count=_text_cost(summary, cost),
-            added=added,
-        )
-        summary = replace(summary, token_count=cost([summary])[0])
-        summary = _fit_item(summary, cap, cost) if summary.token_count > cap else summary
+        fitted = _fit_summary(summary, cap, budget, cost, added, _kept_texts(work, budget - cap))
+        summary, ledger_stats, present = fitted
     out, dropped, truncated = _trim(work, budget, summary, cost)
+    if present and prepared_summary is not None and not _holds(out or [], present):
+        # The recent part kept less than foreseen: the ledger keeps its entries after all.
+        summary, ledger_stats, _ = _fit_summary(prepared_summary, cap, budget, cost, added, ())
+        out, dropped, truncated = _trim(work, budget, summary, cost)
     if out is None and summary is not None:
         summary = None  # the newest turn outranks the summary
         out, dropped, truncated = _trim(work, budget, None, cost)
@@ -474,6 +475,61 @@ def _compress(
         compaction_deferred=deferred,
         summary_attempts=attempts,
     )
+
+
+def _fit_summary(
+    summary: HistoryItem,
+    cap: int,
+    budget: int,
+    cost: ItemCost,
+    added: int,
+    context_texts: Sequence[str],
+) -> tuple[HistoryItem | None, ledger.LedgerStats, set[str]]:
+    """The summary fitted to ``cap`` (its ledger to its share of ``budget``, the entries
+    ``context_texts`` hold verbatim left out), counted with ``cost`` (``None`` when not
+    even a cut of it fits); and the texts left out."""
+    present = ledger.in_context(ledger.parse(summary.content), context_texts)
+    fitted, stats = ledger.fit_item(
+        summary,
+        max_item_tokens=cap,
+        max_ledger_tokens=int(budget * ledger.LEDGER_SHARE),
+        count=_text_cost(summary, cost),
+        added=added,
+        leave_out=present,
+    )
+    fitted = replace(fitted, token_count=cost([fitted])[0])
+    return (_fit_item(fitted, cap, cost) if fitted.token_count > cap else fitted), stats, present
+
+
+def _kept_texts(work: _Columns, room: int) -> list[str]:
+    """The texts of the newest messages that will be kept whole beside a summary within
+    ``room`` tokens: the longest suffix of ``work`` that starts where a turn may start and
+    costs at most ``room`` (as a message cut to ``max_chars`` when it is cut)."""
+    items = work.items
+    cuts = valid_cuts(items)
+    acc = 0
+    start = len(items)
+    for k in range(len(items) - 1, -1, -1):
+        acc += work.costs[k]
+        if acc > room:
+            break
+        if cuts[k]:
+            start = k
+    out: list[str] = []
+    for k in range(start, len(items)):
+        item = work.cut.get(k, items[k])
+        out.append(item.content)
+        if item.tool_calls:
+            out.append(item.tool_calls)
+    return out
+
+
+def _holds(items: Sequence[HistoryItem], texts: set[str]) -> bool:
+    """Whether ``items`` (the kept messages) contain every one of ``texts`` verbatim."""
+    joined = "\n".join(
+        part for it in items if not it.is_summary for part in (it.content, it.tool_calls)
+    )
+    return all(t in joined for t in texts)
 
 
 def _text_cost(template: HistoryItem | None, cost: ItemCost) -> TokenCounter:

@@ -5,24 +5,33 @@ every checkpoint ends with a ledger of those strings, found by
 :func:`contextd.core.extract_specifics_batch` in the messages it folds. Each entry keeps
 the id of the message it came from (its provenance: ``message:<id>`` fetches the source)
 and how many messages mentioned it (its references). Rendered under the Specifics
-heading, grouped by source::
+heading and a line saying how to read it, one line per source message: its id once,
+then its entries separated by :data:`SEPARATOR` (the provenance is most of a ledger's
+cost when messages bring one or two new entries each: ``[message:12]`` on a line of its
+own and a dash per entry cost about 7 tokens an entry, this about 3). An entry that
+contains the separator gets a line of its own under a ``[message:<id>]`` line, the older
+form, which is still read::
 
     ## Specifics
-    [message:12]
-    - src/api/orders.py
-    - pytest -x -q (x3)
+    (each line: the id of the message it comes from, then its details; fetch a message with message:<id>)
+    12: src/api/orders.py · pytest -x -q (x3)
+    15: ORD-1234-QX · €12.50
 
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
 :data:`MAX_LEDGER_ENTRIES` entries stored, and, in a build, at most its share of the
-budget; past either bound the least-referenced entries go first, the oldest first among
-equals, and the build reports how many went. Pure functions.
+budget (:func:`ledger_share`); past either bound the least-referenced entries go first,
+the oldest first among equals, and the build reports how many went. In a build, an
+entry that a message kept whole in the context holds verbatim is left out of the
+ledger (the evidence is in the context anyway; when that message is folded later, the
+entry comes back from it). Pure functions.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
@@ -30,6 +39,10 @@ from contextd.domain.context import HistoryItem, TokenCounter
 from contextd.domain.model import Role
 
 SPECIFICS_HEADING = "## Specifics"
+LEGEND = (
+    "(each line: the id of the message it comes from, then its details; "
+    "fetch a message with message:<id>)"
+)
 
 MAX_LEDGER_ENTRIES = 2_000
 """The most entries a stored ledger keeps (bounds the work of every later merge)."""
@@ -41,8 +54,18 @@ LEDGER_SHARE = 0.25
 # file's source, a log) every word of code is one: there they are noise.
 _IDENTIFIER = "identifier"
 
+HELD_KEY = "ledger_held"
+"""The summary's metadata key for the entries a build left out because messages the
+context kept whole hold them: ``[[text, source, references], ...]``. Not rendered; the
+next build puts them back (:func:`restore`) before it merges or fits, so an entry's
+provenance and references survive the builds it spends in the recent part."""
+
+SEPARATOR = " · "
+"""Between the entries of one source's line (rare in paths, commands, ids and errors)."""
+
 _SOURCE = re.compile(r"^\[message:(-?\d+)\]$")
-_ENTRY = re.compile(r"^- (.*?)(?: \(x(\d+)\))?$")
+_INLINE = re.compile(r"^(-?\d+): (.+)$")
+_ENTRY = re.compile(r"^(.*?)(?: \(x(\d+)\))?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +86,7 @@ class LedgerStats:
     tokens: int = 0
     added: int = 0
     evicted: int = 0
+    in_context: int = 0
 
 
 def extract(items: Sequence[HistoryItem]) -> list[Entry]:
@@ -121,24 +145,43 @@ def eviction_order(entries: Sequence[Entry]) -> list[int]:
     return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
 
 
+def _entry_text(entry: Entry) -> str:
+    return entry.text + (f" (x{entry.refs})" if entry.refs > 1 else "")
+
+
+def _inline(entry: Entry) -> bool:
+    """Whether ``entry`` may share its source's line (it cannot be split wrongly)."""
+    return bool(entry.source) and SEPARATOR.strip() not in entry.text and "\n" not in entry.text
+
+
+def _groups(entries: Sequence[Entry]) -> list[list[Entry]]:
+    """Runs of consecutive entries with one source."""
+    out: list[list[Entry]] = []
+    for entry in entries:
+        if out and out[-1][0].source == entry.source:
+            out[-1].append(entry)
+        else:
+            out.append([entry])
+    return out
+
+
 def render(entries: Sequence[Entry]) -> str:
     """The ledger section (empty when there are no entries)."""
     if not entries:
         return ""
-    lines = [SPECIFICS_HEADING]
-    source: int | None = None
-    for entry in entries:
-        if entry.source != source:
-            source = entry.source
-            if source:
-                lines.append(f"[message:{source}]")
-        suffix = f" (x{entry.refs})" if entry.refs > 1 else ""
-        lines.append(f"- {entry.text}{suffix}")
+    lines = [SPECIFICS_HEADING, LEGEND]
+    for group in _groups(entries):
+        source = group[0].source
+        if all(_inline(e) for e in group):
+            lines.append(f"{source}: " + SEPARATOR.join(map(_entry_text, group)))
+            continue
+        lines.append(f"[message:{source}]")  # the line form: one entry a line
+        lines.extend(f"- {_entry_text(e)}" for e in group)
     return "\n".join(lines)
 
 
 def parse(summary_text: str | None) -> list[Entry]:
-    """The ledger of a rendered summary (under its last Specifics heading)."""
+    """The ledger of a rendered summary (under its last Specifics heading), in both forms."""
     if not summary_text:
         return []
     at = summary_text.rfind(SPECIFICS_HEADING)
@@ -149,13 +192,21 @@ def parse(summary_text: str | None) -> list[Entry]:
     for line in summary_text[at + len(SPECIFICS_HEADING) :].splitlines():
         if m := _SOURCE.match(line):
             source = int(m.group(1))
+        elif m := _INLINE.match(line):
+            source = 0  # a line that names its source holds its entries: none follow
+            at_source = int(m.group(1))
+            out.extend(_parse_entry(part, at_source) for part in m.group(2).split(SEPARATOR))
         elif line.startswith("- "):
-            m = _ENTRY.match(line)
-            assert m is not None  # the pattern matches every "- " line
-            out.append(Entry(m.group(1), source, int(m.group(2) or 1)))
+            out.append(_parse_entry(line[2:], source))
         elif line.startswith("#"):
             break
     return out
+
+
+def _parse_entry(text: str, source: int) -> Entry:
+    m = _ENTRY.match(text)
+    assert m is not None  # the pattern matches every string
+    return Entry(m.group(1), source, int(m.group(2) or 1))
 
 
 def strip(summary_text: str) -> str:
@@ -165,18 +216,20 @@ def strip(summary_text: str) -> str:
 
 
 def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple[list[Entry], int]:
-    """The entries whose rendering costs at most ``max_tokens`` (about: lines are counted
-    one by one), evicting in :func:`eviction_order`; and how many were evicted."""
+    """The entries whose rendering costs at most ``max_tokens`` (about: entries are counted
+    one by one, a separator each), evicting in :func:`eviction_order`; and how many were
+    evicted."""
     if not entries:
         return [], 0
-    lines = [f"- {e.text}" + (f" (x{e.refs})" if e.refs > 1 else "") for e in entries]
+    texts = [" " + _entry_text(e) for e in entries]
     sources = sorted({e.source for e in entries})
-    costs = count([*lines, SPECIFICS_HEADING, *(f"[message:{s}]" for s in sources)])
-    line_costs = costs[: len(lines)]
-    total = sum(costs) + len(lines) + len(sources)  # a newline each, at most a token
+    heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
+    costs = count([*texts, heading, *(f"{s}:" for s in sources)])
+    line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
+    header_cost = {s: c + 1 for s, c in zip(sources, costs[len(texts) + 1 :], strict=True)}
+    total = sum(line_costs) + costs[len(texts)] + sum(header_cost.values())
     if total <= max_tokens:
         return list(entries), 0
-    header_cost = dict(zip(sources, costs[len(lines) + 1 :], strict=True))
     left = {s: 0 for s in sources}
     for e in entries:
         left[e.source] += 1
@@ -185,12 +238,26 @@ def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple
         if total <= max_tokens:
             break
         gone.add(i)
-        total -= line_costs[i] + 1
+        total -= line_costs[i]
         source = entries[i].source
         left[source] -= 1
-        if not left[source]:  # its group is gone, and the group's header with it
-            total -= header_cost[source] + 1
+        if not left[source]:  # its line is gone, and its provenance with it
+            total -= header_cost[source]
     return [e for i, e in enumerate(entries) if i not in gone], len(gone)
+
+
+def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
+    """The texts of ``entries`` that ``texts`` (what the context holds whole besides the
+    summary) contain verbatim. The extractor names the candidates (so the check costs one
+    extraction, not entries x texts substring scans); each is then confirmed verbatim."""
+    if not entries or not texts:
+        return set()
+    seen = {text for pairs in core.extract_specifics_batch(list(texts)) for _, text in pairs}
+    candidates = {e.text for e in entries if e.text in seen}
+    if not candidates:
+        return set()
+    joined = "\n".join(texts)
+    return {text for text in candidates if text in joined}
 
 
 def with_ledger(summary_text: str, entries: Sequence[Entry]) -> str:
@@ -207,21 +274,27 @@ def fit_item(
     max_ledger_tokens: int,
     count: TokenCounter,
     added: int = 0,
+    leave_out: Collection[str] = (),
 ) -> tuple[HistoryItem, LedgerStats]:
     """The summary ``item`` within ``max_item_tokens``, its ledger within
     ``max_ledger_tokens`` and at least half of the item's room: the evidence outranks the
     prose, so the prose is cut (from its end: the header and the Goal come first) before
-    the ledger gives up more than that. Its token count is exact."""
+    the ledger gives up more than that. Entries whose text is in ``leave_out`` (what the
+    messages the context keeps whole hold, :func:`in_context`) are left out first. Its
+    token count is exact."""
     entries = parse(item.content)
     if not entries:
         return item, LedgerStats()
+    before = len(entries)
+    if leave_out:
+        entries = [e for e in entries if e.text not in leave_out]
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
     kept, evicted = fit(entries, room, count)
     ledger_text = render(kept)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    while kept and ledger_t > room:  # lines were counted one by one: trim to the whole
+    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
         kept, more = fit(kept, max(0, room - (ledger_t - room)), count)
         evicted += more
         ledger_text = render(kept)
@@ -232,8 +305,53 @@ def fit_item(
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
     total = count([content])[0]
-    stats = LedgerStats(len(kept), ledger_t, added, evicted)
-    return replace(item, content=content, token_count=total), stats
+    stats = LedgerStats(len(kept), ledger_t, added, evicted, before - len(entries))
+    held = [e for e in parse(item.content) if e.text in leave_out] if leave_out else []
+    fitted = replace(item, content=content, token_count=total, metadata=_held(item, held))
+    return fitted, stats
+
+
+def _meta(item: HistoryItem) -> dict[str, object]:
+    try:
+        meta = json.loads(item.metadata) if item.metadata else {}
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _held(item: HistoryItem, held: Sequence[Entry]) -> str:
+    """``item``'s metadata with :data:`HELD_KEY` set to ``held`` (removed when empty)."""
+    meta = _meta(item)
+    if not held and HELD_KEY not in meta:
+        return item.metadata
+    meta.pop(HELD_KEY, None)
+    if held:
+        meta[HELD_KEY] = [[e.text, e.source, e.refs] for e in held]
+    return json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+
+
+def restore(item: HistoryItem) -> HistoryItem:
+    """``item`` (a stored summary) with the entries a build held out (:data:`HELD_KEY`)
+    back in its ledger, each among the entries of its neighbouring sources; the key gone.
+    ``token_count`` is left as it was (what the summary costs as stored)."""
+    meta = _meta(item)
+    raw = meta.pop(HELD_KEY, None)
+    if not isinstance(raw, list) or not raw:
+        return item
+    held: list[Entry] = []
+    for row in raw:
+        if (
+            isinstance(row, list)
+            and len(row) == 3
+            and isinstance(row[0], str)
+            and isinstance(row[1], int)
+            and isinstance(row[2], int)
+        ):
+            held.append(Entry(row[0], row[1], max(1, row[2])))
+    merged, _ = merge(parse(item.content), held)
+    merged.sort(key=lambda e: e.source)  # stable: in source order, as they were made
+    metadata = json.dumps(meta, ensure_ascii=False, separators=(",", ":")) if meta else ""
+    return replace(item, content=with_ledger(item.content, merged), metadata=metadata)
 
 
 PROSE_CUT_NOTE = "\n[… the rest of this summary was cut to fit]"
