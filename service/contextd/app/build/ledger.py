@@ -13,23 +13,27 @@ contains the separator gets a line of its own under a ``[message:<id>]`` line, t
 form, which is still read::
 
     ## Specifics
-    (each line: the id of the message it comes from, then its details; fetch a message with message:<id>)
+    (each line: the id of the message it comes from, then its details; fetch a me…
     12: src/api/orders.py · pytest -x -q (x3)
     15: ORD-1234-QX · €12.50
 
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
-:data:`MAX_LEDGER_ENTRIES` entries stored, and, in a build, at most its share of the
-budget (:func:`ledger_share`); past either bound the least-referenced entries go first,
-the oldest first among equals, and the build reports how many went. In a build, an
-entry that a message kept whole in the context holds verbatim is left out of the
-ledger (the evidence is in the context anyway; when that message is folded later, the
-entry comes back from it). Pure functions.
+:data:`MAX_LEDGER_ENTRIES` entries stored (the least referenced go first), and, in a
+build, at most its share of the budget (:func:`ledger_share`: a quarter, up to a half for
+windows many times the budget); past that the entries with the fewest references per
+token go first (the room keeps the most mentions), the oldest first among equals, and the
+build reports how many went. In a build, an entry that a message kept whole in the
+context holds verbatim is left out of the ledger (the evidence is in the context
+anyway) and held in the summary's metadata (:data:`HELD_KEY`) with its provenance and
+references; the next build puts it back (:func:`restore`) before it merges or fits.
+Pure functions.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +53,26 @@ MAX_LEDGER_ENTRIES = 2_000
 
 LEDGER_SHARE = 0.25
 """The share of a build's history budget the ledger may take; past it, entries go."""
+
+MAX_LEDGER_SHARE = 0.5
+"""The share a ledger may take when the window is :data:`LONG_WINDOW` or more times the
+budget (see :func:`ledger_share`); the recent part keeps at least the other half."""
+
+LONG_WINDOW = 16
+"""How many times the budget a window is when the ledger may take its largest share."""
+
+
+def ledger_share(window_tokens: int, budget: int) -> float:
+    """The share of the history budget the ledger may take: a quarter while the window is
+    at most four times the budget, then growing with the log of how much longer it is,
+    to :data:`MAX_LEDGER_SHARE` at :data:`LONG_WINDOW` times. The longer the window, the
+    more of it the summary stands for, and the more evidence there is to keep."""
+    if budget <= 0 or window_tokens <= 4 * budget:
+        return LEDGER_SHARE
+    ratio = min(window_tokens / budget, float(LONG_WINDOW))
+    growth = math.log2(ratio / 4) / math.log2(LONG_WINDOW / 4)
+    return LEDGER_SHARE + (MAX_LEDGER_SHARE - LEDGER_SHARE) * growth
+
 
 # Identifiers are specifics in what people and the agent write, but in tool output (a
 # file's source, a log) every word of code is one: there they are noise.
@@ -139,10 +163,13 @@ def merge(previous: Sequence[Entry], new: Iterable[Entry]) -> tuple[list[Entry],
     return [e for i, e in enumerate(entries) if i not in drop], len(drop)
 
 
-def eviction_order(entries: Sequence[Entry]) -> list[int]:
+def eviction_order(entries: Sequence[Entry], costs: Sequence[int] | None = None) -> list[int]:
     """Indices of ``entries`` in the order they go: least referenced first, oldest first
-    among equals (``entries`` is oldest first)."""
-    return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
+    among equals (``entries`` is oldest first). With ``costs`` (each entry's tokens), the
+    fewest references per token first: the room keeps the most mentions it can."""
+    if costs is None:
+        return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
+    return sorted(range(len(entries)), key=lambda i: (entries[i].refs / max(1, costs[i]), i))
 
 
 def _entry_text(entry: Entry) -> str:
@@ -219,22 +246,33 @@ def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple
     """The entries whose rendering costs at most ``max_tokens`` (about: entries are counted
     one by one, a separator each), evicting in :func:`eviction_order`; and how many were
     evicted."""
+    kept, evicted, _ = _fit(entries, max_tokens, count)
+    return kept, evicted
+
+
+def _fit(
+    entries: Sequence[Entry], max_tokens: int, count: TokenCounter
+) -> tuple[list[Entry], int, int]:
+    """:func:`fit`, and the estimated cost of what it kept."""
     if not entries:
-        return [], 0
+        return [], 0, 0
     texts = [" " + _entry_text(e) for e in entries]
     sources = sorted({e.source for e in entries})
     heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
-    costs = count([*texts, heading, *(f"{s}:" for s in sources)])
+    # A counter may frame each text as a message: that framing is paid once, not by each.
+    *counted, framing = count([*texts, heading, *(f"{s}:" for s in sources), ""])
+    costs = [max(0, c - framing) for c in counted]
+    costs[len(texts)] += framing
     line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
     header_cost = {s: c + 1 for s, c in zip(sources, costs[len(texts) + 1 :], strict=True)}
     total = sum(line_costs) + costs[len(texts)] + sum(header_cost.values())
     if total <= max_tokens:
-        return list(entries), 0
+        return list(entries), 0, total
     left = {s: 0 for s in sources}
     for e in entries:
         left[e.source] += 1
     gone: set[int] = set()
-    for i in eviction_order(entries):
+    for i in eviction_order(entries, line_costs):
         if total <= max_tokens:
             break
         gone.add(i)
@@ -243,7 +281,22 @@ def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple
         left[source] -= 1
         if not left[source]:  # its line is gone, and its provenance with it
             total -= header_cost[source]
-    return [e for i, e in enumerate(entries) if i not in gone], len(gone)
+    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total
+
+
+def need(
+    summary: HistoryItem | None,
+    items: Sequence[HistoryItem],
+    count: TokenCounter,
+    leave_out: Sequence[str] = (),
+) -> int:
+    """About what the ledger of a summary folding ``items`` into ``summary`` costs, the
+    entries ``leave_out`` (texts the context keeps whole) hold left out, none evicted:
+    what the ledger could use, for sizing the room it gets."""
+    entries, _ = merge(parse(summary.content) if summary is not None else [], extract(items))
+    present = in_context(entries, leave_out)
+    entries = [e for e in entries if e.text not in present]
+    return count([render(entries)])[0] if entries else 0
 
 
 def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
@@ -291,16 +344,26 @@ def fit_item(
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted = fit(entries, room, count)
+    kept, evicted, estimate = _fit(entries, room, count)
     ledger_text = render(kept)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
-        kept, more = fit(kept, max(0, room - (ledger_t - room)), count)
-        evicted += more
+    target, step = room, 0
+    if evicted and 0 < ledger_t < room and estimate > ledger_t:
+        # The estimate ran high (a counter rounding each text up): aim by the measured
+        # ratio, so the ledger fills its room; the loop below trims any overshoot.
+        target = room * estimate // ledger_t
+        kept, evicted, _ = _fit(entries, target, count)
         ledger_text = render(kept)
         ledger_t = count([ledger_text])[0] + 1 if kept else 0
-        if not more:
-            break
+    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
+        # Lower the estimate's target by the overshoot (at least a token, and at least
+        # twice the last step: a few rounds at most) until the whole fits, so the ledger
+        # never takes the prose's share of the room.
+        step = max(ledger_t - room + 1, 2 * step)
+        target = max(0, target - step)
+        kept, evicted = fit(entries, target, count)
+        ledger_text = render(kept)
+        ledger_t = count([ledger_text])[0] + 1 if kept else 0
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
@@ -328,6 +391,24 @@ def _held(item: HistoryItem, held: Sequence[Entry]) -> str:
     if held:
         meta[HELD_KEY] = [[e.text, e.source, e.refs] for e in held]
     return json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+
+
+COVERED_KEY = "covered_tokens"
+"""The summary's metadata key for what the messages it stands for cost when they were
+folded (so a build knows how long its window is, :func:`ledger_share`)."""
+
+
+def covered_tokens(item: HistoryItem) -> int:
+    """What the messages ``item`` (a summary) stands for cost (0: not known)."""
+    value = _meta(item).get(COVERED_KEY)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def with_covered_tokens(item: HistoryItem, tokens: int) -> HistoryItem:
+    """``item`` with :data:`COVERED_KEY` set to ``tokens``."""
+    meta = _meta(item)
+    meta[COVERED_KEY] = tokens
+    return replace(item, metadata=json.dumps(meta, ensure_ascii=False, separators=(",", ":")))
 
 
 def restore(item: HistoryItem) -> HistoryItem:
