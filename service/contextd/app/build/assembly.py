@@ -406,18 +406,21 @@ def _compress(
         # A window many times the budget: the ledger may need more than a quarter. The
         # reserve grows to what it needs (all it could hold, and a checkpoint's prose),
         # up to its larger share; the recent part keeps what truncation would beside it.
-        # Sized twice: by what the whole window's entries cost, then by what that cut
-        # folds, the entries the recent part holds left out; so little room goes unused.
-        # A ledger that fits the usual reserve beside the prose changes nothing.
+        # Sized by what the fold's entries need (the entries the recent part holds left
+        # out), twice: at the usual reserve, then at the reserve that asks for, whose cut
+        # folds more; so little room goes unused. A ledger that fits the usual reserve
+        # beside the prose changes nothing.
         base = reserve
-        reserve = _ledger_reserve(base, int(budget * share), summary, work.items, (), text_cost)
-        if reserve > base:
+        for _ in range(2):
             plan = _plan(work, budget - reserve, summary)
-            recent_texts = _kept_texts(work.tail(plan.cut_index), budget - reserve)
             fold = work.items[: plan.cut_index]
-            reserve = _ledger_reserve(
+            recent_texts = _kept_texts(work.tail(plan.cut_index), budget - reserve)
+            wanted = _ledger_reserve(
                 base, int(budget * share), summary, fold, recent_texts, text_cost
             )
+            if wanted == reserve:
+                break
+            reserve = wanted
     if options.summarize and work.items and window_t > budget:
         # The recent part is everything that fits beside the reserve: as much as
         # truncation would keep under the budget less the reserve.

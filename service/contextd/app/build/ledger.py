@@ -301,16 +301,22 @@ def need(
 
 def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
     """The texts of ``entries`` that ``texts`` (what the context holds whole besides the
-    summary) contain verbatim. The extractor names the candidates (so the check costs one
-    extraction, not entries x texts substring scans); each is then confirmed verbatim."""
+    summary) contain verbatim. The extractor names the candidates and the text each is
+    in (one linear pass, not entries x texts scans); each is then confirmed verbatim in
+    that text (the extractor decodes JSON strings and cuts long lines: not every string
+    it names is a substring)."""
     if not entries or not texts:
         return set()
-    seen = {text for pairs in core.extract_specifics_batch(list(texts)) for _, text in pairs}
-    candidates = {e.text for e in entries if e.text in seen}
-    if not candidates:
-        return set()
-    joined = "\n".join(texts)
-    return {text for text in candidates if text in joined}
+    where: dict[str, int] = {}
+    for k, pairs in enumerate(core.extract_specifics_batch(list(texts))):
+        for _, text in pairs:
+            where.setdefault(text, k)
+    found: set[str] = set()
+    for entry in entries:
+        at = where.get(entry.text)
+        if at is not None and entry.text in texts[at]:
+            found.add(entry.text)
+    return found
 
 
 def with_ledger(summary_text: str, entries: Sequence[Entry]) -> str:
