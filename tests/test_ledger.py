@@ -160,6 +160,22 @@ def test_fit_evicts_least_referenced_oldest_first() -> None:
     assert estimate_counter([ledger.render(kept)])[0] <= 100
 
 
+def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
+    """In a build the ledger shows no "(xN)" (about a fifth of its tokens); the counts are
+    in the summary's metadata, and the next build's restore puts them back."""
+    entries = [Entry("src/a.py", 3, 7), Entry("v1.2.3", 3), Entry("ORD-9-QX", 4, 2)]
+    text = ledger.with_ledger("[Context checkpoint: summary]\n\n## Goal\ng", entries)
+    item = HistoryItem(-4, Role.USER, text, is_summary=True, summary_of=(1, 4))
+    fitted, stats = ledger.fit_item(
+        item, max_item_tokens=500, max_ledger_tokens=200, count=estimate_counter
+    )
+    assert stats.entries == 3 and stats.evicted == 0
+    assert "(x" not in fitted.content and "3: src/a.py · v1.2.3" in fitted.content
+    assert json.loads(fitted.metadata)[ledger.REFS_KEY] == {"src/a.py": 7, "ORD-9-QX": 2}
+    assert ledger.parse(ledger.restore(fitted).content) == entries
+    assert ledger.restore(ledger.restore(fitted)) == ledger.restore(fitted)
+
+
 def test_fit_keeps_the_most_mentions_per_token() -> None:
     """Equal references: the longer entry (more tokens for the same mentions) goes first,
     whatever its age; then the fewest references per token."""

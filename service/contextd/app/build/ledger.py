@@ -10,7 +10,8 @@ then its entries separated by :data:`SEPARATOR` (the provenance is most of a led
 cost when messages bring one or two new entries each: ``[message:12]`` on a line of its
 own and a dash per entry cost about 7 tokens an entry, this about 3). An entry that
 contains the separator gets a line of its own under a ``[message:<id>]`` line, the older
-form, which is still read::
+form, which is still read. A repeat shows its count, ``(x3)``, except in a build's
+context, where the counts are kept in the summary's metadata (:data:`REFS_KEY`)::
 
     ## Specifics
     (each line: the id of the message it comes from, then its details; fetch a me…
@@ -83,6 +84,11 @@ HELD_KEY = "ledger_held"
 context kept whole hold them: ``[[text, source, references], ...]``. Not rendered; the
 next build puts them back (:func:`restore`) before it merges or fits, so an entry's
 provenance and references survive the builds it spends in the recent part."""
+
+REFS_KEY = "ledger_refs"
+"""The summary's metadata key for the reference counts of its ledger's entries (those
+above 1, by text): a build renders the ledger without them (about a fifth of its tokens)
+and :func:`restore` puts them back, so eviction still knows what is mentioned most."""
 
 SEPARATOR = " · "
 """Between the entries of one source's line (rare in paths, commands, ids and errors)."""
@@ -172,8 +178,8 @@ def eviction_order(entries: Sequence[Entry], costs: Sequence[int] | None = None)
     return sorted(range(len(entries)), key=lambda i: (entries[i].refs / max(1, costs[i]), i))
 
 
-def _entry_text(entry: Entry) -> str:
-    return entry.text + (f" (x{entry.refs})" if entry.refs > 1 else "")
+def _entry_text(entry: Entry, counts: bool = True) -> str:
+    return entry.text + (f" (x{entry.refs})" if counts and entry.refs > 1 else "")
 
 
 def _inline(entry: Entry) -> bool:
@@ -192,18 +198,20 @@ def _groups(entries: Sequence[Entry]) -> list[list[Entry]]:
     return out
 
 
-def render(entries: Sequence[Entry]) -> str:
-    """The ledger section (empty when there are no entries)."""
+def render(entries: Sequence[Entry], *, counts: bool = True) -> str:
+    """The ledger section (empty when there are no entries); without ``counts``, no
+    reference counts (a build's ledger keeps them in the summary's metadata)."""
     if not entries:
         return ""
     lines = [SPECIFICS_HEADING, LEGEND]
     for group in _groups(entries):
         source = group[0].source
         if all(_inline(e) for e in group):
-            lines.append(f"{source}: " + SEPARATOR.join(map(_entry_text, group)))
+            texts = (_entry_text(e, counts) for e in group)
+            lines.append(f"{source}: " + SEPARATOR.join(texts))
             continue
         lines.append(f"[message:{source}]")  # the line form: one entry a line
-        lines.extend(f"- {_entry_text(e)}" for e in group)
+        lines.extend(f"- {_entry_text(e, counts)}" for e in group)
     return "\n".join(lines)
 
 
@@ -242,21 +250,23 @@ def strip(summary_text: str) -> str:
     return summary_text[:at].rstrip() if at >= 0 else summary_text
 
 
-def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple[list[Entry], int]:
-    """The entries whose rendering costs at most ``max_tokens`` (about: entries are counted
-    one by one, a separator each), evicting in :func:`eviction_order`; and how many were
-    evicted."""
-    kept, evicted, _ = _fit(entries, max_tokens, count)
+def fit(
+    entries: Sequence[Entry], max_tokens: int, count: TokenCounter, *, counts: bool = True
+) -> tuple[list[Entry], int]:
+    """The entries whose rendering (with or without ``counts``) costs at most
+    ``max_tokens`` (about: entries are counted one by one, a separator each), evicting in
+    :func:`eviction_order`; and how many were evicted."""
+    kept, evicted, _ = _fit(entries, max_tokens, count, counts)
     return kept, evicted
 
 
 def _fit(
-    entries: Sequence[Entry], max_tokens: int, count: TokenCounter
+    entries: Sequence[Entry], max_tokens: int, count: TokenCounter, counts: bool = True
 ) -> tuple[list[Entry], int, int]:
     """:func:`fit`, and the estimated cost of what it kept."""
     if not entries:
         return [], 0, 0
-    texts = [" " + _entry_text(e) for e in entries]
+    texts = [" " + _entry_text(e, counts) for e in entries]
     sources = sorted({e.source for e in entries})
     heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
     # A counter may frame each text as a message: that framing is paid once, not by each.
@@ -350,16 +360,16 @@ def fit_item(
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted, estimate = _fit(entries, room, count)
-    ledger_text = render(kept)
+    kept, evicted, estimate = _fit(entries, room, count, False)
+    ledger_text = render(kept, counts=False)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
     target, step = room, 0
     if evicted and 0 < ledger_t < room and estimate > ledger_t:
         # The estimate ran high (a counter rounding each text up): aim by the measured
         # ratio, so the ledger fills its room; the loop below trims any overshoot.
         target = room * estimate // ledger_t
-        kept, evicted, _ = _fit(entries, target, count)
-        ledger_text = render(kept)
+        kept, evicted, _ = _fit(entries, target, count, False)
+        ledger_text = render(kept, counts=False)
         ledger_t = count([ledger_text])[0] + 1 if kept else 0
     while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
         # Lower the estimate's target by the overshoot (at least a token, and at least
@@ -367,8 +377,8 @@ def fit_item(
         # never takes the prose's share of the room.
         step = max(ledger_t - room + 1, 2 * step)
         target = max(0, target - step)
-        kept, evicted = fit(entries, target, count)
-        ledger_text = render(kept)
+        kept, evicted = fit(entries, target, count, counts=False)
+        ledger_text = render(kept, counts=False)
         ledger_t = count([ledger_text])[0] + 1 if kept else 0
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
@@ -376,8 +386,8 @@ def fit_item(
     total = count([content])[0]
     stats = LedgerStats(len(kept), ledger_t, added, evicted, before - len(entries))
     held = [e for e in parse(item.content) if e.text in leave_out] if leave_out else []
-    fitted = replace(item, content=content, token_count=total, metadata=_held(item, held))
-    return fitted, stats
+    metadata = _stash(item, held, {e.text: e.refs for e in kept if e.refs > 1})
+    return replace(item, content=content, token_count=total, metadata=metadata), stats
 
 
 def _meta(item: HistoryItem) -> dict[str, object]:
@@ -388,14 +398,18 @@ def _meta(item: HistoryItem) -> dict[str, object]:
     return meta if isinstance(meta, dict) else {}
 
 
-def _held(item: HistoryItem, held: Sequence[Entry]) -> str:
-    """``item``'s metadata with :data:`HELD_KEY` set to ``held`` (removed when empty)."""
+def _stash(item: HistoryItem, held: Sequence[Entry], refs: dict[str, int]) -> str:
+    """``item``'s metadata with :data:`HELD_KEY` set to ``held`` and :data:`REFS_KEY` to
+    ``refs`` (each removed when empty)."""
     meta = _meta(item)
-    if not held and HELD_KEY not in meta:
+    if not held and not refs and HELD_KEY not in meta and REFS_KEY not in meta:
         return item.metadata
     meta.pop(HELD_KEY, None)
+    meta.pop(REFS_KEY, None)
     if held:
         meta[HELD_KEY] = [[e.text, e.source, e.refs] for e in held]
+    if refs:
+        meta[REFS_KEY] = refs
     return json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -420,13 +434,20 @@ def with_covered_tokens(item: HistoryItem, tokens: int) -> HistoryItem:
 def restore(item: HistoryItem) -> HistoryItem:
     """``item`` (a stored summary) with the entries a build held out (:data:`HELD_KEY`)
     back in its ledger, each among the entries of its neighbouring sources; the key gone.
-    ``token_count`` is left as it was (what the summary costs as stored)."""
+    Its reference counts (:data:`REFS_KEY`) go back on the entries too. ``token_count``
+    is left as it was (what the summary costs as stored)."""
     meta = _meta(item)
-    raw = meta.pop(HELD_KEY, None)
-    if not isinstance(raw, list) or not raw:
+    if HELD_KEY not in meta and REFS_KEY not in meta:
         return item
+    raw = meta.pop(HELD_KEY, None)
+    counted = meta.pop(REFS_KEY, None)
+    refs = (
+        {k: v for k, v in counted.items() if isinstance(v, int) and v > 1}
+        if isinstance(counted, dict)
+        else {}
+    )
     held: list[Entry] = []
-    for row in raw:
+    for row in raw if isinstance(raw, list) else []:
         if (
             isinstance(row, list)
             and len(row) == 3
@@ -435,7 +456,8 @@ def restore(item: HistoryItem) -> HistoryItem:
             and isinstance(row[2], int)
         ):
             held.append(Entry(row[0], row[1], max(1, row[2])))
-    merged, _ = merge(parse(item.content), held)
+    shown = [replace(e, refs=max(e.refs, refs.get(e.text, 1))) for e in parse(item.content)]
+    merged, _ = merge(shown, held)
     merged.sort(key=lambda e: e.source)  # stable: in source order, as they were made
     metadata = json.dumps(meta, ensure_ascii=False, separators=(",", ":")) if meta else ""
     return replace(item, content=with_ledger(item.content, merged), metadata=metadata)
