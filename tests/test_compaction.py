@@ -11,6 +11,7 @@ from fake_anthropic import FakeAnthropic
 from hypothesis import given, settings
 from test_assembly import History, check_pairs, histories
 
+from contextd.app.build import ledger
 from contextd.app.build.assembly import assemble
 from contextd.app.build.compaction import (
     elide_tool_results,
@@ -219,7 +220,7 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
 
     # The caller stores the summary; the next build reuses it and folds only newer ones.
     fake.reply_text(checkpoint("updated checkpoint"))
-    window = [*long_conversation(1, 50), first.summary]
+    window = [*long_conversation(1, 200), first.summary]
     second = assemble(
         system_prompt="s",
         history=window,
@@ -234,13 +235,14 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     prompt = fake.requests[-1].body["messages"][0]["content"]
     assert "<previous-checkpoint>" in prompt and "first checkpoint" in prompt
     assert f"marker-{hi} " not in prompt and f"marker-{hi + 1} " in prompt
-    # The ledger carried the first summary's entries; at this budget its share (a
-    # quarter) holds only the newest, so the oldest went first, and the build says so.
+    # The ledger carried the first summary's entries; at this budget its share (half:
+    # the window is many times the budget) holds only the newest, so the oldest went
+    # first, and the build says so.
     kept = parse_specifics(second.history[0].content)
     assert second.stats.ledger_evicted > 0 and "src/mod_1.py" not in kept
     newest_folded = second.stats.summarized_range[1]  # the newest entry is its evidence
     assert second.stats.ledger_entries == len(kept) and kept[-1] == f"src/mod_{newest_folded}.py"
-    assert second.stats.ledger_tokens <= 1500 * 0.25
+    assert second.stats.ledger_tokens <= 1500 * ledger.MAX_LEDGER_SHARE
 
 
 def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None:

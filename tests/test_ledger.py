@@ -13,6 +13,7 @@ from test_build_context import _build, running
 from test_compaction import checkpoint
 
 from conftest import Client
+from contextd import core
 from contextd.api.server import RunningServer
 from contextd.app.build import ledger
 from contextd.app.build.assembly import assemble
@@ -45,10 +46,23 @@ def fake() -> Iterator[FakeAnthropic]:
         yield server
 
 
+_MADE: list[AnthropicSummarizer] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Each test's summarizers close their HTTP clients (no socket left to the GC)."""
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def llm(fake: FakeAnthropic, **kw: int) -> AnthropicSummarizer:
-    return AnthropicSummarizer(
+    made = AnthropicSummarizer(
         AnthropicConfig(api_key="k", base_url=fake.base_url, timeout_s=5.0, **kw)  # type: ignore[arg-type]
     )
+    _MADE.append(made)
+    return made
 
 
 def session(first: int, n: int) -> list[HistoryItem]:
@@ -87,13 +101,42 @@ def test_entries_keep_provenance_and_references() -> None:
     text = ledger.render(found)
     assert text.splitlines() == [
         "## Specifics",
-        "[message:7]",
-        "- src/a.py (x3)",
-        "- make test",
-        "[message:9]",
-        "- ORD-12-X",
-    ]
+        ledger.LEGEND,
+        "7: src/a.py (x3) · make test",
+        "9: ORD-12-X",
+    ], "one line per source, its provenance once"
     assert ledger.parse("## Goal\ng\n\n" + text) == found
+
+
+def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None:
+    """A line per source message: its id once and a separator per entry, in place of a
+    [message:<id>] line and a dash line per entry. Ledgers stored in the older form still
+    read; an entry holding the separator keeps a line of its own."""
+    # one or two new entries per message, as transcripts bring them
+    entries = [Entry(f"src/sched/lease_{i}.py", 10 + 2 * i // 3, 1 + i % 2) for i in range(60)]
+    text = ledger.render(entries)
+    old_form = ["## Specifics"]
+    for source in sorted({e.source for e in entries}):
+        old_form.append(f"[message:{source}]")
+        old_form += [
+            f"- {e.text}" + (f" (x{e.refs})" if e.refs > 1 else "")
+            for e in entries
+            if e.source == source
+        ]
+    (new_t, old_t) = core.count_tokens_batch([text, "\n".join(old_form)], "o200k_base")
+    assert new_t <= 0.85 * old_t, (new_t, old_t)
+    assert ledger.parse(text) == entries
+    assert ledger.parse("\n".join(old_form)) == entries
+    odd = [Entry("echo a · b", 4), Entry("src/x.py", 4), Entry("v1.2.3", 5, 2)]
+    assert ledger.render(odd).splitlines() == [
+        "## Specifics",
+        ledger.LEGEND,
+        "[message:4]",
+        "- echo a · b",
+        "- src/x.py",
+        "5: v1.2.3 (x2)",
+    ]
+    assert ledger.parse(ledger.render(odd)) == odd
 
 
 def test_merge_keeps_old_entries_once_and_counts_repeats() -> None:
@@ -115,6 +158,143 @@ def test_fit_evicts_least_referenced_oldest_first() -> None:
     assert kept[0] == entries[0], "more references outrank age"
     assert kept[1:] == entries[50 - len(kept) + 1 :], "then the newest are kept"
     assert estimate_counter([ledger.render(kept)])[0] <= 100
+
+
+def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
+    """In a build the ledger shows no "(xN)" (about a fifth of its tokens); the counts are
+    in the summary's metadata, and the next build's restore puts them back."""
+    entries = [Entry("src/a.py", 3, 7), Entry("v1.2.3", 3), Entry("ORD-9-QX", 4, 2)]
+    text = ledger.with_ledger("[Context checkpoint: summary]\n\n## Goal\ng", entries)
+    item = HistoryItem(-4, Role.USER, text, is_summary=True, summary_of=(1, 4))
+    fitted, stats = ledger.fit_item(
+        item, max_item_tokens=500, max_ledger_tokens=200, count=estimate_counter
+    )
+    assert stats.entries == 3 and stats.evicted == 0
+    assert "(x" not in fitted.content and "3: src/a.py · v1.2.3" in fitted.content
+    assert json.loads(fitted.metadata)[ledger.REFS_KEY] == {"src/a.py": 7, "ORD-9-QX": 2}
+    assert ledger.parse(ledger.restore(fitted).content) == entries
+    assert ledger.restore(ledger.restore(fitted)) == ledger.restore(fitted)
+
+
+def test_fit_keeps_the_most_mentions_per_token() -> None:
+    """Equal references: the longer entry (more tokens for the same mentions) goes first,
+    whatever its age; then the fewest references per token."""
+    long_error = "java.lang.IllegalStateException: scheduler lease not ready (slot 4512)"
+    entries = [Entry("v1.2.3", 1), Entry(long_error, 2), Entry("#42", 3), Entry("ORD-7-QX", 4)]
+    full = estimate_counter([ledger.render(entries)])[0]
+    kept, evicted = ledger.fit(entries, full - 5, estimate_counter)
+    assert evicted == 1 and long_error not in [e.text for e in kept]
+    assert [e.text for e in kept] == ["v1.2.3", "#42", "ORD-7-QX"]
+
+
+def test_fit_fills_its_room_when_the_counter_frames_each_text() -> None:
+    """The build's counter prices a text as a whole message (its framing included); the
+    framing is paid once by the ledger, not by each entry, so the ledger fills its room."""
+
+    def framed(texts: list[str]) -> list[int]:
+        return [n + 7 for n in core.count_tokens_batch(texts, "o200k_base")]
+
+    entries = [Entry(f"src/sched/lease_{i}.py", 10 + i, 1) for i in range(400)]
+    kept, evicted = ledger.fit(entries, 1_000, framed)
+    used = framed([ledger.render(kept)])[0]
+    assert evicted > 0 and 0.9 * 1_000 <= used <= 1_000 + 40, used
+
+
+def test_the_ledger_share_grows_with_the_windows_length() -> None:
+    assert ledger.ledger_share(40_000, 10_000) == ledger.LEDGER_SHARE
+    assert ledger.ledger_share(160_000, 10_000) == ledger.MAX_LEDGER_SHARE
+    assert ledger.ledger_share(10_000_000, 10_000) == ledger.MAX_LEDGER_SHARE
+    middle = ledger.ledger_share(80_000, 10_000)
+    assert ledger.LEDGER_SHARE < middle < ledger.MAX_LEDGER_SHARE
+
+
+def specifics_session(n: int) -> list[HistoryItem]:
+    """A request, then messages that each name a new file and a new order id, and one
+    file and one command every message repeats."""
+    items = [HistoryItem(1, Role.USER, GOAL)]
+    for i in range(2, n + 2):
+        role = Role.USER if i % 2 else Role.ASSISTANT
+        text = (
+            f"Looked at src/sched/slot_{i}.py for ORD-{i}-QX; src/core/lease.py again, "
+            f"ran `make test-lease` " + "and the rest of the notes " * 6
+        )
+        items.append(HistoryItem(i, role, text))
+    return items
+
+
+def test_entries_the_kept_messages_hold_are_left_out_and_come_back(fake: FakeAnthropic) -> None:
+    """An entry a message kept whole holds verbatim costs nothing in the ledger: it is
+    left out (counted in ledger_in_context) and held in the summary's metadata with its
+    provenance and references; the next build puts it back before merging, so it is not
+    lost nor restarted when those messages are folded in turn."""
+    fake.reply_lossy()
+    history = specifics_session(400)
+    opts = StrategyOptions(summarize=True)
+    first = assemble(
+        system_prompt="s",
+        history=history[:200],
+        budget=3_000,
+        count_tokens=estimate_counter,
+        options=opts,
+        summarizer=llm(fake),
+    )
+    assert first.summary is not None and first.stats.summarizer_path == "llm"
+    shown = [e.text for e in ledger.parse(first.summary.content)]
+    recent = "\n".join(it.content for it in first.history if not it.is_summary)
+    assert "src/core/lease.py" in recent and "src/core/lease.py" not in shown
+    assert "make test-lease" not in shown and first.stats.ledger_in_context >= 2
+    assert first.stats.ledger_added == (
+        first.stats.ledger_entries + first.stats.ledger_evicted + first.stats.ledger_in_context
+    )
+    held = {e.text: e for e in ledger.parse(ledger.restore(first.summary).content)}
+    assert held["src/core/lease.py"].source == 2, "provenance: the first message naming it"
+    assert held["src/core/lease.py"].refs > 100, "references: every message naming it"
+    missing = [i for i in range(2, 200) if f"ORD-{i}-QX" not in [*shown, recent]]
+    missing = [i for i in missing if f"ORD-{i}-QX" not in recent]
+    assert len(missing) <= first.stats.ledger_evicted, "none lost unless evicted, and said so"
+    # The caller stores the summary; a later build folds the messages that held them.
+    stored = HistoryItem(
+        9_000,
+        Role.USER,
+        first.summary.content,
+        is_summary=True,
+        metadata=first.summary.metadata,
+        summary_of=first.summary.summary_of,
+    )
+    second = assemble(
+        system_prompt="s",
+        history=[*history, stored],
+        budget=3_000,
+        count_tokens=estimate_counter,
+        options=opts,
+        summarizer=llm(fake),
+    )
+    assert second.summary is not None and second.stats.summarizer_path == "llm"
+    again = {e.text: e for e in ledger.parse(ledger.restore(second.summary).content)}
+    assert again["src/core/lease.py"].source == 2
+    assert again["src/core/lease.py"].refs > held["src/core/lease.py"].refs
+
+
+def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnthropic) -> None:
+    """A window 16 or more times the budget: the ledger may take up to half of the history
+    budget (a quarter otherwise), as much as its entries need; the recent part keeps what
+    truncation keeps under the budget less the summary as built."""
+    fake.reply_lossy()
+    history = specifics_session(1_500)
+    common = {"system_prompt": "s", "history": history, "count_tokens": estimate_counter}
+    built = assemble(
+        **common,  # type: ignore[arg-type]
+        budget=4_000,
+        options=StrategyOptions(summarize=True),
+        summarizer=llm(fake),
+    )
+    stats = built.stats
+    assert built.summary is not None and stats.summarizer_path == "llm"
+    assert 4_000 * ledger.LEDGER_SHARE < stats.ledger_tokens <= 4_000 * ledger.MAX_LEDGER_SHARE
+    assert stats.total_tokens <= 4_000
+    truncated = assemble(**common, budget=4_000 - built.summary.token_count)  # type: ignore[arg-type]
+    verbatim = [it for it in built.history if not it.is_summary]
+    assert len(verbatim) >= len(truncated.history)
 
 
 def test_goal_is_the_first_request_and_explicit_changes() -> None:
@@ -171,7 +351,9 @@ def test_goal_and_evidence_survive_ten_rolling_compactions(fake: FakeAnthropic, 
         assert GOAL in text, f"goal lost after {compactions} compactions"
     assert compactions >= 10
     assert summary is not None
-    kept = parse_specifics(summary.content)
+    # What the summary carries: its ledger and the entries it held out while the recent
+    # messages held them (`pytest -q` is in every call).
+    kept = parse_specifics(ledger.restore(summary).content)
     # The failure lines of the folded part are in the ledger, verbatim, unless the build
     # that left them out said so; the newest are always there.
     lo, hi = summary.summary_of or (0, 0)
@@ -295,7 +477,9 @@ def test_a_build_reports_its_ledger_and_names_each_source(
     stats = built.stats
     assert stats.summarizer_path == "llm" and stats.summary_attempts == 1, stats
     assert stats.ledger_entries > 0 and stats.ledger_tokens > 0 and stats.ledger_added > 0
-    assert stats.ledger_added == stats.ledger_entries + stats.ledger_evicted
+    assert stats.ledger_added == (
+        stats.ledger_entries + stats.ledger_evicted + stats.ledger_in_context
+    )
     summary = built.messages[0].content
     assert GOAL in summary
     ids = {m.content.split(" costs")[0].removeprefix("order "): m.id for m in client.window("a1")}

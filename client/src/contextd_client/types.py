@@ -323,6 +323,7 @@ class BuildStats:
     ledger_evicted: int
     compaction_deferred: bool
     summary_attempts: int
+    ledger_in_context: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,6 +280,7 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         ledger_tokens=s.ledger_tokens,
         ledger_added=s.ledger_added,
         ledger_evicted=s.ledger_evicted,
+        ledger_in_context=s.ledger_in_context,
         compaction_deferred=s.compaction_deferred,
         summary_attempts=s.summary_attempts,
         tool_output_excerpt_ids=[a.pointer.id for a in result.excerpts.added],

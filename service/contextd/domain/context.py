@@ -362,6 +362,9 @@ class BuildStats:
     ledger_evicted: int = 0
     """Entries this build left out of the ledger to keep it within its share of the
     budget (the least referenced, oldest first)."""
+    ledger_in_context: int = 0
+    """Entries left out of the ledger because a message the context keeps whole holds
+    them verbatim (they come back when that message is folded)."""
     compaction_deferred: bool = False
     """The fold was too small to be worth a new summary: its specifics joined the stored
     summary's ledger for this build, and nothing was summarized or stored."""

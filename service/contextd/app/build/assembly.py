@@ -31,6 +31,7 @@ from contextd import core
 from contextd.app.build import ledger
 from contextd.app.build.blobs import stub_blobs
 from contextd.app.build.compaction import (
+    CompactionPlan,
     elide_tool_results,
     fold_into_ledger,
     make_summary_item,
@@ -80,6 +81,10 @@ SUMMARY_RESERVE_TOKENS = 4_096
 """Room kept for a new checkpoint when choosing the cut (at most a quarter of the
 history budget, or the previous checkpoint's size when that is larger, up to half):
 about what a summary of ``max_tokens`` 2,048 plus its ledger costs."""
+
+SUMMARY_PROSE_TOKENS = 512
+"""About what a checkpoint's prose costs beside its ledger (a model's summary is asked
+for in six short sections), for sizing the reserve of a ledger that needs more room."""
 
 NEW_MESSAGE_NOTE = "\n[… message truncated to fit the context]"
 STATUS_NOTE = "- … (status shortened to fit the context)"
@@ -259,6 +264,7 @@ def assemble(
             ledger_tokens=hist.ledger_stats.tokens,
             ledger_added=hist.ledger_stats.added,
             ledger_evicted=hist.ledger_stats.evicted,
+            ledger_in_context=hist.ledger_stats.in_context,
             compaction_deferred=hist.compaction_deferred,
             summary_attempts=hist.summary_attempts,
         )
@@ -349,7 +355,8 @@ def _prepare(
     elided = [i for i in order if i in seen or i in stubbed]
     max_chars = options.max_chars_per_message if options.truncate else NO_CHAR_LIMIT
     if summary is not None:
-        summary = replace(summary, token_count=cost([summary])[0])
+        # Counted as stored: the entries it held out mostly stay out (see ledger.restore).
+        summary = replace(ledger.restore(summary), token_count=cost([summary])[0])
     work = _Columns.build(raw, max_chars, cost)
     return _Prepared(summary, work, before, repaired, elided, order)
 
@@ -392,18 +399,32 @@ def _compress(
     reserve = min(SUMMARY_RESERVE_TOKENS, budget // 4)
     if summary is not None:
         reserve = max(reserve, min(summary_t, budget // 2))
-    if options.summarize and work.items and summary_t + sum(work.costs) > budget:
+    covered_t = ledger.covered_tokens(summary) if summary is not None else 0
+    window_t = (covered_t or summary_t) + sum(work.costs)
+    share = ledger.ledger_share(window_t, budget)
+    if options.summarize and work.items and window_t > budget and share > ledger.LEDGER_SHARE:
+        # A window many times the budget: the ledger may need more than a quarter. The
+        # reserve grows to what it needs (all it could hold, and a checkpoint's prose),
+        # up to its larger share; the recent part keeps what truncation would beside it.
+        # Sized by what the fold's entries need (the entries the recent part holds left
+        # out), twice: at the usual reserve, then at the reserve that asks for, whose cut
+        # folds more; so little room goes unused. A ledger that fits the usual reserve
+        # beside the prose changes nothing.
+        base = reserve
+        for _ in range(2):
+            plan = _plan(work, budget - reserve, summary)
+            fold = work.items[: plan.cut_index]
+            recent_texts = _kept_texts(work.tail(plan.cut_index), budget - reserve)
+            wanted = _ledger_reserve(
+                base, int(budget * share), summary, fold, recent_texts, text_cost
+            )
+            if wanted == reserve:
+                break
+            reserve = wanted
+    if options.summarize and work.items and window_t > budget:
         # The recent part is everything that fits beside the reserve: as much as
         # truncation would keep under the budget less the reserve.
-        recent = max(0, budget - reserve)
-        plan = plan_compaction(
-            work.items,
-            work.costs,
-            previous_summary=summary,
-            keep_recent_tokens=recent,
-            keep_recent_messages=0,
-            max_recent_tokens=recent,
-        )
+        plan = _plan(work, max(0, budget - reserve), summary)
         fold_t = sum(work.costs[: plan.cut_index])
         if (
             plan.to_summarize
@@ -417,6 +438,7 @@ def _compress(
             summarized, deferred = plan.covers, True
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
+            summary = ledger.with_covered_tokens(summary, covered_t + fold_t)
         elif plan.to_summarize and plan.covers is not None:
             previous = summary_body(summary) if summary is not None else None
             result = engine.summarize(plan.to_summarize, previous)
@@ -426,21 +448,24 @@ def _compress(
             added, attempts = result.added, result.attempts
             folded = [it.id for it in plan.to_summarize]
             work = work.tail(plan.cut_index)
+            summary = ledger.with_covered_tokens(summary, covered_t + fold_t)
     ledger_stats = ledger.LedgerStats()
+    prepared_summary = summary
+    present: set[str] = set()
     if summary is not None:
         # The recent part comes first; the summary gets what is left, at least `reserve`;
         # its ledger at most its share of the budget (the least referenced entries go).
         cap = max(budget - sum(work.costs), reserve)
-        summary, ledger_stats = ledger.fit_item(
-            summary,
-            max_item_tokens=cap,
-            max_ledger_tokens=int(budget * ledger.LEDGER_SHARE),
-            count=_text_cost(summary, cost),
-            added=added,
-        )
-        summary = replace(summary, token_count=cost([summary])[0])
-        summary = _fit_item(summary, cap, cost) if summary.token_count > cap else summary
+        kept_texts = _kept_texts(work, budget - cap)
+        fitted = _fit_summary(summary, cap, int(budget * share), cost, added, kept_texts)
+        summary, ledger_stats, present = fitted
     out, dropped, truncated = _trim(work, budget, summary, cost)
+    if present and prepared_summary is not None and not _holds(out or [], present):
+        # The recent part kept less than foreseen: the ledger keeps its entries after all.
+        summary, ledger_stats, _ = _fit_summary(
+            prepared_summary, cap, int(budget * share), cost, added, ()
+        )
+        out, dropped, truncated = _trim(work, budget, summary, cost)
     if out is None and summary is not None:
         summary = None  # the newest turn outranks the summary
         out, dropped, truncated = _trim(work, budget, None, cost)
@@ -474,6 +499,90 @@ def _compress(
         compaction_deferred=deferred,
         summary_attempts=attempts,
     )
+
+
+def _ledger_reserve(
+    base: int,
+    most: int,
+    summary: HistoryItem | None,
+    fold: Sequence[HistoryItem],
+    recent_texts: Sequence[str],
+    count: TokenCounter,
+) -> int:
+    """The room to keep for a summary folding ``fold``: ``base``, or, when its ledger
+    would need more than that beside the prose (and at least half of it), what it needs
+    and :data:`SUMMARY_PROSE_TOKENS`, up to ``most``."""
+    need = ledger.need(summary, fold, count, leave_out=recent_texts)
+    if need > base // 2 and need + SUMMARY_PROSE_TOKENS > base:
+        return max(base, min(most, need + SUMMARY_PROSE_TOKENS))
+    return base
+
+
+def _plan(work: _Columns, recent: int, summary: HistoryItem | None) -> CompactionPlan:
+    """The compaction that keeps the newest ``recent`` tokens of ``work``."""
+    return plan_compaction(
+        work.items,
+        work.costs,
+        previous_summary=summary,
+        keep_recent_tokens=max(0, recent),
+        keep_recent_messages=0,
+        max_recent_tokens=max(0, recent),
+    )
+
+
+def _fit_summary(
+    summary: HistoryItem,
+    cap: int,
+    max_ledger: int,
+    cost: ItemCost,
+    added: int,
+    context_texts: Sequence[str],
+) -> tuple[HistoryItem | None, ledger.LedgerStats, set[str]]:
+    """The summary fitted to ``cap`` (its ledger to ``max_ledger`` tokens, the entries
+    ``context_texts`` hold verbatim left out), counted with ``cost`` (``None`` when not
+    even a cut of it fits); and the texts left out."""
+    present = ledger.in_context(ledger.parse(summary.content), context_texts)
+    fitted, stats = ledger.fit_item(
+        summary,
+        max_item_tokens=cap,
+        max_ledger_tokens=max_ledger,
+        count=_text_cost(summary, cost),
+        added=added,
+        leave_out=present,
+    )
+    fitted = replace(fitted, token_count=cost([fitted])[0])
+    return (_fit_item(fitted, cap, cost) if fitted.token_count > cap else fitted), stats, present
+
+
+def _kept_texts(work: _Columns, room: int) -> list[str]:
+    """The texts of the newest messages that will be kept whole beside a summary within
+    ``room`` tokens: the longest suffix of ``work`` that starts where a turn may start and
+    costs at most ``room`` (as a message cut to ``max_chars`` when it is cut)."""
+    items = work.items
+    cuts = valid_cuts(items)
+    acc = 0
+    start = len(items)
+    for k in range(len(items) - 1, -1, -1):
+        acc += work.costs[k]
+        if acc > room:
+            break
+        if cuts[k]:
+            start = k
+    out: list[str] = []
+    for k in range(start, len(items)):
+        item = work.cut.get(k, items[k])
+        out.append(item.content)
+        if item.tool_calls:
+            out.append(item.tool_calls)
+    return out
+
+
+def _holds(items: Sequence[HistoryItem], texts: set[str]) -> bool:
+    """Whether ``items`` (the kept messages) contain every one of ``texts`` verbatim."""
+    joined = "\n".join(
+        part for it in items if not it.is_summary for part in (it.content, it.tool_calls)
+    )
+    return all(t in joined for t in texts)
 
 
 def _text_cost(template: HistoryItem | None, cost: ItemCost) -> TokenCounter:

@@ -308,8 +308,9 @@ def fold_into_ledger(
 
 def summary_body(item: HistoryItem) -> str:
     """A checkpoint's text without its header, as the update prompt's previous summary
-    (the ledger stays: the summarizer carries it forward)."""
-    text = item.content
+    (the ledger stays, whole: the entries and reference counts a build kept in the
+    metadata go back in, :func:`ledger.restore`; the summarizer carries it forward)."""
+    text = ledger.restore(item).content
     if text.startswith("[Context checkpoint:"):
         text = text.split("\n", 1)[1] if "\n" in text else ""
     return text.strip()

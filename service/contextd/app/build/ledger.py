@@ -5,24 +5,38 @@ every checkpoint ends with a ledger of those strings, found by
 :func:`contextd.core.extract_specifics_batch` in the messages it folds. Each entry keeps
 the id of the message it came from (its provenance: ``message:<id>`` fetches the source)
 and how many messages mentioned it (its references). Rendered under the Specifics
-heading, grouped by source::
+heading and a line saying how to read it, one line per source message: its id once,
+then its entries separated by :data:`SEPARATOR` (the provenance is most of a ledger's
+cost when messages bring one or two new entries each: ``[message:12]`` on a line of its
+own and a dash per entry cost about 7 tokens an entry, this about 3). An entry that
+contains the separator gets a line of its own under a ``[message:<id>]`` line, the older
+form, which is still read. A repeat shows its count, ``(x3)``, except in a build's
+context, where the counts are kept in the summary's metadata (:data:`REFS_KEY`)::
 
     ## Specifics
-    [message:12]
-    - src/api/orders.py
-    - pytest -x -q (x3)
+    (each line: the id of the message it comes from, then its details; fetch a me…
+    12: src/api/orders.py · pytest -x -q (x3)
+    15: ORD-1234-QX · €12.50
 
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
-:data:`MAX_LEDGER_ENTRIES` entries stored, and, in a build, at most its share of the
-budget; past either bound the least-referenced entries go first, the oldest first among
-equals, and the build reports how many went. Pure functions.
+:data:`MAX_LEDGER_ENTRIES` entries stored (the least referenced go first), and, in a
+build, at most its share of the budget (:func:`ledger_share`: a quarter, up to a half for
+windows many times the budget); past that the entries with the fewest references per
+token go first (the room keeps the most mentions), the oldest first among equals, and the
+build reports how many went. In a build, an entry that a message kept whole in the
+context holds verbatim is left out of the ledger (the evidence is in the context
+anyway) and held in the summary's metadata (:data:`HELD_KEY`) with its provenance and
+references; the next build puts it back (:func:`restore`) before it merges or fits.
+Pure functions.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
@@ -30,6 +44,10 @@ from contextd.domain.context import HistoryItem, TokenCounter
 from contextd.domain.model import Role
 
 SPECIFICS_HEADING = "## Specifics"
+LEGEND = (
+    "(each line: the id of the message it comes from, then its details; "
+    "fetch a message with message:<id>)"
+)
 
 MAX_LEDGER_ENTRIES = 2_000
 """The most entries a stored ledger keeps (bounds the work of every later merge)."""
@@ -37,12 +55,47 @@ MAX_LEDGER_ENTRIES = 2_000
 LEDGER_SHARE = 0.25
 """The share of a build's history budget the ledger may take; past it, entries go."""
 
+MAX_LEDGER_SHARE = 0.5
+"""The share a ledger may take when the window is :data:`LONG_WINDOW` or more times the
+budget (see :func:`ledger_share`); the recent part keeps at least the other half."""
+
+LONG_WINDOW = 16
+"""How many times the budget a window is when the ledger may take its largest share."""
+
+
+def ledger_share(window_tokens: int, budget: int) -> float:
+    """The share of the history budget the ledger may take: a quarter while the window is
+    at most four times the budget, then growing with the log of how much longer it is,
+    to :data:`MAX_LEDGER_SHARE` at :data:`LONG_WINDOW` times. The longer the window, the
+    more of it the summary stands for, and the more evidence there is to keep."""
+    if budget <= 0 or window_tokens <= 4 * budget:
+        return LEDGER_SHARE
+    ratio = min(window_tokens / budget, float(LONG_WINDOW))
+    growth = math.log2(ratio / 4) / math.log2(LONG_WINDOW / 4)
+    return LEDGER_SHARE + (MAX_LEDGER_SHARE - LEDGER_SHARE) * growth
+
+
 # Identifiers are specifics in what people and the agent write, but in tool output (a
 # file's source, a log) every word of code is one: there they are noise.
 _IDENTIFIER = "identifier"
 
+HELD_KEY = "ledger_held"
+"""The summary's metadata key for the entries a build left out because messages the
+context kept whole hold them: ``[[text, source, references], ...]``. Not rendered; the
+next build puts them back (:func:`restore`) before it merges or fits, so an entry's
+provenance and references survive the builds it spends in the recent part."""
+
+REFS_KEY = "ledger_refs"
+"""The summary's metadata key for the reference counts of its ledger's entries (those
+above 1, by text): a build renders the ledger without them (about a fifth of its tokens)
+and :func:`restore` puts them back, so eviction still knows what is mentioned most."""
+
+SEPARATOR = " · "
+"""Between the entries of one source's line (rare in paths, commands, ids and errors)."""
+
 _SOURCE = re.compile(r"^\[message:(-?\d+)\]$")
-_ENTRY = re.compile(r"^- (.*?)(?: \(x(\d+)\))?$")
+_INLINE = re.compile(r"^(-?\d+): (.+)$")
+_ENTRY = re.compile(r"^(.*?)(?: \(x(\d+)\))?$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +116,7 @@ class LedgerStats:
     tokens: int = 0
     added: int = 0
     evicted: int = 0
+    in_context: int = 0
 
 
 def extract(items: Sequence[HistoryItem]) -> list[Entry]:
@@ -115,30 +169,54 @@ def merge(previous: Sequence[Entry], new: Iterable[Entry]) -> tuple[list[Entry],
     return [e for i, e in enumerate(entries) if i not in drop], len(drop)
 
 
-def eviction_order(entries: Sequence[Entry]) -> list[int]:
+def eviction_order(entries: Sequence[Entry], costs: Sequence[int] | None = None) -> list[int]:
     """Indices of ``entries`` in the order they go: least referenced first, oldest first
-    among equals (``entries`` is oldest first)."""
-    return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
+    among equals (``entries`` is oldest first). With ``costs`` (each entry's tokens), the
+    fewest references per token first: the room keeps the most mentions it can."""
+    if costs is None:
+        return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
+    return sorted(range(len(entries)), key=lambda i: (entries[i].refs / max(1, costs[i]), i))
 
 
-def render(entries: Sequence[Entry]) -> str:
-    """The ledger section (empty when there are no entries)."""
+def _entry_text(entry: Entry, counts: bool = True) -> str:
+    return entry.text + (f" (x{entry.refs})" if counts and entry.refs > 1 else "")
+
+
+def _inline(entry: Entry) -> bool:
+    """Whether ``entry`` may share its source's line (it cannot be split wrongly)."""
+    return bool(entry.source) and SEPARATOR.strip() not in entry.text and "\n" not in entry.text
+
+
+def _groups(entries: Sequence[Entry]) -> list[list[Entry]]:
+    """Runs of consecutive entries with one source."""
+    out: list[list[Entry]] = []
+    for entry in entries:
+        if out and out[-1][0].source == entry.source:
+            out[-1].append(entry)
+        else:
+            out.append([entry])
+    return out
+
+
+def render(entries: Sequence[Entry], *, counts: bool = True) -> str:
+    """The ledger section (empty when there are no entries); without ``counts``, no
+    reference counts (a build's ledger keeps them in the summary's metadata)."""
     if not entries:
         return ""
-    lines = [SPECIFICS_HEADING]
-    source: int | None = None
-    for entry in entries:
-        if entry.source != source:
-            source = entry.source
-            if source:
-                lines.append(f"[message:{source}]")
-        suffix = f" (x{entry.refs})" if entry.refs > 1 else ""
-        lines.append(f"- {entry.text}{suffix}")
+    lines = [SPECIFICS_HEADING, LEGEND]
+    for group in _groups(entries):
+        source = group[0].source
+        if all(_inline(e) for e in group):
+            texts = (_entry_text(e, counts) for e in group)
+            lines.append(f"{source}: " + SEPARATOR.join(texts))
+            continue
+        lines.append(f"[message:{source}]")  # the line form: one entry a line
+        lines.extend(f"- {_entry_text(e, counts)}" for e in group)
     return "\n".join(lines)
 
 
 def parse(summary_text: str | None) -> list[Entry]:
-    """The ledger of a rendered summary (under its last Specifics heading)."""
+    """The ledger of a rendered summary (under its last Specifics heading), in both forms."""
     if not summary_text:
         return []
     at = summary_text.rfind(SPECIFICS_HEADING)
@@ -149,13 +227,21 @@ def parse(summary_text: str | None) -> list[Entry]:
     for line in summary_text[at + len(SPECIFICS_HEADING) :].splitlines():
         if m := _SOURCE.match(line):
             source = int(m.group(1))
+        elif m := _INLINE.match(line):
+            source = 0  # a line that names its source holds its entries: none follow
+            at_source = int(m.group(1))
+            out.extend(_parse_entry(part, at_source) for part in m.group(2).split(SEPARATOR))
         elif line.startswith("- "):
-            m = _ENTRY.match(line)
-            assert m is not None  # the pattern matches every "- " line
-            out.append(Entry(m.group(1), source, int(m.group(2) or 1)))
+            out.append(_parse_entry(line[2:], source))
         elif line.startswith("#"):
             break
     return out
+
+
+def _parse_entry(text: str, source: int) -> Entry:
+    m = _ENTRY.match(text)
+    assert m is not None  # the pattern matches every string
+    return Entry(m.group(1), source, int(m.group(2) or 1))
 
 
 def strip(summary_text: str) -> str:
@@ -164,33 +250,83 @@ def strip(summary_text: str) -> str:
     return summary_text[:at].rstrip() if at >= 0 else summary_text
 
 
-def fit(entries: Sequence[Entry], max_tokens: int, count: TokenCounter) -> tuple[list[Entry], int]:
-    """The entries whose rendering costs at most ``max_tokens`` (about: lines are counted
-    one by one), evicting in :func:`eviction_order`; and how many were evicted."""
+def fit(
+    entries: Sequence[Entry], max_tokens: int, count: TokenCounter, *, counts: bool = True
+) -> tuple[list[Entry], int]:
+    """The entries whose rendering (with or without ``counts``) costs at most
+    ``max_tokens`` (about: entries are counted one by one, a separator each), evicting in
+    :func:`eviction_order`; and how many were evicted."""
+    kept, evicted, _ = _fit(entries, max_tokens, count, counts)
+    return kept, evicted
+
+
+def _fit(
+    entries: Sequence[Entry], max_tokens: int, count: TokenCounter, counts: bool = True
+) -> tuple[list[Entry], int, int]:
+    """:func:`fit`, and the estimated cost of what it kept."""
     if not entries:
-        return [], 0
-    lines = [f"- {e.text}" + (f" (x{e.refs})" if e.refs > 1 else "") for e in entries]
+        return [], 0, 0
+    texts = [" " + _entry_text(e, counts) for e in entries]
     sources = sorted({e.source for e in entries})
-    costs = count([*lines, SPECIFICS_HEADING, *(f"[message:{s}]" for s in sources)])
-    line_costs = costs[: len(lines)]
-    total = sum(costs) + len(lines) + len(sources)  # a newline each, at most a token
+    heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
+    # A counter may frame each text as a message: that framing is paid once, not by each.
+    *counted, framing = count([*texts, heading, *(f"{s}:" for s in sources), ""])
+    costs = [max(0, c - framing) for c in counted]
+    costs[len(texts)] += framing
+    line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
+    header_cost = {s: c + 1 for s, c in zip(sources, costs[len(texts) + 1 :], strict=True)}
+    total = sum(line_costs) + costs[len(texts)] + sum(header_cost.values())
     if total <= max_tokens:
-        return list(entries), 0
-    header_cost = dict(zip(sources, costs[len(lines) + 1 :], strict=True))
+        return list(entries), 0, total
     left = {s: 0 for s in sources}
     for e in entries:
         left[e.source] += 1
     gone: set[int] = set()
-    for i in eviction_order(entries):
+    for i in eviction_order(entries, line_costs):
         if total <= max_tokens:
             break
         gone.add(i)
-        total -= line_costs[i] + 1
+        total -= line_costs[i]
         source = entries[i].source
         left[source] -= 1
-        if not left[source]:  # its group is gone, and the group's header with it
-            total -= header_cost[source] + 1
-    return [e for i, e in enumerate(entries) if i not in gone], len(gone)
+        if not left[source]:  # its line is gone, and its provenance with it
+            total -= header_cost[source]
+    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total
+
+
+def need(
+    summary: HistoryItem | None,
+    items: Sequence[HistoryItem],
+    count: TokenCounter,
+    leave_out: Sequence[str] = (),
+) -> int:
+    """About what the ledger of a summary folding ``items`` into ``summary`` costs, the
+    entries ``leave_out`` (texts the context keeps whole) hold left out, none evicted:
+    what the ledger could use, for sizing the room it gets."""
+    entries, _ = merge(parse(summary.content) if summary is not None else [], extract(items))
+    present = in_context(entries, leave_out)
+    entries = [e for e in entries if e.text not in present]
+    return count([render(entries)])[0] if entries else 0
+
+
+def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
+    """The texts of ``entries`` that ``texts`` (what the context holds whole besides the
+    summary) contain verbatim. The extractor names the candidates and the text each is
+    in (one linear pass, not entries x texts scans); each is then confirmed verbatim in
+    that text (the extractor decodes JSON strings and cuts long lines: not every string
+    it names is a substring)."""
+    if not entries or not texts:
+        return set()
+    where: dict[str, int] = {}
+    for k, pairs in enumerate(core.extract_specifics_batch(list(texts))):
+        for _, text in pairs:
+            where.setdefault(text, k)
+    found: set[str] = set()
+    for entry in entries:
+        at = where.get(entry.text)
+        if at is not None and entry.text in texts[at]:
+            found.add(entry.text)
+    return found
 
 
 def with_ledger(summary_text: str, entries: Sequence[Entry]) -> str:
@@ -207,33 +343,124 @@ def fit_item(
     max_ledger_tokens: int,
     count: TokenCounter,
     added: int = 0,
+    leave_out: Collection[str] = (),
 ) -> tuple[HistoryItem, LedgerStats]:
     """The summary ``item`` within ``max_item_tokens``, its ledger within
     ``max_ledger_tokens`` and at least half of the item's room: the evidence outranks the
     prose, so the prose is cut (from its end: the header and the Goal come first) before
-    the ledger gives up more than that. Its token count is exact."""
+    the ledger gives up more than that. Entries whose text is in ``leave_out`` (what the
+    messages the context keeps whole hold, :func:`in_context`) are left out first. Its
+    token count is exact."""
     entries = parse(item.content)
     if not entries:
         return item, LedgerStats()
+    before = len(entries)
+    if leave_out:
+        entries = [e for e in entries if e.text not in leave_out]
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted = fit(entries, room, count)
-    ledger_text = render(kept)
+    kept, evicted, estimate = _fit(entries, room, count, False)
+    ledger_text = render(kept, counts=False)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    while kept and ledger_t > room:  # lines were counted one by one: trim to the whole
-        kept, more = fit(kept, max(0, room - (ledger_t - room)), count)
-        evicted += more
-        ledger_text = render(kept)
+    target, step = room, 0
+    if evicted and 0 < ledger_t < room and estimate > ledger_t:
+        # The estimate ran high (a counter rounding each text up): aim by the measured
+        # ratio, so the ledger fills its room; the loop below trims any overshoot.
+        target = room * estimate // ledger_t
+        kept, evicted, _ = _fit(entries, target, count, False)
+        ledger_text = render(kept, counts=False)
         ledger_t = count([ledger_text])[0] + 1 if kept else 0
-        if not more:
-            break
+    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
+        # Lower the estimate's target by the overshoot (at least a token, and at least
+        # twice the last step: a few rounds at most) until the whole fits, so the ledger
+        # never takes the prose's share of the room.
+        step = max(ledger_t - room + 1, 2 * step)
+        target = max(0, target - step)
+        kept, evicted = fit(entries, target, count, counts=False)
+        ledger_text = render(kept, counts=False)
+        ledger_t = count([ledger_text])[0] + 1 if kept else 0
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
     total = count([content])[0]
-    stats = LedgerStats(len(kept), ledger_t, added, evicted)
-    return replace(item, content=content, token_count=total), stats
+    stats = LedgerStats(len(kept), ledger_t, added, evicted, before - len(entries))
+    held = [e for e in parse(item.content) if e.text in leave_out] if leave_out else []
+    metadata = _stash(item, held, {e.text: e.refs for e in kept if e.refs > 1})
+    return replace(item, content=content, token_count=total, metadata=metadata), stats
+
+
+def _meta(item: HistoryItem) -> dict[str, object]:
+    try:
+        meta = json.loads(item.metadata) if item.metadata else {}
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _stash(item: HistoryItem, held: Sequence[Entry], refs: dict[str, int]) -> str:
+    """``item``'s metadata with :data:`HELD_KEY` set to ``held`` and :data:`REFS_KEY` to
+    ``refs`` (each removed when empty)."""
+    meta = _meta(item)
+    if not held and not refs and HELD_KEY not in meta and REFS_KEY not in meta:
+        return item.metadata
+    meta.pop(HELD_KEY, None)
+    meta.pop(REFS_KEY, None)
+    if held:
+        meta[HELD_KEY] = [[e.text, e.source, e.refs] for e in held]
+    if refs:
+        meta[REFS_KEY] = refs
+    return json.dumps(meta, ensure_ascii=False, separators=(",", ":"))
+
+
+COVERED_KEY = "covered_tokens"
+"""The summary's metadata key for what the messages it stands for cost when they were
+folded (so a build knows how long its window is, :func:`ledger_share`)."""
+
+
+def covered_tokens(item: HistoryItem) -> int:
+    """What the messages ``item`` (a summary) stands for cost (0: not known)."""
+    value = _meta(item).get(COVERED_KEY)
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+def with_covered_tokens(item: HistoryItem, tokens: int) -> HistoryItem:
+    """``item`` with :data:`COVERED_KEY` set to ``tokens``."""
+    meta = _meta(item)
+    meta[COVERED_KEY] = tokens
+    return replace(item, metadata=json.dumps(meta, ensure_ascii=False, separators=(",", ":")))
+
+
+def restore(item: HistoryItem) -> HistoryItem:
+    """``item`` (a stored summary) with the entries a build held out (:data:`HELD_KEY`)
+    back in its ledger, each among the entries of its neighbouring sources; the key gone.
+    Its reference counts (:data:`REFS_KEY`) go back on the entries too. ``token_count``
+    is left as it was (what the summary costs as stored)."""
+    meta = _meta(item)
+    if HELD_KEY not in meta and REFS_KEY not in meta:
+        return item
+    raw = meta.pop(HELD_KEY, None)
+    counted = meta.pop(REFS_KEY, None)
+    refs = (
+        {k: v for k, v in counted.items() if isinstance(v, int) and v > 1}
+        if isinstance(counted, dict)
+        else {}
+    )
+    held: list[Entry] = []
+    for row in raw if isinstance(raw, list) else []:
+        if (
+            isinstance(row, list)
+            and len(row) == 3
+            and isinstance(row[0], str)
+            and isinstance(row[1], int)
+            and isinstance(row[2], int)
+        ):
+            held.append(Entry(row[0], row[1], max(1, row[2])))
+    shown = [replace(e, refs=max(e.refs, refs.get(e.text, 1))) for e in parse(item.content)]
+    merged, _ = merge(shown, held)
+    merged.sort(key=lambda e: e.source)  # stable: in source order, as they were made
+    metadata = json.dumps(meta, ensure_ascii=False, separators=(",", ":")) if meta else ""
+    return replace(item, content=with_ledger(item.content, merged), metadata=metadata)
 
 
 PROSE_CUT_NOTE = "\n[… the rest of this summary was cut to fit]"
