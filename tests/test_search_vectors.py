@@ -14,11 +14,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from contextd.adapters.postgres.search_vector import (
-    DATABASE_EXPRESSION,
-    matches_database,
-    search_vector,
-)
+from contextd import core
+from contextd.adapters.postgres.search_vector import DATABASE_EXPRESSION, matches_database
 from contextd.adapters.postgres.store import PostgresStore
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
@@ -76,19 +73,22 @@ def test_appended_vectors_equal_the_database_expression(postgres_dsn: str) -> No
 
 
 def test_made_vectors_equal_the_database_on_random_ascii(postgres_dsn: str) -> None:
-    """Every vector `search_vector` makes (for random ASCII full of punctuation, digits
-    and "e"s) is the one the database computes; what it declines is left to it."""
+    """Every vector the Rust core makes (for random ASCII full of punctuation, digits
+    and "e"s, in content and tool_calls) is the one the database computes; what it
+    declines is left to it."""
     rng = random.Random(7)
     alphabet = "abcXYZe0123456789 .-_/@:+#&<>'\"\\eEx\n\t"
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 80))) for _ in range(3_000)]
-    made = [(t, v) for t in texts if (v := search_vector(t, "")) is not None]
-    assert len(made) > 1_000  # most are made here
-    expression = DATABASE_EXPRESSION.format(content="t", tool_calls="''")
+    calls = texts[1:] + texts[:1]
+    vectors = core.search_vectors(texts, calls)
+    made = [(t, c, v) for t, c, v in zip(texts, calls, vectors, strict=True) if v is not None]
+    assert len(made) > 500  # many are made here
+    expression = DATABASE_EXPRESSION.format(content="t", tool_calls="c")
     with psycopg.connect(postgres_dsn) as conn:
         row = conn.execute(
-            f"SELECT count(*) FROM unnest(%s::text[], %s::text[]) AS x(t, v) "
+            f"SELECT count(*) FROM unnest(%s::text[], %s::text[], %s::text[]) AS x(t, c, v) "
             f"WHERE {expression} IS DISTINCT FROM v::tsvector",
-            [[t for t, _ in made], [v for _, v in made]],
+            [[t for t, _, _ in made], [c for _, c, _ in made], [v for _, _, v in made]],
         ).fetchone()
     assert row == (0,)
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from contextd.adapters.postgres.agents import INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
-from contextd.adapters.postgres.search_vector import search_vector
+from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
 from contextd.domain.errors import StaleModel
@@ -225,6 +225,7 @@ class MessagesMixin(PostgresBase):
         sequences = range(last_sequence + 1, last_sequence + 1 + n)
         groups, starts = self._groups(conn, tenant, context_id, ids, sequences, batch)
         summary = batch.summarized_ids
+        vectors = search_vectors(batch.messages) if self._search_vectors else [None] * len(ids)
         with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
             for i, message in enumerate(batch.messages):
                 copy.write_row(
@@ -253,9 +254,7 @@ class MessagesMixin(PostgresBase):
                         batch.restored_from,
                         starts[i],
                         # None: the database's trigger computes it (search_vector.py).
-                        search_vector(message.content, message.tool_calls)
-                        if self._search_vectors
-                        else None,
+                        vectors[i],
                     )
                 )
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]

@@ -8,8 +8,8 @@
 Computed by the database at insert, it was nine tenths of a batched append's cost there
 (PostgreSQL's text parser is slow; the GIN index is not the cost). For most messages the
 result is simple to state: every run of ASCII letters and digits is a word, lower-cased,
-at its position (1, 2, ...). So the append computes that in Python and hands it over as a
-tsvector literal, and leaves to the database (a trigger computing the very expression
+at its position (1, 2, ...). So the append computes that (in the Rust core) and hands it
+over as a tsvector literal, and leaves to the database (a trigger computing the very expression
 above, schema version 8) every message where PostgreSQL's parser may read otherwise:
 - any character outside ASCII (what [:alnum:] and lower-casing mean depends on the
   database's locale);
@@ -26,27 +26,18 @@ vector is the same whoever made it, and SearchMessages finds and ranks as before
 
 from __future__ import annotations
 
-import re
-from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
-# The parts of the stored column's expression (and of the trigger's).
-CONTENT_CHARS = 196_608
-TOOL_CALLS_CHARS = 65_536
+from contextd import core
+from contextd.domain.model import NewMessage
+
+# The stored column's expression (and the trigger's); rust_core/src/search_vector.rs
+# reads the same parts of content and tool_calls.
 DATABASE_EXPRESSION = (
     "to_tsvector('simple'::regconfig, regexp_replace(left({content}, 196608) || ' ' || "
     "left({tool_calls}, 65536), '[^[:alnum:]]+', ' ', 'g'))"
 )
-
-_WORD = re.compile(r"[a-z0-9]+")  # of the lower-cased text
-# A word PostgreSQL's parser may split as a number in scientific notation.
-_NUMBER_E = re.compile(r"(?<![a-z0-9])[0-9]+e")
-_ENTRY = "'{}':{}"
-# PostgreSQL's limits: longest word it indexes (bytes), highest position, positions kept
-# per word.
-_MAX_WORD = 2046
-_MAX_POSITION = 16_383
-_MAX_POSITIONS = 256
 
 _SAMPLES = (
     "The quick brown fox jumps over the lazy dog THE QUICK BROWN FOX 0123456789",
@@ -56,32 +47,19 @@ _SAMPLES = (
 )
 
 
-def search_vector(content: str, tool_calls: str) -> str | None:
-    """The tsvector literal the database's expression gives for this message, or None
-    when only the database can tell (see the module's docstring).
-
-    Each word is written with its one position ("'a':1 'b':2 'a':3"): reading the literal,
-    PostgreSQL merges a word's positions itself, which costs less there than a Python
-    dictionary costs here."""
-    text = (content[:CONTENT_CHARS] + " " + tool_calls[:TOOL_CALLS_CHARS]).lower()
-    if not text.isascii() or _NUMBER_E.search(text):
-        return None
-    words = _WORD.findall(text)
-    n = len(words)
-    if n > _MAX_POSITION or (n and len(max(words, key=len)) > _MAX_WORD):
-        return None
-    if n > _MAX_POSITIONS and Counter(words).most_common(1)[0][1] > _MAX_POSITIONS:
-        return None
-    # Letters and digits only: nothing in a word needs escaping inside the quotes.
-    return " ".join(map(_ENTRY.format, words, range(1, n + 1)))
+def search_vectors(messages: Sequence[NewMessage]) -> list[str | None]:
+    """The tsvector literal the database's expression gives for each message, or None
+    where only the database can tell (made by the Rust core, a few microseconds a
+    message)."""
+    return core.search_vectors([m.content for m in messages], [m.tool_calls for m in messages])
 
 
 def matches_database(conn: Any) -> bool:
-    """Whether the database's expression gives the vectors `search_vector` gives, for
+    """Whether the database's expression gives the vectors the Rust core makes, for
     sample texts (compared as tsvectors, so order does not matter)."""
     expression = DATABASE_EXPRESSION.format(content="%s::text", tool_calls="%s::text")
     for sample in _SAMPLES:
-        mine = search_vector(sample, "")
+        [mine] = core.search_vectors([sample], [""])
         if mine is None:
             # Samples with ASCII only and no digit-led "e" words; one that is refused
             # means this module changed, so do not trust it.
