@@ -11,6 +11,7 @@ pub mod error;
 pub mod estimate;
 pub mod models;
 pub mod relevance;
+pub mod search_vector;
 pub mod snippet;
 pub mod specifics;
 pub mod text;

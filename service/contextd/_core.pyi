@@ -34,6 +34,7 @@ __all__ = [
     "keyword_select",
     "list_models",
     "model_info",
+    "search_vectors",
     "snippet",
     "tokenize",
     "trim_columns_to_budget",
@@ -55,6 +56,12 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_tokens_batch(texts: list[str]) -> list[int]:
     """:func:`estimate_tokens` for each text, in one call (one crossing into Rust)."""
+
+def search_vectors(contents: list[str], tool_calls: list[str]) -> list[str | None]:
+    """The PostgreSQL search vector literal of each message (its content and tool_calls),
+    or None where only the database can make it exactly (see
+    ``contextd.adapters.postgres.search_vector``). Raises ``ValueError`` when the lists
+    differ in length."""
 
 def count_tokens(text: str, encoding: _EncodingName) -> int:
     """Token count of ``text`` with ``encoding``.

@@ -54,6 +54,9 @@ from contextd.ports.store import ContextRef, ThreadFilter
 
 
 class MessagesMixin(DuckDBBase):
+    # The batch's schema and INSERT (see `_message_insert`), found by the writer.
+    _insert_plan: tuple[pa.Schema, str] | None = None
+
     def append(
         self,
         key: ContextKey,
@@ -412,11 +415,10 @@ class MessagesMixin(DuckDBBase):
         # costs more than the statements themselves, so a group makes one call. The
         # scripts read their rows from the Arrow tables below through DuckDB's replacement
         # scans (the names of this frame's local variables); they carry no parameters.
-        contextd_batch = pa.table(columns, schema=_ARROW_SCHEMA)
+        schema, insert = self._message_insert(writer)
+        contextd_batch = pa.table(columns, schema=schema)
         script = [] if in_transaction else ["BEGIN TRANSACTION"]
-        script.append(
-            f"INSERT INTO messages ({_ARROW_COLUMNS}) SELECT {_ARROW_COLUMNS} FROM contextd_batch"
-        )
+        script.append(insert)
         high_water = self._id_high_water
         if self._next_message_id - 1 > high_water:
             # Reserve the next block of ids in this transaction: no id this group commits
@@ -479,6 +481,35 @@ class MessagesMixin(DuckDBBase):
         self._last_sequence.update(numbered)
         self._id_high_water = high_water
         return all_receipts, counted
+
+    def _message_insert(self, writer: duckdb.DuckDBPyConnection) -> tuple[pa.Schema, str]:
+        """The batch's Arrow schema and its INSERT, found once per store.
+
+        When the batch's columns are the table's, the batch takes the table's column
+        order and the INSERT names no column: DuckDB parses and binds a statement on every
+        commit, and a single-message append spent a sixth of its commit on the two lists
+        of 26 names. Otherwise (a table with a column the batch does not fill) the names
+        are listed."""
+        found = self._insert_plan
+        if found is None:
+            names = [
+                str(r[0])
+                for r in writer.execute(
+                    "SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+                    "AND table_name = 'messages' ORDER BY column_index"
+                ).fetchall()
+            ]
+            if sorted(names) == sorted(_ARROW_SCHEMA.names):
+                schema = pa.schema([_ARROW_SCHEMA.field(name) for name in names])
+                found = (schema, "INSERT INTO messages SELECT * FROM contextd_batch")
+            else:
+                found = (
+                    _ARROW_SCHEMA,
+                    f"INSERT INTO messages ({_ARROW_COLUMNS}) "
+                    f"SELECT {_ARROW_COLUMNS} FROM contextd_batch",
+                )
+            self._insert_plan = found
+        return found
 
     def _add_rows(
         self,

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from contextd.adapters.postgres.agents import INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
+from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
 from contextd.domain.errors import StaleModel
@@ -40,7 +41,7 @@ _COPY_COLUMNS = (
     "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
     "metadata, token_estimate, create_time_us, source_time_us, token_count, tokenizer, chars, "
     "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
-    "group_start"
+    "group_start, search_tsv"
 )
 _M_COLUMNS = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
 # MESSAGE_COLUMNS names agent, scope and thread, which live in the thread's row here.
@@ -117,6 +118,10 @@ def _model_label(model: str) -> str:
 
 
 class MessagesMixin(PostgresBase):
+    # Whether appends hand over the search vectors they can make (set when the store
+    # opens; see search_vector.py). False: the database computes every one.
+    _search_vectors: bool = False
+
     def append(
         self,
         key: ContextKey,
@@ -220,6 +225,7 @@ class MessagesMixin(PostgresBase):
         sequences = range(last_sequence + 1, last_sequence + 1 + n)
         groups, starts = self._groups(conn, tenant, context_id, ids, sequences, batch)
         summary = batch.summarized_ids
+        vectors = search_vectors(batch.messages) if self._search_vectors else [None] * len(ids)
         with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
             for i, message in enumerate(batch.messages):
                 copy.write_row(
@@ -247,6 +253,8 @@ class MessagesMixin(PostgresBase):
                         summary[1] if summary else 0,
                         batch.restored_from,
                         starts[i],
+                        # None: the database's trigger computes it (search_vector.py).
+                        vectors[i],
                     )
                 )
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]

@@ -302,6 +302,31 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX messages_search ON messages USING gin (search_tsv)",
         ],
     ),
+    (
+        8,
+        [
+            # The same vector, no longer always computed by the database: an append
+            # hands over the vectors it can make exactly (search_vector.py; PostgreSQL's
+            # text parser was most of a batched append's cost) and this trigger computes
+            # the version-7 expression for every other row, so every insert (of any
+            # replica version) and every change of content stores the same vector.
+            "ALTER TABLE messages ALTER COLUMN search_tsv DROP EXPRESSION",
+            """
+            CREATE FUNCTION contextd_search_tsv() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF TG_OP = 'UPDATE' OR NEW.search_tsv IS NULL THEN
+                    NEW.search_tsv := to_tsvector('simple'::regconfig, regexp_replace(
+                        left(NEW.content, 196608) || ' ' || left(NEW.tool_calls, 65536),
+                        '[^[:alnum:]]+', ' ', 'g'));
+                END IF;
+                RETURN NEW;
+            END
+            $$
+            """,
+            "CREATE TRIGGER messages_search_tsv BEFORE INSERT OR UPDATE OF content, tool_calls "
+            "ON messages FOR EACH ROW EXECUTE FUNCTION contextd_search_tsv()",
+        ],
+    ),
 ]
 
 

@@ -2,8 +2,9 @@
 
 Why this shape:
 - Every replica reads the same rows and the same index, so replicas never diverge and
-  nothing is kept in a replica's memory. `messages.search_tsv` (schema version 7) is a
-  stored generated column, `to_tsvector('simple', ...)` of the message's content and
+  nothing is kept in a replica's memory. `messages.search_tsv` (schema version 7; since
+  version 8 made by the append where it can be made exactly, else by a trigger, see
+  search_vector.py) is `to_tsvector('simple', ...)` of the message's content and
   tool_calls with every run of characters other than letters and digits turned into one
   space (so `foo.bar/baz_qux` gives four words, as the embedded engine's tokenizer does,
   rather than PostgreSQL's host and file tokens), under a GIN index. 'simple' neither

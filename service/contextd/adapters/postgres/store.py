@@ -22,6 +22,7 @@ from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.retention import RetentionMixin
 from contextd.adapters.postgres.schema import migrate
 from contextd.adapters.postgres.search import SearchMixin
+from contextd.adapters.postgres.search_vector import matches_database
 from contextd.adapters.postgres.snapshots import SnapshotsMixin
 from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
@@ -65,6 +66,9 @@ class PostgresStore(
         self._next_request_cleanup_us = 0
         with pool.connection() as conn:
             self._schema_version = migrate(conn)
+            # Appends make the search vectors they can make exactly (search_vector.py)
+            # only when this database's own expression agrees with them.
+            self._search_vectors = matches_database(conn)
             self.clock.advance_to(_newest_time_us(conn))
 
     @classmethod
