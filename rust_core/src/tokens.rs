@@ -20,6 +20,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+mod bounds;
 mod classes;
 mod ranks;
 mod scan;

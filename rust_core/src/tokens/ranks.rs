@@ -17,6 +17,8 @@
 
 use bpe_openai::byte_pair_encoding::BytePairEncoding;
 
+use super::bounds::{char_len, Bounds};
+
 /// Longest piece the merge loop handles (and the memo keeps); longer ones go to the
 /// `bpe` crate, which is faster on them.
 pub const MERGE_MAX: usize = PACKED_MAX;
@@ -126,6 +128,7 @@ pub struct Ranks {
     /// Each token's bytes packed by [`pack`], by rank, or [`LONG`].
     keys: Vec<u128>,
     bpe: &'static BytePairEncoding,
+    bounds: Bounds,
 }
 
 impl Ranks {
@@ -162,6 +165,7 @@ impl Ranks {
             shift,
             keys,
             bpe,
+            bounds: Bounds::new(bpe),
         }
     }
 
@@ -199,28 +203,68 @@ impl Ranks {
         memo.keys.iter().filter(|&&k| k != 0).count()
     }
 
-    /// Number of tokens tiktoken encodes the piece `text[s..e]` into (`s < e`).
+    /// Number of tokens tiktoken encodes the piece `text[s..e]` into (`s < e`, both
+    /// char boundaries of the valid UTF-8 `text`).
     ///
     /// `memo` remembers the counts of short pieces that are not single tokens (a
     /// made-up word, a run of emoji): a text repeats those far more often than it is
-    /// long, and a lookup there is cheaper than merging again.
+    /// long, and a lookup there is cheaper than merging again. A long piece is first cut
+    /// where no merge can cross ([`Bounds`]), and its parts counted one by one.
     #[inline]
     pub fn piece_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
-        let n = e - s;
-        if n == 1 || self.rank(text, s, e) != u32::MAX {
+        if e - s <= MERGE_MAX {
+            self.short_count(memo, text, s, e)
+        } else {
+            self.long_count(memo, text, s, e)
+        }
+    }
+
+    /// [`Self::piece_count`] of a piece of at most [`MERGE_MAX`] bytes.
+    #[inline(always)]
+    fn short_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+        if e - s == 1 || self.rank(text, s, e) != u32::MAX {
             // Every byte is a token of these byte-level vocabularies.
-            1
-        } else if n <= MERGE_MAX {
-            let key = pack_at(text, s, e);
-            let slot = (hash_packed(key) >> (64 - MEMO_SLOTS.trailing_zeros())) as usize;
-            if memo.keys[slot] == key {
-                return memo.counts[slot].into();
+            return 1;
+        }
+        let key = pack_at(text, s, e);
+        let slot = (hash_packed(key) >> (64 - MEMO_SLOTS.trailing_zeros())) as usize;
+        if memo.keys[slot] == key {
+            return memo.counts[slot].into();
+        }
+        let count = self.merge_count(text, s, e);
+        memo.keys[slot] = key;
+        // At most one token per byte, so the count fits a u8.
+        memo.counts[slot] = count as u8;
+        count
+    }
+
+    /// [`Self::piece_count`] of a piece longer than [`MERGE_MAX`] bytes: the sum over
+    /// its parts between the char boundaries no token spans.
+    fn long_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+        let step = |i: usize| (i + char_len(text[i]).max(1)).min(e);
+        let mut total = 0;
+        let mut part = s;
+        let mut c1 = s;
+        let mut p = step(s);
+        while p < e {
+            let c2 = step(p);
+            if self.bounds.forced(text, c1, p, c2) {
+                total += self.part_count(memo, text, part, p);
+                part = p;
             }
-            let count = self.merge_count(text, s, e);
-            memo.keys[slot] = key;
-            // At most one token per byte, so the count fits a u8.
-            memo.counts[slot] = count as u8;
-            count
+            c1 = p;
+            p = c2;
+        }
+        total + self.part_count(memo, text, part, e)
+    }
+
+    /// [`Self::piece_count`] of a part of a piece, without cutting it again.
+    #[inline]
+    fn part_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+        if e - s <= MERGE_MAX {
+            self.short_count(memo, text, s, e)
+        } else if self.rank(text, s, e) != u32::MAX {
+            1
         } else {
             self.bpe.count(&text[s..e]) as u64
         }
