@@ -23,6 +23,9 @@ use super::bounds::{char_len, Bounds};
 /// `bpe` crate, which is faster on them.
 pub const MERGE_MAX: usize = PACKED_MAX;
 
+/// Whether short pieces with non-ASCII chars are cut before merging.
+const CUT_SHORT: bool = true;
+
 /// Longest token packed into a `u128` key (the 16th byte holds the length).
 const PACKED_MAX: usize = 15;
 
@@ -129,6 +132,10 @@ pub struct Ranks {
     keys: Vec<u128>,
     bpe: &'static BytePairEncoding,
     bounds: Bounds,
+    /// Rank of every two-byte slice (`u32::MAX` if not a token), by `b0 * 256 + b1`:
+    /// the merge loop starts with a lookup of each adjacent byte pair, and this 256 KB
+    /// table answers those from the CPU's cache where the hash table would not.
+    pairs: Vec<u32>,
 }
 
 impl Ranks {
@@ -160,12 +167,19 @@ impl Ranks {
             }
             slots[i] = fingerprint(h) | rank;
         }
+        let mut pairs = vec![u32::MAX; 65_536];
+        for rank in 0..n as u32 {
+            if let &[b0, b1] = bpe.token_bytes(rank) {
+                pairs[usize::from(b0) * 256 + usize::from(b1)] = rank;
+            }
+        }
         Ranks {
             slots,
             shift,
             keys,
             bpe,
             bounds: Bounds::new(bpe),
+            pairs,
         }
     }
 
@@ -198,6 +212,12 @@ impl Ranks {
         }
     }
 
+    /// Rank of the two-byte token `b0 b1`, or `u32::MAX` if it is not one.
+    #[inline(always)]
+    fn pair_rank(&self, b0: u8, b1: u8) -> u32 {
+        self.pairs[usize::from(b0) * 256 + usize::from(b1)]
+    }
+
     #[cfg(test)]
     pub fn memo_len(memo: &Memo) -> usize {
         memo.keys.iter().filter(|&&k| k != 0).count()
@@ -208,20 +228,25 @@ impl Ranks {
     ///
     /// `memo` remembers the counts of short pieces that are not single tokens (a
     /// made-up word, a run of emoji): a text repeats those far more often than it is
-    /// long, and a lookup there is cheaper than merging again. A long piece is first cut
-    /// where no merge can cross ([`Bounds`]), and its parts counted one by one.
+    /// long, and a lookup there is cheaper than merging again. A piece with non-ASCII
+    /// chars that is not one token (a CJK clause, a Hangul word) is first cut where no
+    /// merge can cross ([`Bounds`]), and its parts counted one by one.
     #[inline]
     pub fn piece_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
-        if e - s <= MERGE_MAX {
-            self.short_count(memo, text, s, e)
-        } else {
-            self.long_count(memo, text, s, e)
+        if e - s > MERGE_MAX {
+            return if self.rank(text, s, e) != u32::MAX {
+                1
+            } else {
+                self.cut_count(memo, text, s, e)
+            };
         }
+        self.short_count(memo, text, s, e, CUT_SHORT)
     }
 
-    /// [`Self::piece_count`] of a piece of at most [`MERGE_MAX`] bytes.
+    /// The count of a piece of at most [`MERGE_MAX`] bytes: one token, or known to the
+    /// memo, or merged (after cutting it, if `cut` and it has non-ASCII chars).
     #[inline(always)]
-    fn short_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+    fn short_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize, cut: bool) -> u64 {
         if e - s == 1 || self.rank(text, s, e) != u32::MAX {
             // Every byte is a token of these byte-level vocabularies.
             return 1;
@@ -231,16 +256,20 @@ impl Ranks {
         if memo.keys[slot] == key {
             return memo.counts[slot].into();
         }
-        let count = self.merge_count(text, s, e);
+        let count = if cut && !text[s..e].is_ascii() {
+            self.cut_count(memo, text, s, e)
+        } else {
+            self.merge_count(text, s, e)
+        };
         memo.keys[slot] = key;
         // At most one token per byte, so the count fits a u8.
         memo.counts[slot] = count as u8;
         count
     }
 
-    /// [`Self::piece_count`] of a piece longer than [`MERGE_MAX`] bytes: the sum over
-    /// its parts between the char boundaries no token spans.
-    fn long_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
+    /// The count of a piece that is not one token: the sum over its parts between the
+    /// char boundaries no token spans ([`Bounds`]).
+    fn cut_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
         let step = |i: usize| (i + char_len(text[i]).max(1)).min(e);
         let mut total = 0;
         let mut part = s;
@@ -255,16 +284,30 @@ impl Ranks {
             c1 = p;
             p = c2;
         }
+        if part == s {
+            // No cut: the whole piece, which is known not to be one token.
+            return self.uncut_count(text, s, e);
+        }
         total + self.part_count(memo, text, part, e)
     }
 
-    /// [`Self::piece_count`] of a part of a piece, without cutting it again.
+    /// The count of a part of a cut piece (no boundary inside it is forced).
     #[inline]
     fn part_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize) -> u64 {
         if e - s <= MERGE_MAX {
-            self.short_count(memo, text, s, e)
+            self.short_count(memo, text, s, e, false)
         } else if self.rank(text, s, e) != u32::MAX {
             1
+        } else {
+            self.uncut_count(text, s, e)
+        }
+    }
+
+    /// The count of a piece that is not one token, by merging it (short) or with the
+    /// `bpe` crate's counter (long: linear where the merge loop is quadratic).
+    fn uncut_count(&self, text: &[u8], s: usize, e: usize) -> u64 {
+        if e - s <= MERGE_MAX {
+            self.merge_count(text, s, e)
         } else {
             self.bpe.count(&text[s..e]) as u64
         }
@@ -282,7 +325,7 @@ impl Ranks {
             *p = i as u8;
         }
         for (i, r) in rank.iter_mut().enumerate().take(n - 1) {
-            *r = self.rank(text, s + i, s + i + 2);
+            *r = self.pair_rank(text[s + i], text[s + i + 1]);
         }
         let mut parts = n;
         loop {
