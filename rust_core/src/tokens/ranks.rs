@@ -38,6 +38,15 @@ fn fold(a: u64, b: u64) -> u64 {
     (p as u64) ^ ((p >> 64) as u64)
 }
 
+/// Bits of the token filter ([`Ranks`]): 2^21 bits, 256 KB.
+const FILTER_BITS: u32 = 21;
+
+/// The filter bit of a hash (bits the slot index and fingerprint use less).
+#[inline(always)]
+fn filter_bit(h: u64) -> usize {
+    ((h >> 32) as usize) & ((1 << FILTER_BITS) - 1)
+}
+
 /// The hash bits a slot keeps, in the bits above its rank.
 #[inline(always)]
 fn fingerprint(h: u64) -> u32 {
@@ -132,6 +141,11 @@ pub struct Ranks {
     keys: Vec<u128>,
     bpe: &'static BytePairEncoding,
     bounds: Bounds,
+    /// One bit per hash of every token (bits 32 to 52 of its hash): a slice whose bit
+    /// is clear is no token, known from a 256 KB table that stays in the CPU's cache,
+    /// without reading the 2 MB slot table. The merge loop mostly looks up slices that
+    /// are not tokens.
+    filter: Vec<u64>,
     /// Rank of every two-byte slice (`u32::MAX` if not a token), by `b0 * 256 + b1`:
     /// the merge loop starts with a lookup of each adjacent byte pair, and this 256 KB
     /// table answers those from the CPU's cache where the hash table would not.
@@ -149,6 +163,7 @@ impl Ranks {
         );
         let bits = (n * 5 / 2).next_power_of_two().trailing_zeros();
         let mut slots = vec![EMPTY; 1 << bits];
+        let mut filter = vec![0u64; (1 << FILTER_BITS) / 64];
         let mut keys = Vec::with_capacity(n);
         let shift = 64 - bits;
         for rank in 0..n as u32 {
@@ -166,6 +181,8 @@ impl Ranks {
                 i = (i + 1) & (slots.len() - 1);
             }
             slots[i] = fingerprint(h) | rank;
+            let f = filter_bit(h);
+            filter[f / 64] |= 1 << (f % 64);
         }
         let mut pairs = vec![u32::MAX; 65_536];
         for rank in 0..n as u32 {
@@ -179,6 +196,7 @@ impl Ranks {
             keys,
             bpe,
             bounds: Bounds::new(bpe),
+            filter,
             pairs,
         }
     }
@@ -193,6 +211,10 @@ impl Ranks {
         } else {
             (hash_bytes(&text[s..e]), LONG)
         };
+        let f = filter_bit(h);
+        if self.filter[f / 64] & (1 << (f % 64)) == 0 {
+            return u32::MAX;
+        }
         let fp = fingerprint(h);
         let mask = self.slots.len() - 1;
         let mut i = (h >> self.shift) as usize;
@@ -247,9 +269,26 @@ impl Ranks {
     /// memo, or merged (after cutting it, if `cut` and it has non-ASCII chars).
     #[inline(always)]
     fn short_count(&self, memo: &mut Memo, text: &[u8], s: usize, e: usize, cut: bool) -> u64 {
-        if e - s == 1 || self.rank(text, s, e) != u32::MAX {
+        match e - s {
             // Every byte is a token of these byte-level vocabularies.
+            1 => return 1,
+            2 => {
+                return if self.pair_rank(text[s], text[s + 1]) == u32::MAX {
+                    2
+                } else {
+                    1
+                }
+            }
+            _ => {}
+        }
+        if self.rank(text, s, e) != u32::MAX {
             return 1;
+        }
+        if e - s == 3 {
+            // Not one token: two if either pair merges first, else three bytes.
+            let merges = self.pair_rank(text[s], text[s + 1]) != u32::MAX
+                || self.pair_rank(text[s + 1], text[s + 2]) != u32::MAX;
+            return if merges { 2 } else { 3 };
         }
         let key = pack_at(text, s, e);
         let slot = (hash_packed(key) >> (64 - MEMO_SLOTS.trailing_zeros())) as usize;
