@@ -508,7 +508,7 @@ mod tests {
                 let chars: Vec<char> = alphabet.chars().collect();
                 for _ in 0..3_000 {
                     let mut piece = String::new();
-                    let len = 1 + rng.below(ranks::MERGE_MAX);
+                    let len = 1 + rng.below(ranks::MERGE_LONG);
                     while piece.len() < len {
                         piece.push(chars[rng.below(chars.len())]);
                     }

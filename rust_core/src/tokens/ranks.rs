@@ -26,6 +26,10 @@ pub const MERGE_MAX: usize = PACKED_MAX;
 /// Whether short pieces with non-ASCII chars are cut before merging.
 const CUT_SHORT: bool = true;
 
+/// Longest piece the merge loop counts; longer ones go to the `bpe` crate, whose
+/// counter is linear where the loop is quadratic, and faster on them.
+pub const MERGE_LONG: usize = 48;
+
 /// Longest token packed into a `u128` key (the 16th byte holds the length).
 const PACKED_MAX: usize = 15;
 
@@ -345,21 +349,21 @@ impl Ranks {
     /// The count of a piece that is not one token, by merging it (short) or with the
     /// `bpe` crate's counter (long: linear where the merge loop is quadratic).
     fn uncut_count(&self, text: &[u8], s: usize, e: usize) -> u64 {
-        if e - s <= MERGE_MAX {
+        if e - s <= MERGE_LONG {
             self.merge_count(text, s, e)
         } else {
             self.bpe.count(&text[s..e]) as u64
         }
     }
 
-    /// tiktoken's `byte_pair_merge` on `text[s..e]` (2 to [`MERGE_MAX`] bytes), counting
+    /// tiktoken's `byte_pair_merge` on `text[s..e]` (2 to [`MERGE_LONG`] bytes), counting
     /// the parts it ends with.
     fn merge_count(&self, text: &[u8], s: usize, e: usize) -> u64 {
         let n = e - s;
         // Part boundaries (offsets from `s`) and, for each part, the rank of it merged
         // with the next one.
-        let mut pos = [0u8; MERGE_MAX + 1];
-        let mut rank = [u32::MAX; MERGE_MAX + 1];
+        let mut pos = [0u8; MERGE_LONG + 1];
+        let mut rank = [u32::MAX; MERGE_LONG + 1];
         for (i, p) in pos.iter_mut().enumerate().take(n + 1) {
             *p = i as u8;
         }
