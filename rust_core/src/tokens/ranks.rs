@@ -51,6 +51,19 @@ fn filter_bit(h: u64) -> usize {
     ((h >> 32) as usize) & ((1 << FILTER_BITS) - 1)
 }
 
+/// Longest token in the small table ([`Ranks`]).
+const SMALL_MAX: usize = 5;
+/// A small table entry: the token's bytes in bits 0 to 39, its length in 40 to 42, its
+/// rank from bit 43 (never 0, as the length is at least 1).
+const SMALL_RANK_SHIFT: u32 = 43;
+const SMALL_KEY_MASK: u64 = (1 << SMALL_RANK_SHIFT) - 1;
+
+/// The key of a small token: the low `len` bytes of `packed`, and `len`.
+#[inline(always)]
+fn small_key(packed: u64, len: usize) -> u64 {
+    (packed & ((1 << (8 * len)) - 1)) | ((len as u64) << 40)
+}
+
 /// The hash bits a slot keeps, in the bits above its rank.
 #[inline(always)]
 fn fingerprint(h: u64) -> u32 {
@@ -150,6 +163,13 @@ pub struct Ranks {
     /// without reading the 2 MB slot table. The merge loop mostly looks up slices that
     /// are not tokens.
     filter: Vec<u64>,
+    /// Tokens of up to [`SMALL_MAX`] bytes, each in one `u64` with its length and rank
+    /// ([`small_key`]), by open addressing: a lookup of a short slice (most of the merge
+    /// loop's) reads one cache line, where the main table reads a slot and then the
+    /// token's key.
+    small: Vec<u64>,
+    /// `64 - log2(small.len())`.
+    small_shift: u32,
     /// Rank of every two-byte slice (`u32::MAX` if not a token), by `b0 * 256 + b1`:
     /// the merge loop starts with a lookup of each adjacent byte pair, and this 256 KB
     /// table answers those from the CPU's cache where the hash table would not.
@@ -188,6 +208,23 @@ impl Ranks {
             let f = filter_bit(h);
             filter[f / 64] |= 1 << (f % 64);
         }
+        let n_small = (0..n as u32)
+            .filter(|&r| bpe.token_bytes(r).len() <= SMALL_MAX)
+            .count();
+        let small_bits = (n_small * 2).next_power_of_two().trailing_zeros();
+        let small_shift = 64 - small_bits;
+        let mut small = vec![0u64; 1 << small_bits];
+        for rank in 0..n as u32 {
+            let bytes = bpe.token_bytes(rank);
+            if bytes.len() <= SMALL_MAX {
+                let key = small_key(pack(bytes) as u64, bytes.len());
+                let mut i = (key.wrapping_mul(K1) >> small_shift) as usize;
+                while small[i] != 0 {
+                    i = (i + 1) & (small.len() - 1);
+                }
+                small[i] = key | (u64::from(rank) << SMALL_RANK_SHIFT);
+            }
+        }
         let mut pairs = vec![u32::MAX; 65_536];
         for rank in 0..n as u32 {
             if let &[b0, b1] = bpe.token_bytes(rank) {
@@ -201,6 +238,8 @@ impl Ranks {
             bpe,
             bounds: Bounds::new(bpe),
             filter,
+            small,
+            small_shift,
             pairs,
         }
     }
@@ -219,6 +258,9 @@ impl Ranks {
         if self.filter[f / 64] & (1 << (f % 64)) == 0 {
             return u32::MAX;
         }
+        if e - s <= SMALL_MAX {
+            return self.small_rank(key as u64, e - s);
+        }
         let fp = fingerprint(h);
         let mask = self.slots.len() - 1;
         let mut i = (h >> self.shift) as usize;
@@ -233,6 +275,25 @@ impl Ranks {
                 if k == key && (packed || self.bpe.token_bytes(rank) == &text[s..e]) {
                     return rank;
                 }
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Rank of the token of `len` (at most [`SMALL_MAX`]) bytes whose bytes are the low
+    /// bytes of `packed`, or `u32::MAX`.
+    #[inline(always)]
+    fn small_rank(&self, packed: u64, len: usize) -> u32 {
+        let key = small_key(packed, len);
+        let mask = self.small.len() - 1;
+        let mut i = (key.wrapping_mul(K1) >> self.small_shift) as usize;
+        loop {
+            let v = self.small[i];
+            if v == 0 {
+                return u32::MAX;
+            }
+            if v & SMALL_KEY_MASK == key {
+                return (v >> SMALL_RANK_SHIFT) as u32;
             }
             i = (i + 1) & mask;
         }
