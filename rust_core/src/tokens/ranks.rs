@@ -1,18 +1,22 @@
-//! BPE token counts of pretokenizer pieces, with tiktoken's merge rule and a fast rank
-//! lookup.
+//! BPE token counts of pretokenizer pieces, with tiktoken's merge rule and fast rank
+//! lookups.
 //!
 //! tiktoken encodes a piece by looking it up whole in the vocabulary and otherwise
 //! merging byte pairs: start from single bytes and repeatedly merge the adjacent pair
 //! whose concatenation has the lowest rank (the leftmost on ties) until no adjacent pair
 //! is a token. [`Ranks::piece_count`] does the same, counting the parts left at the end.
 //! What makes it fast is the lookup: a token of up to 15 bytes is packed with its length
-//! into one `u128`, so looking up a slice of the text is a 16-byte load, a multiply-fold
-//! hash and a probe of a compact table (see [`Ranks`]), with no allocation. Longer tokens
-//! (a few percent of the vocabulary) are compared byte by byte.
+//! into one `u128`, so looking up a slice of the text is a 16-byte load and a
+//! multiply-fold hash, then a filter bit that turns most slices that are no token away,
+//! and a probe of compact tables (see [`Ranks`]), with no allocation. Two-byte slices,
+//! the merge loop's first lookups, are read from a direct table. Longer tokens (a few
+//! percent of the vocabulary) are compared byte by byte.
 //!
-//! Pieces longer than 15 bytes (a run of CJK text, a long word) are handed to the `bpe`
-//! crate's backtracking counter, which is linear where the merge loop is quadratic and
-//! measured faster on them; it gives the same counts (it is built to, and the tests
+//! A piece with non-ASCII chars that is not one token (a CJK clause is a single piece)
+//! is first cut at the char boundaries no token spans ([`Bounds`]); its parts are mostly
+//! single tokens or short pieces the memo knows. Parts of up to 48 bytes are merged;
+//! longer ones go to the `bpe` crate's backtracking counter, which is linear where the
+//! merge loop is quadratic; it gives the same counts (it is built to, and the tests
 //! check it against the merge loop).
 
 use bpe_openai::byte_pair_encoding::BytePairEncoding;
@@ -145,11 +149,12 @@ const LONG: u128 = u128::MAX;
 
 /// Ranks of one vocabulary, for lookups by byte slice.
 ///
-/// An open-addressing table of `u32` slots, each a rank and 14 bits of its key's hash,
-/// at most 40% full: a lookup reads one cache line of a table small enough to stay in
-/// the CPU's caches, and only a slot whose hash bits match sends it on to the token's
-/// key. Most lookups are for slices that are not tokens, and they usually end at the
-/// first line.
+/// A lookup first tests the slice's bit in a filter of every token's hash (256 KB): most
+/// lookups are for slices that are not tokens, and most of those end there. A slice of
+/// up to 5 bytes is then looked up in a table holding each short token whole in one
+/// `u64`; a longer one in an open-addressing table of `u32` slots, each a rank and 14
+/// bits of its key's hash, at most 40% full, where only a slot whose hash bits match
+/// sends it on to the token's key.
 pub struct Ranks {
     slots: Vec<u32>,
     /// `64 - log2(slots.len())`: the hash's top bits pick the first slot.
