@@ -153,8 +153,9 @@ const LONG: u128 = u128::MAX;
 /// lookups are for slices that are not tokens, and most of those end there. A slice of
 /// up to 5 bytes is then looked up in a table holding each short token whole in one
 /// `u64`; a longer one in an open-addressing table of `u32` slots, each a rank and 14
-/// bits of its key's hash, at most 40% full, where only a slot whose hash bits match
-/// sends it on to the token's key.
+/// bits of its key's hash, where only a slot whose hash bits match sends it on to the
+/// token's key. That table is about 76% full (1 MB for o200k_base): a probe stays within
+/// a cache line or two, and a smaller table stays in the CPU's caches better.
 pub struct Ranks {
     slots: Vec<u32>,
     /// `64 - log2(slots.len())`: the hash's top bits pick the first slot.
@@ -190,7 +191,7 @@ impl Ranks {
             n < RANK_MASK as usize,
             "vocabulary too large for the rank table"
         );
-        let bits = (n * 5 / 2).next_power_of_two().trailing_zeros();
+        let bits = (n * 5 / 4).next_power_of_two().trailing_zeros();
         let mut slots = vec![EMPTY; 1 << bits];
         let mut filter = vec![0u64; (1 << FILTER_BITS) / 64];
         let mut keys = Vec::with_capacity(n);
