@@ -136,6 +136,60 @@ def test_exact_counts_equal_tiktoken_on_random_text(text: str) -> None:
         assert core.count_tokens(text, name) == len(enc.encode_ordinary(text))  # type: ignore[arg-type]
 
 
+def _cjk_runs(seed: int) -> list[str]:
+    """Long runs of letters without spaces (each one pretokenizer piece, cut by the core
+    where no token spans a char boundary), mixing frequent and rare Han, kana, Hangul,
+    accented Latin, marks, emoji and ASCII, with runs of every length across the
+    merge loop's and the memo's limits."""
+    rng = random.Random(seed)
+    common = "的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下以生会自着去"
+    kana = "あいうえおかきくけこさしすせそたちつてとなにぬねのアイウエオカキクケコサシスセソーッャ"
+    pools = [
+        lambda: rng.choice(common),
+        lambda: rng.choice(kana),
+        lambda: chr(rng.randint(0x4E00, 0x9FFF)),
+        lambda: chr(rng.randint(0xAC00, 0xD7A3)),
+        lambda: rng.choice("éüñßøÅ\u0301\u0308ʰ"),
+        lambda: rng.choice("abcXYZ"),
+        lambda: rng.choice("🙂🚀👍\u200d"),
+    ]
+    out = []
+    for length in (*range(1, 40), 60, 100, 200, 500):
+        weights = [rng.random() for _ in pools]
+        out.append("".join(rng.choices(pools, weights)[0]() for _ in range(length)))
+    out += [c * n for c in "的ア한畐é🙂" for n in (2, 5, 17, 64)]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_counts_equal_tiktoken_on_long_letter_runs(
+    tiktoken_enc: tuple[str, Any], seed: int
+) -> None:
+    name, enc = tiktoken_enc
+    texts = _cjk_runs(seed)
+    texts.append("，".join(texts[:30]) + "。")
+    expected = [len(enc.encode_ordinary(t)) for t in texts]
+    assert core.count_tokens_batch(texts, name) == expected  # type: ignore[arg-type]
+
+
+CJK = st.text(
+    alphabet="的一是不了人我在有他这中大来上国个到说们为子和你地出道也时年得就那要下日本語"
+    "あいうえおかきくけこアイウエオカキクケコーッャ한국어문장있습니다畐鬱龘，。、！？「」 1a",
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=CJK)
+def test_exact_counts_equal_tiktoken_on_random_cjk(text: str) -> None:
+    for name in EXACT:
+        enc = tiktoken_encoding(name)
+        if enc is None:
+            pytest.skip("tiktoken unavailable offline")
+        assert core.count_tokens(text, name) == len(enc.encode_ordinary(text))  # type: ignore[arg-type]
+
+
 @given(texts=st.lists(st.text(max_size=50), max_size=20))
 def test_estimators_match_the_seeds(texts: list[str]) -> None:
     assert core.count_tokens_batch(texts, "estimate") == [estimate(t) for t in texts]

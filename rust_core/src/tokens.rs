@@ -11,8 +11,9 @@
 //! - the pretokenizer regexes are written out by hand over a table of Unicode character
 //!   classes ([`scan`], [`classes`]), checked piece for piece against the crate's regex;
 //! - a piece that is one token is found with one hash lookup, a short one is merged with
-//!   tiktoken's rule over a fast rank table, and only long pieces go to the crate's
-//!   backtracking counter ([`ranks`]).
+//!   tiktoken's rule over fast rank tables; a piece with non-ASCII chars (a CJK clause)
+//!   is first cut where the vocabulary proves no merge can cross ([`bounds`]), and only
+//!   long uncut parts go to the crate's backtracking counter ([`ranks`]).
 
 use std::cell::RefCell;
 use std::str::FromStr;
@@ -20,6 +21,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+mod bounds;
 mod classes;
 mod ranks;
 mod scan;
@@ -507,7 +509,7 @@ mod tests {
                 let chars: Vec<char> = alphabet.chars().collect();
                 for _ in 0..3_000 {
                     let mut piece = String::new();
-                    let len = 1 + rng.below(ranks::MERGE_MAX);
+                    let len = 1 + rng.below(ranks::MERGE_LONG);
                     while piece.len() < len {
                         piece.push(chars[rng.below(chars.len())]);
                     }

@@ -152,8 +152,66 @@ fn digits(b: &[u8], s: usize, first_len: usize, t: &Table) -> usize {
     i
 }
 
+/// Where `[^\r\n\p{L}\p{N}]` matches an ASCII byte.
+#[inline(always)]
+fn ascii_prefix(c: u8) -> bool {
+    c < 0x80 && !c.is_ascii_alphanumeric() && c != b'\r' && c != b'\n'
+}
+
+/// Whether the char at `i` (or the end of the text) ends an ASCII word for sure: the
+/// end, or an ASCII byte other than `'`. A non-ASCII char could be a letter or a mark
+/// that continues the word, and `'` a contraction, so those go the long way.
+#[inline(always)]
+fn ends_ascii_word(b: &[u8], i: usize) -> bool {
+    b.get(i).is_none_or(|&c| c < 0x80 && c != b'\'')
+}
+
+/// The common cl100k_base piece, an ASCII word with an optional ASCII prefix, without
+/// decoding a char: `None` where the general scanner must decide.
+#[inline(always)]
+fn ascii_word_cl100k(b: &[u8], s: usize) -> Option<usize> {
+    let c0 = b[s];
+    let mut i = s;
+    if !c0.is_ascii_alphabetic() {
+        // A `'` may open a contraction, which comes first in the pattern.
+        if !ascii_prefix(c0) || c0 == b'\'' || !b.get(s + 1)?.is_ascii_alphabetic() {
+            return None;
+        }
+        i += 1;
+    }
+    while b.get(i).is_some_and(u8::is_ascii_alphabetic) {
+        i += 1;
+    }
+    ends_ascii_word(b, i).then_some(i)
+}
+
+/// The common o200k_base piece, an ASCII word (`U*L+` or `U+`, all ASCII) with an
+/// optional ASCII prefix, without decoding a char: `None` where the general scanner
+/// must decide.
+#[inline(always)]
+fn ascii_word_o200k(b: &[u8], s: usize) -> Option<usize> {
+    let c0 = b[s];
+    let mut i = s;
+    if !c0.is_ascii_alphabetic() {
+        if !ascii_prefix(c0) || !b.get(s + 1)?.is_ascii_alphabetic() {
+            return None;
+        }
+        i += 1;
+    }
+    while b.get(i).is_some_and(u8::is_ascii_uppercase) {
+        i += 1;
+    }
+    while b.get(i).is_some_and(u8::is_ascii_lowercase) {
+        i += 1;
+    }
+    ends_ascii_word(b, i).then_some(i)
+}
+
 /// End of the cl100k_base piece starting at `s` (`s < b.len()`, on a char boundary).
 pub fn cl100k(b: &[u8], s: usize, t: &Table) -> usize {
+    if let Some(e) = ascii_word_cl100k(b, s) {
+        return e;
+    }
     let (f0, l0) = at(b, s, t);
     let n = contraction(b, s);
     if n > 0 {
@@ -221,6 +279,9 @@ fn upper_lower(b: &[u8], p: usize, t: &Table) -> Result<usize, usize> {
 
 /// End of the o200k_base piece starting at `s` (`s < b.len()`, on a char boundary).
 pub fn o200k(b: &[u8], s: usize, t: &Table) -> usize {
+    if let Some(e) = ascii_word_o200k(b, s) {
+        return e;
+    }
     let (f0, l0) = at(b, s, t);
     // The common case first: a word with no prefix.
     if f0 & LOWERISH != 0 && f0 & UPPERISH == 0 {
