@@ -190,10 +190,9 @@ def run(sz: Sizes) -> Section:
             one[worst]["median"] >= TARGET,
             why=f"median per class: {listing(one)}. "
             + (f"Below the target: {', '.join(below)}. " if below else "")
-            + "CJK pieces are whole clauses, counted by the bpe crate's backtracking "
-            "encoder; prose and base64 have many new multi-byte pieces that are not single "
-            "tokens, whose merges are lookups in a vocabulary table larger than the CPU "
-            "caches.",
+            + "On new prose most time goes to merging made-up words, whose rank lookups "
+            "miss the CPU caches (the vocabulary's tables are larger than them); long CJK "
+            "clauses are cut where no token can span and counted in parts.",
         ),
         Target(
             "Exact counting, first-pass text, every class (cl100k_base, 1 core)",
