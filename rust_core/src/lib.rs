@@ -32,6 +32,21 @@ pub use text::{tokenize, tokenize_terms};
 pub use tokens::{count_tokens, count_tokens_batch, Encoding};
 pub use trim::{trim_to_budget, Messages, Role, Trimmed};
 
+/// The tests' random numbers: a deterministic xorshift, so failures reproduce.
+#[cfg(test)]
+pub(crate) mod test_rng {
+    pub(crate) struct Rng(pub(crate) u64);
+
+    impl Rng {
+        pub(crate) fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! Every entry point that reads text, over arbitrary Unicode: the audit for panics on
@@ -39,16 +54,10 @@ mod tests {
 
     use super::*;
 
-    /// Deterministic xorshift, so failures reproduce.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % n as u64) as usize
-        }
+    use crate::test_rng::Rng;
 
+    /// The shared generator's text for these tests.
+    impl Rng {
         /// A char from the whole scalar range, or one of the kinds the tokenizers and
         /// patterns treat specially (case changes that change length, marks, spaces).
         fn char(&mut self) -> char {

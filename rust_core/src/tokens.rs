@@ -282,16 +282,7 @@ mod tests {
         }
     }
 
-    /// Deterministic xorshift, so failures reproduce.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % n as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// Characters whose classes matter to the patterns, including non-ASCII ones that
     /// continue a run (letters of each category, a mark, a digit, spaces) or a

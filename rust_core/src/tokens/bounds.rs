@@ -120,16 +120,7 @@ mod tests {
     use super::*;
     use hashbrown::HashSet;
 
-    /// Deterministic xorshift, so failures reproduce.
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % n as u64) as usize
-        }
-    }
+    use crate::test_rng::Rng;
 
     /// A char from a mix that makes multi-char tokens and cut chars likely: frequent and
     /// rare Han, kana, Hangul, CJK and Latin punctuation, Latin letters with and without

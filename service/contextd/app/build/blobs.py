@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from contextd.app.build.handles import full_text_handle
+from contextd.app.build.memo import Memo
 from contextd.domain.context import HistoryItem
 
 MIN_BASE64_CHARS = 256
@@ -57,24 +58,14 @@ _MAGIC = (
 )
 
 
-# The stubbed text of recently built messages, by (text, handle): a pure function's
-# results, so never stale. Every build of a hot thread sees the same newest messages
-# again, and scanning each for blobs with the patterns above was a quarter of a warm
-# build's time. Bounded by entries; cleared whole when full (cheap, and safe without a
-# lock: each operation on a dict is atomic under the GIL).
-_MEMO: dict[tuple[str, str], str] = {}
-MEMO_ENTRIES = 8_192
+# The stubbed text of recently built messages, by (text, handle): every build of a hot
+# thread sees the same newest messages again, and scanning each for blobs with the
+# patterns above was a quarter of a warm build's time.
+_MEMO: Memo[tuple[str, str], str] = Memo(8_192)
 
 
 def _stubbed(text: str, handle: str) -> str:
-    key = (text, handle)
-    found = _MEMO.get(key)
-    if found is None:
-        found = replace_blobs(text, handle)
-        if len(_MEMO) >= MEMO_ENTRIES:
-            _MEMO.clear()
-        _MEMO[key] = found
-    return found
+    return _MEMO.get((text, handle), lambda key: replace_blobs(*key))
 
 
 def stub_blobs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[int]]:

@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from contextd import core
+from contextd.app.build.memo import Memo
 from contextd.domain.context import HistoryItem, TokenCounter
 from contextd.domain.model import Role
 
@@ -309,6 +310,23 @@ def need(
     return count([render(entries)])[0] if entries else 0
 
 
+# What the extractor names in a kept message's text, by text: a hot thread's builds see
+# the same newest messages again (see memo.py).
+_FOUND: Memo[str, tuple[str, ...]] = Memo(8_192)
+
+
+def _specifics_of(texts: Sequence[str]) -> list[tuple[str, ...]]:
+    """The specifics' texts in each of ``texts``; the ones not remembered are extracted
+    in one batch call."""
+    found = {t: _FOUND.peek(t) for t in texts}
+    missing = [t for t, names in found.items() if names is None]
+    if missing:
+        for text, pairs in zip(missing, core.extract_specifics_batch(missing), strict=True):
+            found[text] = names = tuple(name for _, name in pairs)
+            _FOUND.put(text, names)
+    return [found[t] or () for t in texts]
+
+
 def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
     """The texts of ``entries`` that ``texts`` (what the context holds whole besides the
     summary) contain verbatim. The extractor names the candidates and the text each is
@@ -318,8 +336,8 @@ def in_context(entries: Sequence[Entry], texts: Sequence[str]) -> set[str]:
     if not entries or not texts:
         return set()
     where: dict[str, int] = {}
-    for k, pairs in enumerate(core.extract_specifics_batch(list(texts))):
-        for _, text in pairs:
+    for k, names in enumerate(_specifics_of(texts)):
+        for text in names:
             where.setdefault(text, k)
     found: set[str] = set()
     for entry in entries:
