@@ -390,25 +390,24 @@ class HotCache:
     def _apply(
         self, touches: Touches | None, appended: tuple[pa.Table, Iterable[int]] | None
     ) -> None:
-        if True:
-            if touches is None:
-                self._clear()
-                return
-            for tenant, name in touches.agent_settings:
-                self._drop(("a", tenant, name))
-            for tenant, name in touches.agents:
-                self._drop_where(lambda k, t=tenant, a=name: k[1] == t and k[2] == a)
-            for tenant, name, scope in touches.scopes:
-                self._drop_where(
-                    lambda k, t=tenant, a=name, s=scope: k[1:4] == (t, a, s) and k[0] != "s"
-                )
-            for tenant, name, scope in touches.status:
-                self._drop(("s", tenant, name, scope))
-            for key in touches.contexts:
-                self._drop(_ckey(key))
-                self._drop(("t", key.tenant, key.agent, key.scope))
-            if appended is not None:
-                self._appended(*appended)
+        if touches is None:
+            self._clear()
+            return
+        for tenant, name in touches.agent_settings:
+            self._drop(("a", tenant, name))
+        for tenant, name in touches.agents:
+            self._drop_where(lambda k, t=tenant, a=name: k[1] == t and k[2] == a)
+        for tenant, name, scope in touches.scopes:
+            self._drop_where(
+                lambda k, t=tenant, a=name, s=scope: k[1:4] == (t, a, s) and k[0] != "s"
+            )
+        for tenant, name, scope in touches.status:
+            self._drop(("s", tenant, name, scope))
+        for key in touches.contexts:
+            self._drop(_ckey(key))
+            self._drop(("t", key.tenant, key.agent, key.scope))
+        if appended is not None:
+            self._appended(*appended)
 
     def _appended(self, batch: pa.Table, expired: Iterable[int]) -> None:
         # Threads the append found expired had their clear marker moved: their entries
@@ -421,7 +420,6 @@ class HotCache:
         sorted_ids = context_ids[order]
         starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
         bounds = [*starts.tolist(), len(sorted_ids)]
-        touched: list[int] = []
         arrays: dict[str, npt.NDArray[Any]] | None = None
 
         def arrays_of() -> dict[str, npt.NDArray[Any]]:
@@ -458,7 +456,6 @@ class HotCache:
                 self._drop(_ckey(key))
                 continue
             self._extend(entry, arrays_of(), batch, np.sort(rows))
-            touched.append(context_id)
         self._evict()
 
     def _count_in_scope(

@@ -143,22 +143,27 @@ class _Window:
 
     items: list[HistoryItem]
     previous_summary: HistoryItem | None
-    # Window messages left out because they cannot fit (oldest first): dropped.
-    not_loaded_ids: npt.NDArray[np.int64]
     stamps: dict[int, MessageStamp]
     # Counts the store made at insert under the build's tokenizer, by counted text.
     known_counts: dict[str, int] = field(default_factory=dict)
-    # Window messages the previous summary stands for (oldest first).
-    summarized_ids: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
     # Window messages (loaded or not) whose tool call or results are missing from the
     # history being built, in window order.
     orphaned_ids: tuple[int, ...] = ()
     # Every window message's id, in window order (summarized ones included).
-    window_ids: npt.NDArray[np.int64] | None = None
-    # Where `summarized_ids` and `not_loaded_ids` are in `window_ids` (positions), so the
-    # dropped runs are found on NumPy masks, never from Python tuples of the window.
+    window_ids: npt.NDArray[np.int64] = field(default_factory=lambda: _NO_IDS)
+    # Positions in `window_ids` of the messages the previous summary stands for, and of
+    # those left out because they cannot fit (dropped), oldest first: the dropped runs
+    # are found on NumPy masks, never from Python tuples of the window.
     summarized_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
     not_loaded_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
+
+    @property
+    def summarized_ids(self) -> npt.NDArray[np.int64]:
+        return self.window_ids[self.summarized_at]
+
+    @property
+    def not_loaded_ids(self) -> npt.NDArray[np.int64]:
+        return self.window_ids[self.not_loaded_at]
 
 
 class ContextBuilder:
@@ -402,7 +407,7 @@ class ContextBuilder:
         anything older. See :func:`_repair_pair_columns`.
         """
         if plan.context is None:
-            return _Window([], None, _NO_IDS, {})
+            return _Window([], None, {})
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
         stamps = {stored_summary.id: MessageStamp.of(stored_summary)} if stored_summary else {}
@@ -413,18 +418,9 @@ class ContextBuilder:
         if previous is not None and previous.summary_of is not None:
             rest, previous = _not_summarized(all_ids, previous)
         ids = all_ids[rest]
-        summarized = _summarized_ids(all_ids, rest)
         summarized_at = _covered_positions(len(all_ids), rest)
         if len(ids) == 0:
-            return _Window(
-                [],
-                previous,
-                _NO_IDS,
-                stamps,
-                summarized_ids=summarized,
-                window_ids=all_ids,
-                summarized_at=summarized_at,
-            )
+            return _Window([], previous, stamps, window_ids=all_ids, summarized_at=summarized_at)
         roles, groups, orphans = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
@@ -460,10 +456,8 @@ class ContextBuilder:
         return _Window(
             items,
             previous,
-            ids[:start],
             stamps | {m.id: MessageStamp.of(m) for m in loaded},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
-            summarized,
             tuple(orphaned),
             all_ids,
             summarized_at,
@@ -644,18 +638,6 @@ def _not_summarized(
     return np.concatenate([late, np.arange(end, len(ids))]), summary
 
 
-def _summarized_ids(
-    ids: npt.NDArray[np.int64], rest: slice | npt.NDArray[np.intp]
-) -> npt.NDArray[np.int64]:
-    """The window ids a stored summary stands for: those `rest` (from
-    :func:`_not_summarized`) leaves out."""
-    if isinstance(rest, slice):
-        return ids[: rest.start or 0]
-    covered = np.ones(len(ids), dtype=bool)
-    covered[rest] = False
-    return ids[covered]
-
-
 def _covered_positions(n: int, rest: slice | npt.NDArray[np.intp]) -> slice | npt.NDArray[np.intp]:
     """The window positions a stored summary stands for: those `rest` leaves out."""
     if isinstance(rest, slice):
@@ -746,8 +728,7 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     runs: tuple[tuple[int, int], ...] = ()
     order = window.window_ids
     if (
-        order is not None
-        and dropped
+        dropped
         and isinstance(window.summarized_at, slice)
         and isinstance(window.not_loaded_at, slice)
     ):
@@ -762,7 +743,7 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
             at = loaded_from + np.flatnonzero(np.isin(order[loaded_from:], wanted))
             intervals += [(p, p + 1) for p in at.tolist()]
         runs = _runs_of_intervals(order, intervals)
-    elif order is not None and dropped:
+    elif dropped:
         gone = np.zeros(len(order), dtype=bool)
         if len(lost):
             gone[window.summarized_at] = True
