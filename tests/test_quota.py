@@ -211,6 +211,7 @@ def test_migrating_counts_the_bytes_already_stored(tmp_path: Path) -> None:
     con.execute("DELETE FROM schema_migrations WHERE version >= 13")
     con.execute("ALTER TABLE threads DROP COLUMN stored_bytes")
     con.execute("DROP TABLE tool_outputs")  # version 14's
+    con.execute("ALTER TABLE threads DROP COLUMN outputs_expired_through_us")  # version 20's
     # The last message is not counted by the thread counters yet (as after a crash).
     con.execute(
         "UPDATE threads SET message_count = 2, last_sequence = 2, "

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from test_quota import refused
 from test_tool_outputs import MiB, Tools, _pieces, _stored_results
@@ -80,17 +81,97 @@ def test_the_sweep_deletes_an_expired_contexts_tool_outputs_in_chunks(
     assert _service(server).sweep_retention().transactions == 0  # nothing left: no writes
 
 
-def test_an_append_keeps_the_contexts_tool_outputs(
+def test_an_append_before_expiry_keeps_the_contexts_tool_outputs(
     server: InProcessServer, clock: ManualClock
 ) -> None:
     client, tools = server.client, Tools(server.client.channel)
     _create(server, DAY)
     client.append("a1", "hello")
     kept = tools.put("r")
-    clock.advance(DAY)
-    client.append("a1", "back again")  # restarts the context before any sweep
+    clock.advance(DAY - SECOND)
+    client.append("a1", "still here")  # a second before it would expire
+    clock.advance(DAY // 2)
     assert _service(server).sweep_retention().tool_outputs_deleted == 0
     assert [p.id for p in tools.pointers()] == [kept.id]
+
+
+def test_an_append_after_expiry_does_not_bring_back_its_tool_outputs(
+    server: InProcessServer, clock: ManualClock
+) -> None:
+    """Like its messages: the outputs old enough for the sweep when an append restarted
+    the context stay gone, whether or not the sweep ran; a younger one stays."""
+    client, tools = server.client, Tools(server.client.channel)
+    _create(server, DAY)
+    client.append("a1", "hello", thread="t1")
+    old = tools.put("stored with the first message", thread="t1")
+    clock.advance(DAY // 2)
+    young = tools.put("stored half a day later", thread="t1")
+    clock.advance(DAY // 2 + SECOND)  # expired a second ago; `old` is ttl old, `young` not
+    client.append("a1", "back again", thread="t1")  # restarts it before any sweep
+    assert [p.id for p in tools.pointers(thread="t1")] == [young.id]
+    assert tools.get([old.id, young.id]) == {young.id: b"stored half a day later"}
+    report = _service(server).sweep_retention()
+    assert report.tool_outputs_deleted == 1 and report.expired_deleted == 1
+    assert _service(server).sweep_retention().transactions == 0  # nothing left to delete
+    clock.advance(DAY)  # expired again; `young` is now old enough as well
+    assert tools.pointers(thread="t1") == []
+    assert _service(server).sweep_retention().tool_outputs_deleted == 1
+
+
+def test_an_expired_contexts_tool_outputs_vanish_from_every_read_before_the_sweep(
+    server: InProcessServer, clock: ManualClock
+) -> None:
+    """From the moment its context expires, an output old enough for the sweep is left
+    out of lists, selections and build excerpts, loads list it as missing and reads are
+    NOT_FOUND, as the context's messages read empty: no sweep has run."""
+    client, tools = server.client, Tools(server.client.channel)
+    _create(server, DAY)
+    client.append("a1", "hello", thread="t1")
+    client.append("a1", "hello", thread="t2")
+    old = tools.put("zeta segfault in the kernel log", thread="t1", tool="read_log")
+    no_thread = tools.put("zeta segfault, a scope with no messages", thread="t1", scope="s1")
+    clock.advance(DAY // 2)
+    young = tools.put("zeta segfault seen again", thread="t1", tool="read_log")
+    alive = tools.put("zeta segfault in t2", thread="t2", tool="read_log")
+
+    def visible() -> set[str]:
+        return {p.id for p in tools.pointers()} | {p.id for p in tools.pointers(scope="s1")}
+
+    def selected() -> set[str]:
+        return {r.pointer.id for r in tools.select("zeta segfault", k=10).outputs}
+
+    def excerpted() -> set[str]:
+        built = client.stub.BuildContext(
+            pb.BuildContextRequest(
+                agent="a1",
+                thread="t2",
+                user_message="why the zeta segfault?",
+                options=pb.BuildOptions(tool_output_excerpts=10),
+            )
+        )
+        return set(built.stats.tool_output_excerpt_ids)
+
+    everything = {old.id, no_thread.id, young.id, alive.id}
+    clock.advance(DAY // 2 - SECOND)  # t1 expires in a second
+    client.append("a1", "t2 goes on", thread="t2")
+    assert visible() == everything
+    assert selected() == excerpted() == everything - {no_thread.id}
+    clock.advance(2 * SECOND)
+    assert visible() == everything - {old.id}
+    assert selected() == excerpted() == {young.id, alive.id}
+    assert tools.get([old.id, young.id]) == {young.id: b"zeta segfault seen again"}
+    for read in (
+        lambda: tools.stub.ReadToolOutput(tpb.ReadToolOutputRequest(agent="a1", id=old.id)),
+        lambda: tools.stub.GrepToolOutput(
+            tpb.GrepToolOutputRequest(agent="a1", id=old.id, pattern="zeta")
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            read()
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    # The sweep deletes exactly what the reads left out.
+    assert _service(server).sweep_retention().tool_outputs_deleted == 1
+    assert visible() == everything - {old.id}
 
 
 LIMIT = 100_000

@@ -119,6 +119,11 @@ class RetentionCalls(UseCases):
         outputs = 0
         if policy.expired(thread.last_message_time_us, now):
             outputs = self._delete_outputs(thread, now - policy.ttl_us, chunk_rows, report)
+        elif thread.outputs_expired_through_us:
+            # Restarted by an append after expiry: what was old enough then goes.
+            outputs = self._delete_outputs(
+                thread, thread.outputs_expired_through_us, chunk_rows, report
+            )
         if expired or overflow or outputs:
             report.threads += 1
             report.expired_deleted += expired

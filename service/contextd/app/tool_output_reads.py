@@ -159,16 +159,29 @@ def ranked_outputs(
     app/relevance_cache.py); the keyword scorer, and a scope too large to cache, rank the
     filter's newest MAX_RELEVANCE_CANDIDATES."""
     if not keyword:
-        found = indexes_of(store).search(store, where, query, k)
-        if found is not None:
+        # The cached index holds the whole scope, outputs of expired contexts included
+        # (it cannot tell them apart); those are left out here, and while they took some
+        # of the k places the index is asked again for twice as many.
+        wanted = k
+        while True:
+            found = indexes_of(store).search(store, where, query, wanted)
+            if found is None:
+                break
             hits, ranked = found
             pointers = {
                 p.id: p
                 for p in store.find_tool_outputs(
-                    where.tenant, where.agent, where.scope, [i for i, _ in hits]
+                    where.tenant,
+                    where.agent,
+                    where.scope,
+                    [i for i, _ in hits],
+                    where.expired_through_us,
                 )
             }
-            return [(pointers[i], s) for i, s in hits if i in pointers], ranked
+            kept = [(pointers[i], s) for i, s in hits if i in pointers]
+            if len(kept) >= k or len(hits) < wanted or wanted >= ranked:
+                return kept[:k], ranked
+            wanted *= 2
     candidates = store.tool_output_index(where, MAX_RELEVANCE_CANDIDATES)
     return rank(query, candidates, k, keyword), len(candidates)
 

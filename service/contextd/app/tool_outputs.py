@@ -175,7 +175,13 @@ class ToolOutputCalls(UseCases):
             if m.role != Role.TOOL_RESULT:
                 continue
             if handle is not None:
-                found = self._store.find_tool_outputs(key.tenant, key.agent, key.scope, [handle[0]])
+                found = self._store.find_tool_outputs(
+                    key.tenant,
+                    key.agent,
+                    key.scope,
+                    [handle[0]],
+                    self._expired_through(key.tenant, key.agent, key.scope),
+                )
                 if not found:
                     error = tool_output_not_found(handle[0])
                     error.field = f"messages[{i}].tool_output_id"
@@ -356,6 +362,21 @@ class ToolOutputCalls(UseCases):
 
     # ------------------------------------------------------------------ reads
 
+    def _expired_through(self, tenant: str, agent: str, scope: str) -> int:
+        """now - ttl of the scope's retention (0 without one): reads leave out what the
+        sweep may delete (see ToolOutputFilter). The agent is read afresh, not from a
+        cache, so a policy changed on another replica applies at once; outputs put
+        under an agent that does not exist have no policy."""
+        found = self._store.find_agent(tenant, agent)
+        if found is None:
+            return 0
+        return found.retention_for(scope).expired_through_us(self._clock.now_us())
+
+    def _visible(self, where: ToolOutputFilter) -> ToolOutputFilter:
+        return replace(
+            where, expired_through_us=self._expired_through(where.tenant, where.agent, where.scope)
+        )
+
     def list_tool_outputs(
         self, where: ToolOutputFilter, requested_size: int, token: str
     ) -> Page[ToolOutputPointer]:
@@ -373,12 +394,14 @@ class ToolOutputCalls(UseCases):
         )
         position = self._pages.decode(token, params, (int, str))
         after = (int(position.position[0]), str(position.position[1])) if position else None
-        rows = self._store.list_tool_outputs(where, after, size + 1)
+        rows = self._store.list_tool_outputs(self._visible(where), after, size + 1)
         return Page(*self._pages.cut(rows, size, params, lambda p: (p.create_time_us, p.id)))
 
     def tool_output(self, tenant: str, agent: str, scope: str, output_id: str) -> ToolOutputPointer:
         check_output_id(output_id)
-        found = self._store.find_tool_outputs(tenant, agent, scope, [output_id])
+        found = self._store.find_tool_outputs(
+            tenant, agent, scope, [output_id], self._expired_through(tenant, agent, scope)
+        )
         if not found:
             raise tool_output_not_found(output_id)
         return found[0]
@@ -389,7 +412,11 @@ class ToolOutputCalls(UseCases):
         """The pointers of `ids` found in this agent and scope, in the order asked, and
         the ids not found."""
         ids = check_output_ids(ids)
-        found = {p.id: p for p in self._store.find_tool_outputs(tenant, agent, scope, ids)}
+        expired_through = self._expired_through(tenant, agent, scope)
+        found = {
+            p.id: p
+            for p in self._store.find_tool_outputs(tenant, agent, scope, ids, expired_through)
+        }
         return [found[i] for i in ids if i in found], [i for i in ids if i not in found]
 
     def result_chunks(self, pointer: ToolOutputPointer) -> Iterator[bytes]:
@@ -531,6 +558,7 @@ class ToolOutputCalls(UseCases):
                 f"excerpt_tokens must be 0 to {MAX_EXCERPT_TOKENS:,}", field="excerpt_tokens"
             )
         k = k or DEFAULT_RELEVANT_K
+        where = self._visible(where)
         ranked, _ = ranked_outputs(self._store, where, query, k, keyword)
         fallback = not ranked
         if fallback:

@@ -83,6 +83,11 @@ class RetentionPolicy:
         expire = self.expire_time_us(last_update_us)
         return expire is not None and expire <= now_us
 
+    def expired_through_us(self, now_us: int) -> int:
+        """The time at or before which a context's newest message makes it expired now,
+        and a tool output is old enough for the sweep (now - ttl); 0 without a ttl."""
+        return now_us - self.ttl_us if self.ttl_us else 0
+
 
 KEEP_EVERYTHING = RetentionPolicy()
 

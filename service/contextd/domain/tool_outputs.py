@@ -87,7 +87,12 @@ class StoredBody:
 
 @dataclass(frozen=True, slots=True)
 class ToolOutputFilter:
-    """Which outputs of one agent in one scope a call covers (None: any)."""
+    """Which outputs of one agent in one scope a call covers (None: any).
+
+    `expired_through_us` (0: none) leaves out what the retention sweep may delete: an
+    output stored at or before that time whose context's newest message is at or before
+    it too. Reads set it to now - ttl, so an expired context's outputs vanish from every
+    read at the moment its messages do, not when the sweep gets to them."""
 
     tenant: str
     agent: str
@@ -96,6 +101,7 @@ class ToolOutputFilter:
     task_id: str | None = None
     query_id: str | None = None
     tool_name: str | None = None
+    expired_through_us: int = 0
 
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9._:-]+")

@@ -328,6 +328,9 @@ class RetainedThread:
     # without a transaction.
     oldest_sequence: int | None = None
     oldest_group_start: int | None = None
+    # Its tool outputs stored up to this time belong to a time the thread had expired
+    # (an append after expiry set it; 0: none): the sweep deletes them.
+    outputs_expired_through_us: int = 0
 
 
 class RetentionStore(Protocol):

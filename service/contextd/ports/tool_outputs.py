@@ -68,9 +68,15 @@ class ToolOutputStore(Protocol):
         """The newest `limit` outputs of the filter with their index texts, oldest first."""
 
     def find_tool_outputs(
-        self, tenant: str, agent: str, scope: str, ids: Sequence[str]
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        ids: Sequence[str],
+        expired_through_us: int = 0,
     ) -> list[ToolOutputPointer]:
-        """The outputs of these ids in this agent and scope (others are left out)."""
+        """The outputs of these ids in this agent and scope (others are left out), less
+        those `expired_through_us` leaves out (see ToolOutputFilter)."""
 
     def read_tool_output_chunks(
         self, pointer: ToolOutputPointer, first: int, count: int
@@ -88,9 +94,10 @@ class ToolOutputStore(Protocol):
     ) -> int:
         """Delete at most `limit` outputs of the thread's context (tenant, agent, scope,
         thread) stored at or before `cutoff_us`, and their stored data, provided the
-        thread's newest message is still at or before `cutoff_us` (checked in the
-        delete's transaction: an append that just arrived keeps them). Returns how many
-        (fewer than `limit`: none are left)."""
+        thread's newest message is still at or before `cutoff_us`, or `cutoff_us` is at
+        or before its `outputs_expired_through_us` (checked in the delete's transaction:
+        an append that just arrived keeps them). Returns how many (fewer than `limit`:
+        none are left)."""
 
     def tool_calls_declaring(self, key: ContextKey, call_id: str) -> str | None:
         """The `tool_calls` text of the thread's newest stored message that declares the

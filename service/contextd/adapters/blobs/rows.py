@@ -62,9 +62,12 @@ def pointer_from_row(row: Sequence[Any]) -> ToolOutputPointer:
     )
 
 
-def filter_sql(where: ToolOutputFilter, mark: str) -> tuple[str, list[Any]]:
+def filter_sql(
+    where: ToolOutputFilter, mark: str, threads: str = "threads"
+) -> tuple[str, list[Any]]:
     """The WHERE conditions (after tenant, agent and scope) of a filter, with `mark` as
-    the driver's placeholder ("?" or "%s")."""
+    the driver's placeholder ("?" or "%s") and `threads` the table of the threads' last
+    message times (DuckDB reads them live, see its thread_counters.py)."""
     parts = [f"tenant = {mark}", f"agent = {mark}", f"scope = {mark}"]
     params: list[Any] = [where.tenant, where.agent, where.scope]
     for column, value in (
@@ -76,4 +79,31 @@ def filter_sql(where: ToolOutputFilter, mark: str) -> tuple[str, list[Any]]:
         if value is not None:
             parts.append(f"{column} = {mark}")
             params.append(value)
+    if where.expired_through_us:
+        parts.append(f"NOT {expired_sql(mark, threads)}")
+        params += [where.expired_through_us] * 3
     return " AND ".join(parts), params
+
+
+def expired_sql(mark: str, threads: str = "threads") -> str:
+    """True for a `tool_outputs` row the sweep may delete at a cutoff (now - ttl, given
+    three times): its context (the thread row of its tenant, agent, scope and thread, one
+    lookup by the threads' unique key) is expired and the output is old enough, or it was
+    old enough when an append after expiry restarted the context. An output of a thread
+    with no messages has no context to expire."""
+    return (
+        f"EXISTS (SELECT 1 FROM {threads} t WHERE t.tenant = tool_outputs.tenant AND "
+        "t.agent = tool_outputs.agent AND t.scope = tool_outputs.scope AND "
+        "t.thread = tool_outputs.thread AND (tool_outputs.create_time_us <= "
+        f"t.outputs_expired_through_us OR (tool_outputs.create_time_us <= {mark} AND "
+        f"t.last_message_time_us <= {mark} AND {mark} > 0)))"
+    )
+
+
+def is_expired(
+    create_time_us: int, cutoff_us: int, last_message_time_us: int, outputs_through_us: int
+) -> bool:
+    """`expired_sql` for one output whose thread row was read (see there)."""
+    return create_time_us <= outputs_through_us or (
+        cutoff_us > 0 and create_time_us <= cutoff_us and last_message_time_us <= cutoff_us
+    )

@@ -93,7 +93,8 @@ _LIVE_THREADS = f"""
                t.last_sequence + coalesce(p.n, 0) AS last_sequence,
                least(t.min_source_time_us, nullif(p.min_source_us, {NO_SOURCE_TIME}))
                    AS min_source_time_us,
-               t.stored_bytes + coalesce(p.bytes, 0) AS stored_bytes
+               t.stored_bytes + coalesce(p.bytes, 0) AS stored_bytes,
+               t.outputs_expired_through_us
         FROM threads t LEFT JOIN contextd_pending p ON p.context_id = t.context_id
     )
 """

@@ -361,7 +361,7 @@ class MessagesMixin(DuckDBBase):
         agents_seen: dict[tuple[str, str], AgentSettings | None] = {}
         summaries: dict[int, int] = {}  # context id -> id of its newest stored summary
         # context id -> (clear marker, last expired sequence) of threads found expired
-        expiries: dict[int, tuple[int, int]] = {}
+        expiries: dict[int, tuple[int, int, int]] = {}
 
         for job in jobs:
             agent_key = (job.key.tenant, job.key.agent)
@@ -459,12 +459,14 @@ class MessagesMixin(DuckDBBase):
                 "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
                 "WHERE threads.context_id = d.context_id"
             )
-        for context_id, (marker, through) in expiries.items():
+        for context_id, (marker, through, outputs_through) in expiries.items():
             # Integers only (no client text): safe to write into the script.
             script.append(
                 f"UPDATE threads SET last_clear_us = greatest(coalesce(last_clear_us, "
                 f"{int(marker)}), {int(marker)}), expired_through = greatest(expired_through, "
-                f"{int(through)}) WHERE context_id = {int(context_id)}"
+                f"{int(through)}), outputs_expired_through_us = greatest("
+                f"outputs_expired_through_us, {int(outputs_through)}) "
+                f"WHERE context_id = {int(context_id)}"
             )
         requests = [
             (job.record, job.record.encode(receipts))
@@ -523,7 +525,7 @@ class MessagesMixin(DuckDBBase):
         numbered: dict[int, int],
         new_contexts: dict[ContextKey, int],
         summaries: dict[int, int],
-        expiries: dict[int, tuple[int, int]],
+        expiries: dict[int, tuple[int, int, int]],
     ) -> None:
         """Add one thread's batch to the group's columns: its context (new or known), ids,
         sequences and tool groups; its receipts and its thread's counts; and, when the
@@ -555,7 +557,13 @@ class MessagesMixin(DuckDBBase):
             earlier = thread_deltas.get(key)  # an earlier call of this group appended
             last_us = earlier[3] if earlier else self._last_update_of(writer, context_id)
             if last_us + batch.ttl_us <= commit_time:
-                expiries[context_id] = (min(last_us + batch.ttl_us, commit_time - 1), last)
+                # The clear marker at the moment it expired, its messages so far, and its
+                # tool outputs old enough for the sweep now (see tool_outputs.py).
+                expiries[context_id] = (
+                    min(last_us + batch.ttl_us, commit_time - 1),
+                    last,
+                    commit_time - batch.ttl_us,
+                )
         sources = [m.source_time_us for m in messages]
         columns["id"].extend(ids)
         columns["context_id"].extend([context_id] * n)

@@ -64,13 +64,13 @@ class RetentionMixin(DuckDBBase):
             "l.last_message_time_us, t.expired_through, "
             "(SELECT min(sequence) FROM messages m WHERE m.context_id = l.context_id), "
             "(SELECT min(coalesce(group_start, sequence)) FROM messages m "
-            " WHERE m.context_id = l.context_id) "
+            " WHERE m.context_id = l.context_id), t.outputs_expired_through_us "
             "FROM live_threads l JOIN threads t ON t.context_id = l.context_id "
             "WHERE l.tenant = ? AND l.agent = ? AND l.context_id > ? "
             "ORDER BY l.context_id LIMIT ?",
             [tenant, agent, after_context_id, limit],
         )
-        return [RetainedThread(ContextKey(r[0], r[1], r[2], r[3]), *r[4:10]) for r in rows]
+        return [RetainedThread(ContextKey(r[0], r[1], r[2], r[3]), *r[4:11]) for r in rows]
 
     def mark_expired(self, thread: RetainedThread, cutoff_us: int) -> int:
         def mark(cur: duckdb.DuckDBPyConnection) -> int:

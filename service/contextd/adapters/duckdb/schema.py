@@ -361,4 +361,14 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "CREATE INDEX tool_outputs_by_scope ON tool_outputs (scope_key)",
         ],
     ),
+    (
+        20,
+        [
+            # Tool outputs of the thread stored at or before this time belong to a time
+            # the thread had expired (an append after expiry sets it to the append's time
+            # - ttl): reads leave them out and the sweep deletes them, as for messages up
+            # to expired_through. (Versions 15 to 19 are other features'.)
+            "ALTER TABLE threads ADD COLUMN outputs_expired_through_us BIGINT NOT NULL DEFAULT 0",
+        ],
+    ),
 ]

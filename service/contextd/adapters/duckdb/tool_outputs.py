@@ -27,6 +27,7 @@ from contextd.adapters.blobs.rows import (
     POINTER_COLUMNS,
     STORAGE_COLUMNS,
     filter_sql,
+    is_expired,
     pointer_from_row,
     pointer_values,
 )
@@ -157,14 +158,11 @@ class ToolOutputsMixin(DuckDBBase):
         if after is not None:
             conditions += " AND (create_time_us > ? OR (create_time_us = ? AND id > ?))"
             params += [after[0], after[0], after[1]]
-        rows = (
-            self._cursor()
-            .execute(
-                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE {conditions} "
-                "ORDER BY create_time_us, id LIMIT ?",
-                [*params, limit],
-            )
-            .fetchall()
+        rows = self._select(
+            where,
+            f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE {conditions} "
+            "ORDER BY create_time_us, id LIMIT ?",
+            [*params, limit],
         )
         return [pointer_from_row(r) for r in rows]
 
@@ -172,20 +170,22 @@ class ToolOutputsMixin(DuckDBBase):
         self, where: ToolOutputFilter, limit: int
     ) -> list[tuple[ToolOutputPointer, str]]:
         conditions, params = self._filter(where)
-        rows = (
-            self._cursor()
-            .execute(
-                f"SELECT * FROM (SELECT {POINTER_COLUMNS}, index_text FROM tool_outputs "
-                f"WHERE {conditions} ORDER BY create_time_us DESC, id DESC LIMIT ?) "
-                "ORDER BY create_time_us, id",
-                [*params, limit],
-            )
-            .fetchall()
+        rows = self._select(
+            where,
+            f"SELECT * FROM (SELECT {POINTER_COLUMNS}, index_text FROM tool_outputs "
+            f"WHERE {conditions} ORDER BY create_time_us DESC, id DESC LIMIT ?) "
+            "ORDER BY create_time_us, id",
+            [*params, limit],
         )
         return [(pointer_from_row(r), str(r[-1])) for r in rows]
 
     def find_tool_outputs(
-        self, tenant: str, agent: str, scope: str, ids: Sequence[str]
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        ids: Sequence[str],
+        expired_through_us: int = 0,
     ) -> list[ToolOutputPointer]:
         if not ids:
             return []
@@ -198,7 +198,26 @@ class ToolOutputsMixin(DuckDBBase):
             .fetchall()
         )
         found = [pointer_from_row(r) for r in rows]
-        return [p for p in found if (p.tenant, p.agent, p.scope) == (tenant, agent, scope)]
+        found = [p for p in found if (p.tenant, p.agent, p.scope) == (tenant, agent, scope)]
+        if not expired_through_us or not found:
+            return found
+        # The threads' rows in a second lookup (a condition on them in the query above
+        # would make DuckDB scan tool_outputs).
+        threads = {
+            str(r[0]): (int(r[1]), int(r[2]))
+            for r in self._thread_rows(
+                "SELECT thread, last_message_time_us, outputs_expired_through_us "
+                "FROM live_threads WHERE tenant = ? AND agent = ? AND scope = ? AND "
+                "thread = ANY(?)",
+                [tenant, agent, scope, sorted({p.thread for p in found})],
+            )
+        }
+        return [
+            p
+            for p in found
+            if p.thread not in threads
+            or not is_expired(p.create_time_us, expired_through_us, *threads[p.thread])
+        ]
 
     def read_tool_output_chunks(
         self, pointer: ToolOutputPointer, first: int, count: int
@@ -281,13 +300,15 @@ class ToolOutputsMixin(DuckDBBase):
         def chunk(cur: duckdb.DuckDBPyConnection) -> tuple[int, list[str]]:
             row = _first(
                 cur.execute(
-                    "SELECT last_message_time_us FROM threads WHERE context_id = ?",
+                    "SELECT last_message_time_us, outputs_expired_through_us FROM threads "
+                    "WHERE context_id = ?",
                     [thread.context_id],
                 )
             )
             if row is None:
                 return 0, []
-            if max(int(row[0] or 0), self._pending.last_of(thread.context_id)) > cutoff_us:
+            last = max(int(row[0] or 0), self._pending.last_of(thread.context_id))
+            if last > cutoff_us and cutoff_us > int(row[1]):
                 return 0, []  # appended to since it was read: alive again
             rows = cur.execute(
                 f"SELECT id, path FROM tool_outputs WHERE {where} LIMIT ?", [*params, limit]
@@ -380,8 +401,15 @@ class ToolOutputsMixin(DuckDBBase):
 
     # ----------------------------------------------------------------- helpers
 
+    def _select(self, where: ToolOutputFilter, sql: str, params: list[Any]) -> list[Any]:
+        """Rows of a read by `_filter(where)`: one that leaves out expired contexts'
+        outputs reads the threads' live last message times (`live_threads`)."""
+        if where.expired_through_us:
+            return self._thread_rows(sql, params)
+        return self._cursor().execute(sql, params).fetchall()
+
     def _filter(self, where: ToolOutputFilter) -> tuple[str, list[Any]]:
-        conditions, params = filter_sql(where, "?")
+        conditions, params = filter_sql(where, "?", "live_threads")
         return f"scope_key = ? AND {conditions}", [
             _scope_key(where.tenant, where.agent, where.scope),
             *params,

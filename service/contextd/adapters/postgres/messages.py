@@ -207,11 +207,13 @@ class MessagesMixin(PostgresBase):
             # The thread expired before this append: nothing from before may reappear.
             conn.execute(
                 "UPDATE threads SET last_clear_us = greatest(coalesce(last_clear_us, %s), %s), "
-                "expired_through = greatest(expired_through, %s) "
+                "expired_through = greatest(expired_through, %s), "
+                "outputs_expired_through_us = greatest(outputs_expired_through_us, %s) "
                 "WHERE tenant = %s AND context_id = %s",
                 [
                     *[min(last_time + ttl_us, commit_time - 1)] * 2,
                     last_sequence,
+                    commit_time - ttl_us,  # its tool outputs old enough for the sweep now
                     tenant,
                     context_id,
                 ],

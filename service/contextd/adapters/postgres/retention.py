@@ -61,12 +61,13 @@ class RetentionMixin(PostgresBase):
                 "(SELECT min(sequence) FROM messages m WHERE m.tenant = t.tenant "
                 " AND m.context_id = t.context_id), "
                 "(SELECT min(coalesce(group_start, sequence)) FROM messages m "
-                " WHERE m.tenant = t.tenant AND m.context_id = t.context_id) "
+                " WHERE m.tenant = t.tenant AND m.context_id = t.context_id), "
+                "outputs_expired_through_us "
                 "FROM threads t WHERE tenant = %s AND agent = %s "
                 "AND context_id > %s ORDER BY context_id LIMIT %s",
                 [tenant, agent, after_context_id, limit],
             ).fetchall()
-        return [RetainedThread(ContextKey(tenant, agent, r[0], r[1]), *r[2:8]) for r in rows]
+        return [RetainedThread(ContextKey(tenant, agent, r[0], r[1]), *r[2:9]) for r in rows]
 
     def _lock_thread(self, conn: Conn, thread: RetainedThread) -> tuple[int, int, int] | None:
         row = first(

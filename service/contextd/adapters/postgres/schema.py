@@ -327,6 +327,16 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ON messages FOR EACH ROW EXECUTE FUNCTION contextd_search_tsv()",
         ],
     ),
+    (
+        12,
+        [
+            # Tool outputs of the thread stored at or before this time belong to a time
+            # the thread had expired (an append after expiry sets it to the append's time
+            # - ttl): reads leave them out and the sweep deletes them, as for messages up
+            # to expired_through. (Versions 9 to 11 are other features'.)
+            "ALTER TABLE threads ADD COLUMN outputs_expired_through_us bigint NOT NULL DEFAULT 0",
+        ],
+    ),
 ]
 
 

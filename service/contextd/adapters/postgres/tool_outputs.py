@@ -190,15 +190,22 @@ class ToolOutputsMixin(PostgresBase):
         return [(pointer_from_row(r), str(r[-1])) for r in rows]
 
     def find_tool_outputs(
-        self, tenant: str, agent: str, scope: str, ids: Sequence[str]
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        ids: Sequence[str],
+        expired_through_us: int = 0,
     ) -> list[ToolOutputPointer]:
         if not ids:
             return []
+        where, params = filter_sql(
+            ToolOutputFilter(tenant, agent, scope, expired_through_us=expired_through_us), "%s"
+        )
         with self._reading() as conn:
             rows = conn.execute(
-                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE tenant = %s AND "
-                "agent = %s AND scope = %s AND id = ANY(%s)",
-                [tenant, agent, scope, list(ids)],
+                f"SELECT {POINTER_COLUMNS} FROM tool_outputs WHERE {where} AND id = ANY(%s)",
+                [*params, list(ids)],
             ).fetchall()
         return [pointer_from_row(r) for r in rows]
 
@@ -267,11 +274,11 @@ class ToolOutputsMixin(PostgresBase):
             # or this chunk sees the append's newer message time.
             row = first_row(
                 conn,
-                "SELECT last_message_time_us FROM threads WHERE tenant = %s AND "
-                "context_id = %s FOR SHARE",
+                "SELECT last_message_time_us, outputs_expired_through_us FROM threads "
+                "WHERE tenant = %s AND context_id = %s FOR SHARE",
                 [key.tenant, thread.context_id],
             )
-            if row is None or int(row[0] or 0) > cutoff_us:
+            if row is None or (int(row[0] or 0) > cutoff_us and cutoff_us > int(row[1])):
                 return 0  # gone, or appended to since it was read: alive again
             ids = [
                 str(r[0])

@@ -202,6 +202,7 @@ class ContextBuilder:
             (plan.agent.build_options or BuildOverrides()).over(request.overrides),
             context,
             count,
+            plan.agent.retention_for(plan.key.scope).expired_through_us(plan.now_us),
         )
         stats = context.stats
         summary_id: int | None = None

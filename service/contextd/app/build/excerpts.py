@@ -68,15 +68,19 @@ def add_excerpts(
     options: BuildOverrides,
     context: AssembledContext,
     count: TokenCounter,
+    expired_through_us: int = 0,
 ) -> tuple[AssembledContext, ExcerptReport]:
     """`context` with the excerpts of the scope's outputs most relevant to `query`
-    appended to its status part, within its budget (see the module docstring)."""
+    appended to its status part, within its budget (see the module docstring); none of
+    an expired context (`expired_through_us`, see ToolOutputFilter)."""
     k = options.tool_output_excerpts or 0
     if k <= 0 or not query.strip():
         return context, ExcerptReport()
     per_output = options.tool_output_excerpt_tokens or DEFAULT_EXCERPT_TOKENS
     cap = options.tool_output_excerpts_max_tokens or DEFAULT_EXCERPTS_MAX_TOKENS
-    where = ToolOutputFilter(key.tenant, key.agent, key.scope)
+    where = ToolOutputFilter(
+        key.tenant, key.agent, key.scope, expired_through_us=expired_through_us
+    )
     ranked, candidates = ranked_outputs(store, where, query, k)
     stats = context.stats
     room = min(cap, stats.budget - stats.total_tokens)
