@@ -104,3 +104,27 @@ def test_reads_and_deletes_stay_in_their_tenant_agent_and_scope(store: Store) ->
     for other in others:
         found = store.find_tool_outputs(other.tenant, other.agent, other.scope, [other.id])
         assert [p.id for p in found] == [other.id]
+
+
+def test_the_fingerprint_tells_a_delete_and_a_put_of_the_same_moment_apart(store: Store) -> None:
+    """Two replicas may delete one output and put another in the same microsecond: the
+    count and the sum of create times stay the same, the ids' random bits do not, so a
+    cached relevance index sees that it must be rebuilt."""
+    from dataclasses import replace
+
+    from contextd.app.relevance_cache import RelevanceIndexes
+
+    first = _pointer(3, True)
+    store.save_tool_output(first, b"abc", None, "zeta kernel segfault")
+    where = ToolOutputFilter("default", "a1", "")
+    indexes = RelevanceIndexes()
+    found = indexes.search(store, where, "zeta segfault", 5)
+    assert found is not None and [i for i, _ in found[0]] == [first.id]
+    before = store.tool_output_fingerprint("default", "a1", "")
+    store.delete_tool_outputs(ToolOutputFilter("default", "a1", "", tool_name="tool"))
+    second = replace(_pointer(3, True), create_time_us=first.create_time_us)
+    store.save_tool_output(second, b"abc", None, "zeta kernel segfault again")
+    after = store.tool_output_fingerprint("default", "a1", "")
+    assert after[:2] == before[:2] and after != before
+    found = indexes.search(store, where, "zeta segfault", 5)
+    assert found is not None and [i for i, _ in found[0]] == [second.id]

@@ -4,8 +4,10 @@ across calls and checked against the store on every call.
 Rebuilding a BM25 index over a scope's outputs on every selection costs time in
 proportion to the scope (seconds at 100,000 outputs); here an index is built once and
 then kept current. Every selection first reads the scope's fingerprint from the store
-(count and sum of create times of its outputs: one small aggregate; on PostgreSQL an
-index-only range), which every put and delete changes, whichever server made it:
+(count, sum of create times and sum of the ids' random bits of its outputs: one small
+aggregate; on PostgreSQL an index-only range), which every put and delete changes,
+whichever server made it, even a delete and a put of the same microsecond on two
+replicas:
 
 - equal to the index's own: the index is current, and is searched as is;
 - else the outputs stored after the newest one indexed are read and added, when with
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 
 from contextd import core
 from contextd.domain.tool_outputs import ToolOutputFilter
-from contextd.ports.tool_outputs import IndexedOutput, ToolOutputStore
+from contextd.ports.tool_outputs import IndexedOutput, ToolOutputStore, id_number
 
 MAX_INDEXED_OUTPUTS = 200_000
 MAX_CACHED_OUTPUTS = 400_000
@@ -46,6 +48,7 @@ class _ScopeIndex:
     tags: list[tuple[str, str | None, str | None, str]] = field(default_factory=list)
     count: int = 0
     time_sum: int = 0
+    id_sum: int = 0
     last: tuple[int, str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -57,6 +60,7 @@ class _ScopeIndex:
             self.tags.append((r[2], r[3], r[4], r[5]))
             self.count += 1
             self.time_sum += r[1]
+            self.id_sum += id_number(r[0])
         if rows:
             self.last = (rows[-1][1], rows[-1][0])
 
@@ -81,15 +85,20 @@ class RelevanceIndexes:
                 entry = self._scopes[key] = _ScopeIndex()
             self._scopes.move_to_end(key)
         with entry.lock:
-            count, time_sum = store.tool_output_fingerprint(*key)
+            stored = store.tool_output_fingerprint(*key)
+            count = stored[0]
             if count > MAX_INDEXED_OUTPUTS:
                 with self._lock:
                     self._scopes.pop(key, None)
                 return None
-            if (entry.count, entry.time_sum) != (count, time_sum):
+            if (entry.count, entry.time_sum, entry.id_sum) != stored:
                 newer = self._read(store, key, entry.last)
-                grown = entry.count + len(newer), entry.time_sum + sum(r[1] for r in newer)
-                if grown == (count, time_sum):
+                grown = (
+                    entry.count + len(newer),
+                    entry.time_sum + sum(r[1] for r in newer),
+                    entry.id_sum + sum(id_number(r[0]) for r in newer),
+                )
+                if grown == stored:
                     entry.add(newer)
                 else:
                     rebuilt = _ScopeIndex(lock=entry.lock)

@@ -28,6 +28,12 @@ IndexedOutput = tuple[str, int, str, str | None, str | None, str, str]
 """(id, create_time_us, thread, task_id, query_id, tool_name, index_text)."""
 
 
+def id_number(output_id: str) -> int:
+    """The first 12 hex digits of an output id's random part, as the engines' fingerprint
+    queries sum them."""
+    return int(output_id[3:15], 16)
+
+
 class BlobUpload(Protocol):
     """A result being stored, chunk by chunk, not yet visible."""
 
@@ -103,9 +109,11 @@ class ToolOutputStore(Protocol):
         """The `tool_calls` text of the thread's newest stored message that declares the
         call id (None: no such message), so a result kept aside can name its tool."""
 
-    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
-        """(count, sum of create_time_us) of the scope's outputs: what a cached relevance
-        index checks itself against (every put and delete changes it)."""
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int, int]:
+        """(count, sum of create_time_us, sum of `id_number`s) of the scope's outputs:
+        what a cached relevance index checks itself against. Every put and delete
+        changes it; the ids' random bits tell apart a delete and a put of the same
+        moment on two replicas, which the count and times alone would not."""
 
     def tool_output_docs(
         self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int

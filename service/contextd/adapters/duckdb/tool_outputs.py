@@ -336,15 +336,16 @@ class ToolOutputsMixin(DuckDBBase):
         )
         return None if row is None else str(row[0])
 
-    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int, int]:
         row = _first(
             self._cursor().execute(
-                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "SELECT count(*), coalesce(sum(create_time_us), 0), "
+                "coalesce(sum(('0x' || substr(id, 4, 12))::BIGINT), 0) FROM tool_outputs "
                 "WHERE scope_key = ? AND tenant = ? AND agent = ? AND scope = ?",
                 [_scope_key(tenant, agent, scope), tenant, agent, scope],
             )
         )
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
     def tool_output_docs(
         self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int

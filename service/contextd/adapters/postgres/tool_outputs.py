@@ -309,16 +309,18 @@ class ToolOutputsMixin(PostgresBase):
             )
         return None if row is None else str(row[0])
 
-    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int]:
+    def tool_output_fingerprint(self, tenant: str, agent: str, scope: str) -> tuple[int, int, int]:
         # An index-only range of tool_outputs_by_scope (tenant, agent, scope, time, id).
         with self._reading() as conn:
             row = first_row(
                 conn,
-                "SELECT count(*), coalesce(sum(create_time_us), 0) FROM tool_outputs "
+                "SELECT count(*), coalesce(sum(create_time_us), 0), coalesce(sum(("
+                "'x' || lpad(substr(id, 4, 12), 16, '0'))::bit(64)::bigint), 0) "
+                "FROM tool_outputs "
                 "WHERE tenant = %s AND agent = %s AND scope = %s",
                 [tenant, agent, scope],
             )
-        return (int(row[0]), int(row[1])) if row else (0, 0)
+        return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
     def tool_output_docs(
         self, tenant: str, agent: str, scope: str, after: tuple[int, str] | None, limit: int
