@@ -116,9 +116,9 @@ _LOCK_THREAD = (
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
 )
 # The same lock, also taking the append's message ids: one round trip instead of two for
-# an append to an existing thread (each costs about as much CPU as the rows of a small
-# append). Ids are unique whatever happens to the transaction; one re-taken when the row
-# is re-checked under a concurrent update leaves only a gap, as a rollback does.
+# an append to an existing thread (a small append's time goes mostly to round trips).
+# Ids are unique whatever happens to the transaction; one re-taken when the row is
+# re-checked under a concurrent update leaves only a gap, as a rollback does.
 _LOCK_THREAD_TAKING_IDS = (
     "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, "
     "ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %s)) FROM threads "
