@@ -571,7 +571,7 @@ class MessagesMixin(DuckDBBase):
         columns["agent"].extend([key.agent] * n)
         columns["scope"].extend([key.scope] * n)
         columns["thread"].extend([key.thread] * n)
-        columns["role"].extend([int(m.role) for m in messages])
+        columns["role"].extend([m.role for m in messages])  # IntEnum: Arrow takes the int
         columns["content"].extend([m.content for m in messages])
         columns["tool_calls"].extend([m.tool_calls for m in messages])
         columns["tool_call_id"].extend([m.tool_call_id for m in messages])
@@ -584,13 +584,22 @@ class MessagesMixin(DuckDBBase):
         columns["token_count"].extend(batch.token_counts)
         columns["tokenizer"].extend([batch.tokenizer] * n)
         columns["chars"].extend(batch.chars)
-        groups = [
-            self._group_of(writer, context_id, i, q, m, calls)
-            for i, q, m, calls in zip(ids, sequences, messages, batch.tool_call_ids, strict=True)
-        ]
-        columns["group_id"].extend(g for g, _ in groups)
-        columns["group_start"].extend(start for _, start in groups)
-        columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+        if any(batch.tool_call_ids) or any(m.tool_call_id for m in messages):
+            groups = [
+                self._group_of(writer, context_id, i, q, m, calls)
+                for i, q, m, calls in zip(
+                    ids, sequences, messages, batch.tool_call_ids, strict=True
+                )
+            ]
+            columns["group_id"].extend(g for g, _ in groups)
+            columns["group_start"].extend(start for _, start in groups)
+            columns["tool_call_ids"].extend([",".join(c) for c in batch.tool_call_ids])
+        else:
+            # No message declares a tool call or answers one, so none is in a group:
+            # what `_group_of` would give each, without a call per message.
+            columns["group_id"].extend([-1] * n)
+            columns["group_start"].extend([None] * n)
+            columns["tool_call_ids"].extend([""] * n)
         summary = batch.summarized_ids
         if summary is not None:
             summaries[context_id] = ids[-1]

@@ -43,6 +43,10 @@ _COPY_COLUMNS = (
     "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
     "group_start, search_tsv"
 )
+_INSERT_MESSAGE = (
+    f"INSERT INTO messages ({_COPY_COLUMNS}) VALUES "
+    f"({', '.join(['%s'] * len(_COPY_COLUMNS.split(',')))})"
+)
 _M_COLUMNS = ", ".join("m." + c.strip() for c in MESSAGE_COLUMNS.split(","))
 # MESSAGE_COLUMNS names agent, scope and thread, which live in the thread's row here.
 _SELECT_MESSAGES = (
@@ -111,6 +115,15 @@ _LOCK_THREAD = (
     "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
 )
+# The same lock, also taking the append's message ids: one round trip instead of two for
+# an append to an existing thread (a small append's time goes mostly to round trips).
+# Ids are unique whatever happens to the transaction; one re-taken when the row is
+# re-checked under a concurrent update leaves only a gap, as a rollback does.
+_LOCK_THREAD_TAKING_IDS = (
+    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, "
+    "ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %s)) FROM threads "
+    "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
+)
 
 
 def _model_label(model: str) -> str:
@@ -171,8 +184,9 @@ class MessagesMixin(PostgresBase):
         ttl_us = _ttl_of(str(agent[2]), key.scope)
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
-        row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
         n = len(batch)
+        locked = first(conn, _LOCK_THREAD_TAKING_IDS, [n, tenant, key.agent, key.scope, key.thread])
+        row, ids = (tuple(locked[:4]), [int(i) for i in locked[4]]) if locked else (None, [])
         commit_time = 0  # stamped below, or here when this append creates the thread
         if row is None:
             if batch.summarized_ids is not None:
@@ -218,47 +232,55 @@ class MessagesMixin(PostgresBase):
                     context_id,
                 ],
             )
-        ids = [
-            int(r[0])
-            for r in conn.execute(
-                "SELECT nextval('message_ids') FROM generate_series(1, %s)", [n]
-            ).fetchall()
-        ]
+        if not ids:  # the thread was created above
+            ids = [
+                int(r[0])
+                for r in conn.execute(
+                    "SELECT nextval('message_ids') FROM generate_series(1, %s)", [n]
+                ).fetchall()
+            ]
         sequences = range(last_sequence + 1, last_sequence + 1 + n)
         groups, starts = self._groups(conn, tenant, context_id, ids, sequences, batch)
         summary = batch.summarized_ids
         vectors = search_vectors(batch.messages) if self._search_vectors else [None] * len(ids)
-        with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
-            for i, message in enumerate(batch.messages):
-                copy.write_row(
-                    (
-                        tenant,
-                        context_id,
-                        sequences[i],
-                        ids[i],
-                        int(message.role),
-                        message.content,
-                        message.tool_calls,
-                        message.tool_call_id,
-                        message.external_id,
-                        message.metadata,
-                        batch.token_estimates[i],
-                        commit_time,
-                        message.source_time_us,
-                        batch.token_counts[i],
-                        batch.tokenizer,
-                        batch.chars[i],
-                        groups[i],
-                        ",".join(batch.tool_call_ids[i]),
-                        summary is not None,
-                        summary[0] if summary else 0,
-                        summary[1] if summary else 0,
-                        batch.restored_from,
-                        starts[i],
-                        # None: the database's trigger computes it (search_vector.py).
-                        vectors[i],
-                    )
-                )
+        rows = [
+            (
+                tenant,
+                context_id,
+                sequences[i],
+                ids[i],
+                int(message.role),
+                message.content,
+                message.tool_calls,
+                message.tool_call_id,
+                message.external_id,
+                message.metadata,
+                batch.token_estimates[i],
+                commit_time,
+                message.source_time_us,
+                batch.token_counts[i],
+                batch.tokenizer,
+                batch.chars[i],
+                groups[i],
+                ",".join(batch.tool_call_ids[i]),
+                summary is not None,
+                summary[0] if summary else 0,
+                summary[1] if summary else 0,
+                batch.restored_from,
+                starts[i],
+                # None: the database's trigger computes it (search_vector.py).
+                vectors[i],
+            )
+            for i, message in enumerate(batch.messages)
+        ]
+        if n == 1:
+            # One message: one INSERT is one round trip, where COPY takes two (its start
+            # and its end); the row is the same either way.
+            conn.execute(_INSERT_MESSAGE, rows[0])
+        else:
+            with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
+                for values in rows:
+                    copy.write_row(values)
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]
         conn.execute(
             "UPDATE threads SET last_sequence = last_sequence + %s, "
