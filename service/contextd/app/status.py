@@ -21,6 +21,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import (
     check_name,
+    check_text,
 )
 
 
@@ -50,6 +51,9 @@ class StatusCalls(UseCases):
                 f"entry.summary must be 1 to {MAX_STATUS_SUMMARY_CHARS} characters",
                 field="entry.summary",
             )
+        check_text(entry.key, "entry.key")
+        check_text(entry.state, "entry.state")
+        check_text(entry.summary, "entry.summary")
         now = self._clock.now_us()
         expire = entry.expire_time_us
         if ttl_us is not None:

@@ -142,11 +142,13 @@ class _Intake:
         """What of the result ranking indexes: its first and last characters."""
         if kind == ToolOutputKind.BINARY:
             return ""
+        # A NUL past the first 64 KiB leaves a result text: the index text drops it (a
+        # PostgreSQL text column cannot hold one; it is no word to rank anyway).
         head = bytes(self.head).decode("utf-8", "ignore")[:INDEX_HEAD_CHARS]
         if self.size <= len(self.head):
-            return head
+            return head.replace("\x00", " ")
         tail = bytes(self.tail).decode("utf-8", "ignore")[-INDEX_TAIL_CHARS:]
-        return f"{head}\n{tail}"
+        return f"{head}\n{tail}".replace("\x00", " ")
 
 
 class ToolOutputCalls(UseCases):

@@ -30,6 +30,7 @@ from contextd.domain.validation import (
     check_json,
     check_name,
     check_size,
+    check_text,
     quote,
     tool_call_ids,
 )
@@ -152,6 +153,7 @@ def check_field_size(size: int, limit: int, field: str, what: str) -> None:
 def checked_settings(settings: AgentSettings) -> AgentSettings:
     check_overrides(settings.build_options)
     check_retention(settings.retention, settings.retention_overrides)
+    check_text(settings.system_prompt, "agent.system_prompt")
     check_field_size(
         _utf8_len(settings.system_prompt),
         MAX_SYSTEM_PROMPT_BYTES,
@@ -198,6 +200,8 @@ def check_doc(doc: AgentDoc, index: int, seen: set[str]) -> None:
         )
     if doc.name in seen:
         raise InvalidArgument(f"{field}: two docs are named {doc.name!r}", field=field)
+    check_text(doc.name, field)
+    check_text(doc.content, f"agent.docs[{index}].content")
     seen.add(doc.name)
 
 
@@ -215,6 +219,8 @@ def check_message(
     character count alone cannot show the message is under the limit.
     """
     tool_calls, metadata = message.tool_calls, message.metadata
+    if "\x00" in message.content:
+        check_text(message.content, f"messages[{index}].content")
     ids = tool_call_ids(tool_calls, f"messages[{index}].tool_calls") if tool_calls else ()
     if metadata:
         check_json(metadata, f"messages[{index}].metadata", object_only=True)
@@ -227,6 +233,8 @@ def check_message(
                 f"messages[{index}].{name} is longer than {MAX_EXTERNAL_ID_CHARS} characters",
                 field=f"messages[{index}].{name}",
             )
+        if "\x00" in value:
+            check_text(value, f"messages[{index}].{name}")
     content = message.content
     # Four bytes per character bounds UTF-8, so most messages skip the encode.
     if 4 * (len(content) + len(tool_calls) + len(metadata)) > max_bytes:

@@ -21,7 +21,7 @@ from typing import Any
 
 from contextd.domain.errors import DataLoss, InvalidArgument, NotFound
 from contextd.domain.model import Agent, AgentDoc, BuildOverrides, Role, StoredMessage
-from contextd.domain.validation import quote
+from contextd.domain.validation import check_text, quote
 
 DOCUMENT_FORMAT = "contextd.snapshot/1"
 SUMMARY_FAILED = "(summary generation failed)"
@@ -49,6 +49,7 @@ def check_snapshot_id(value: str, field: str = "id") -> str:
 
 
 def check_description(value: str) -> str:
+    check_text(value, "description")
     if len(value) > MAX_DESCRIPTION_CHARS:
         raise InvalidArgument(
             f"description is {len(value):,} characters long; the limit is "

@@ -25,7 +25,7 @@ from contextd.domain.limits import (
     MAX_TOOL_NAME_CHARS,
     MAX_TOOL_TAG_CHARS,
 )
-from contextd.domain.validation import check_name, quote
+from contextd.domain.validation import check_name, check_text, quote
 
 
 class ToolOutputKind(enum.IntEnum):
@@ -208,6 +208,7 @@ def check_new_output(output: NewToolOutput, prefix: str = "output") -> NewToolOu
             f"{prefix}.tool_description is over {MAX_TOOL_DESCRIPTION_CHARS:,} characters",
             field=f"{prefix}.tool_description",
         )
+    check_text(output.tool_description, f"{prefix}.tool_description")
     return NewToolOutput(
         tenant=output.tenant,
         agent=output.agent,

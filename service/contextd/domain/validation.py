@@ -25,6 +25,14 @@ def quote(value: str, limit: int = QUOTE_CHARS) -> str:
     return f"{value[:limit]!r}... ({len(value):,} characters)"
 
 
+def check_text(value: str, field: str) -> str:
+    """Free text without the NUL character: PostgreSQL cannot store one in a text
+    column, so every engine refuses it alike (a JSON text may spell it \\u0000)."""
+    if "\x00" in value:
+        raise InvalidArgument(f"{field} must not contain the NUL character (U+0000)", field=field)
+    return value
+
+
 def check_name(value: str, what: str, *, allow_empty: bool = False) -> str:
     """Agent, scope and thread names: short, printable, safe in logs and URLs."""
     if not value:
