@@ -94,6 +94,9 @@ class Outcome:
     ratio: float = 0.0  # rendered tokens / budget, worst build
     valid: bool = True
     recent: int = 0
+    ceiling: dict[str, float] = field(default_factory=dict)  # category -> at most kept
+    distinct: int = 0  # distinct specifics among the lost
+    bare_tokens: int = 0  # what those cost, one per line as the ledger frames them
 
 
 # ------------------------------------------------------------------ the transcripts
@@ -548,6 +551,7 @@ def measure(t: Transcript, ctx: Any, budget: int, outcome: Outcome) -> None:
             outcome.lost[cat] = outcome.lost.get(cat, 0) + 1
             outcome.kept[cat] = outcome.kept.get(cat, 0) + (s in text)
     outcome.goal_kept = t.goal in text
+    _ceiling(t, ctx, budget, whole, outcome)
     openai = to_openai(ctx)
     outcome.ratio = max(outcome.ratio, openai_tokens(openai) / budget)
     outcome.valid = outcome.valid and openai_valid(openai) and anthropic_valid(to_anthropic(ctx))
@@ -557,6 +561,41 @@ def measure(t: Transcript, ctx: Any, budget: int, outcome: Outcome) -> None:
             break
         recent += 1
     outcome.recent = recent
+
+
+def _ceiling(t: Transcript, ctx: Any, budget: int, whole: dict[int, str], outcome: Outcome) -> None:
+    """The most of ``outcome.lost`` any context of ``budget`` could hold: the history
+    budget (less the system prompt, the reply's priming and the ledger's heading) filled
+    with nothing but the distinct lost specifics, each at what one costs as a ledger
+    entry (its text after a space and a separator; provenance free), the most lost
+    mentions per token first, the last one in part (a fractional knapsack: no choice of
+    whole entries does better). A bound on the measured retention, not a target."""
+    from contextd import core
+    from contextd.app.build import ledger
+
+    mentions: dict[str, int] = {}
+    category: dict[str, str] = {}
+    for mid, specs in t.planted.items():
+        original = t.items[mid - 1] if 0 < mid <= len(t.items) else None
+        if original is not None and original.id == mid and whole.get(mid) == original.content:
+            continue
+        for cat, s in specs:
+            mentions[s] = mentions.get(s, 0) + 1
+            category.setdefault(s, cat)
+    texts = list(mentions)
+    fixed = [ctx.system_prompt, f"{ledger.SPECIFICS_HEADING}\n{ledger.LEGEND}", ledger.SEPARATOR]
+    *head, separator = core.count_tokens_batch(fixed, "o200k_base")
+    costs = [c + separator for c in core.count_tokens_batch([" " + x for x in texts], "o200k_base")]
+    room = budget - sum(head) - 3 * 2 - 3  # two messages' framing and the reply's priming
+    outcome.distinct, outcome.bare_tokens = len(texts), sum(costs)
+    ceiling = dict.fromkeys(CATEGORIES, 0.0)
+    for k in sorted(range(len(texts)), key=lambda k: -mentions[texts[k]] / max(1, costs[k])):
+        if room <= 0:
+            break
+        share = min(1.0, room / max(1, costs[k]))
+        ceiling[category[texts[k]]] += share * mentions[texts[k]]
+        room -= costs[k]
+    outcome.ceiling = ceiling
 
 
 def _options(strategy: str) -> Any:
@@ -767,6 +806,18 @@ def run(sz: Sizes) -> Section:
                 str(recent),
             ]
         )
+        bounded = strategy.startswith("summarize") and "elide" not in strategy
+        bound = {c: sum(o.ceiling.get(c, 0.0) for o in outs) for c in CATEGORIES}
+        if bounded:
+            rows.append(
+                [
+                    f"{strategy}: ceiling",
+                    f"{budget:,}",
+                    *(_pct(round(bound[c]), lost[c]) for c in CATEGORIES),
+                    _pct(round(sum(bound.values())), totals[1]),
+                    *(["—"] * 6),
+                ]
+            )
         summary[f"{strategy}@{budget}"] = {
             "lost": lost,
             "kept": kept,
@@ -775,6 +826,9 @@ def run(sz: Sizes) -> Section:
             "ratio": [o.ratio for o in outs],
             "valid": [o.valid for o in outs],
             "recent": [o.recent for o in outs],
+            "ceiling": bound if bounded else {},
+            "distinct": [o.distinct for o in outs],
+            "bare_tokens": [o.bare_tokens for o in outs],
         }
 
     def rate(strategy: str, budget: int, cat: str | None = None) -> float:
@@ -791,10 +845,31 @@ def run(sz: Sizes) -> Section:
             cell = [o for t, o in zip(source, outs, strict=True) if t.length == n]
             lost = sum(sum(o.lost.values()) for o in cell)
             kept = sum(sum(o.kept.values()) for o in cell)
-            parts.append(f"{_pct(kept, lost)} of {lost:,} at {n:,} messages")
+            bound = round(sum(sum(o.ceiling.values()) for o in cell))
+            parts.append(
+                f"{_pct(kept, lost)} of {lost:,} (ceiling {_pct(bound, lost)}) at {n:,} messages"
+            )
         return "; ".join(parts)
 
     best = max(budgets)
+    low = min(budgets)
+
+    def room(strategy: str) -> str:
+        """The distinct specifics the longest transcripts' last builds at the lowest budget
+        folded or dropped, and what they cost as ledger entries (lowest to highest)."""
+        source = stress if strategy.endswith(STRESS) else corpus
+        cell = [
+            o
+            for t, o in zip(source, results[(strategy, low)], strict=True)
+            if t.length == max(lengths)
+        ]
+        distinct = sorted(o.distinct for o in cell)
+        tokens = sorted(o.bare_tokens for o in cell)
+        return (
+            f"{distinct[0]:,} to {distinct[-1]:,} distinct specifics, "
+            f"{tokens[0]:,} to {tokens[-1]:,} tokens"
+        )
+
     overall = min(rate("summarize", b) for b in budgets)
     worst_cat = min((rate("summarize", b, c), c, b) for b in budgets for c in CATEGORIES)
     rolling = ("summarize", "summarize" + STRESS)
@@ -882,10 +957,15 @@ def run(sz: Sizes) -> Section:
             f"({by_length('summarize' + STRESS, b)})"
             for b in budgets
         )
-        + ". There a 3,000-message window names 4,300 to 5,700 distinct specifics, 42,000 "
-        "to 67,000 tokens of bare text, more than the whole budget: no verbatim ledger "
-        "within the budget can hold it, so what is kept is what fits, the most mentioned "
-        "per token (with reuse: 730 to 890 distinct, 5,100 to 7,500 tokens).",
+        + f". There what a {max(lengths):,}-message window's build at {low:,} tokens folded "
+        f"names {room('summarize' + STRESS)} of bare text (each as a ledger entry), more "
+        "than the whole budget: no verbatim ledger within the budget can hold it, so what "
+        "is kept is what fits, the most mentioned per token (with reuse: "
+        f"{room('summarize')}). The ceiling rows say how much any context of the budget "
+        "could keep of what summarize folded or dropped: the history budget filled with "
+        "nothing but those specifics, one per line as the ledger frames them (provenance "
+        "free), the most mentions per token first; the targets are judged on the measured "
+        "rows.",
         f"summarize kept {100 * rate('summarize', best):.1f}% of the specifics of what it "
         f"folded or dropped at {best:,} tokens; truncate kept "
         f"{100 * rate('truncate', best):.1f}%, langchain's trim_messages "

@@ -24,7 +24,9 @@ to an entry's references instead of a duplicate line. A ledger is bounded twice:
 build, at most its share of the budget (:func:`ledger_share`: a quarter, up to a half for
 windows many times the budget); past that the entries with the fewest references per
 token go first (the room keeps the most mentions), the oldest first among equals, and the
-build reports how many went. In a build, an entry that a message kept whole in the
+build reports how many went; they are held in the summary's metadata (:data:`HELD_KEY`),
+not forgotten. The ledger also takes the room the recent messages leave when that is
+more than its share. In a build, an entry that a message kept whole in the
 context holds verbatim is left out of the ledger (the evidence is in the context
 anyway) and held in the summary's metadata (:data:`HELD_KEY`) with its provenance and
 references; the next build puts it back (:func:`restore`) before it merges or fits.
@@ -81,10 +83,13 @@ def ledger_share(window_tokens: int, budget: int) -> float:
 _IDENTIFIER = "identifier"
 
 HELD_KEY = "ledger_held"
-"""The summary's metadata key for the entries a build left out because messages the
-context kept whole hold them: ``[[text, source, references], ...]``. Not rendered; the
-next build puts them back (:func:`restore`) before it merges or fits, so an entry's
-provenance and references survive the builds it spends in the recent part."""
+"""The summary's metadata key for the entries a build left out, because messages the
+context kept whole hold them or because its room could not show them (evicted):
+``[[text, source, references], ...]``. Not rendered; the next build puts them back
+(:func:`restore`) before it merges or fits, so an entry's provenance and references
+survive the builds it spends in the recent part or out of the room, and a build with more
+room, or a new mention, shows it again with every mention counted (a stored ledger is
+still bounded by :data:`MAX_LEDGER_ENTRIES`)."""
 
 REFS_KEY = "ledger_refs"
 """The summary's metadata key for the reference counts of its ledger's entries (those
@@ -131,7 +136,7 @@ def extract(items: Sequence[HistoryItem]) -> list[Entry]:
             continue
         prose = item.role in (Role.USER, Role.ASSISTANT)
         if item.content:
-            texts.append(item.content)
+            texts.append(_without_stubs(item.content))
             owners.append((i, prose))
         if item.tool_calls:
             texts.append(item.tool_calls)
@@ -151,6 +156,17 @@ def extract(items: Sequence[HistoryItem]) -> list[Entry]:
                 Entry(text, items[i].id) if old is None else replace(old, refs=old.refs + 1)
             )
     return list(order.values())
+
+
+# A blob's stub (blobs.stub): its sizes are the build's words, not the conversation's
+# evidence, and the handle is the message's own id; the ledger's line names it anyway.
+_STUB = re.compile(
+    r"\[[^\[\]\n]{1,80}, [\d,]+ chars, about [\d,]+ bytes, omitted; full text: [^\]\s]+\]"
+)
+
+
+def _without_stubs(text: str) -> str:
+    return _STUB.sub(" ", text) if "omitted; full text:" in text else text
 
 
 def merge(previous: Sequence[Entry], new: Iterable[Entry]) -> tuple[list[Entry], int]:
@@ -295,6 +311,41 @@ def _fit(
     return [e for i, e in enumerate(entries) if i not in gone], len(gone), total
 
 
+def _fill(
+    entries: Sequence[Entry], room: int, count: TokenCounter, guess: int, guess_t: int
+) -> tuple[list[Entry], str, int]:
+    """The most entries, kept in :func:`eviction_order` (by their estimated costs),
+    whose rendering without counts measures at most ``room`` tokens (a separating line
+    included): a binary search over how many are kept, starting from ``guess`` entries
+    measured at ``guess_t``. Returns them (in their order), their text and its tokens."""
+    texts = [" " + _entry_text(e, False) for e in entries]
+    *costs, framing = count([*texts, ""])
+    line_costs = [max(0, c - framing) + 1 for c in costs]
+    keep_order = eviction_order(entries, line_costs)[::-1]  # the last to go first
+
+    def measure(k: int) -> tuple[list[Entry], str, int]:
+        chosen = sorted(keep_order[:k])
+        kept = [entries[i] for i in chosen]
+        text = render(kept, counts=False)
+        return kept, text, count([text])[0] + 1 if kept else 0
+
+    best: tuple[list[Entry], str, int] = ([], "", 0)
+    lo, hi = 0, len(entries)
+    if guess_t <= room:
+        lo = guess
+        best = measure(guess)
+    else:
+        hi = guess - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = measure(mid)
+        if found[2] <= room:
+            lo, best = mid, found
+        else:
+            hi = mid - 1
+    return best
+
+
 def need(
     summary: HistoryItem | None,
     items: Sequence[HistoryItem],
@@ -378,32 +429,24 @@ def fit_item(
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted, estimate = _fit(entries, room, count, False)
+    kept, evicted, _ = _fit(entries, room, count, False)
     ledger_text = render(kept, counts=False)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    target, step = room, 0
-    if evicted and 0 < ledger_t < room and estimate > ledger_t:
-        # The estimate ran high (a counter rounding each text up): aim by the measured
-        # ratio, so the ledger fills its room; the loop below trims any overshoot.
-        target = room * estimate // ledger_t
-        kept, evicted, _ = _fit(entries, target, count, False)
-        ledger_text = render(kept, counts=False)
-        ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
-        # Lower the estimate's target by the overshoot (at least a token, and at least
-        # twice the last step: a few rounds at most) until the whole fits, so the ledger
-        # never takes the prose's share of the room.
-        step = max(ledger_t - room + 1, 2 * step)
-        target = max(0, target - step)
-        kept, evicted = fit(entries, target, count, counts=False)
-        ledger_text = render(kept, counts=False)
-        ledger_t = count([ledger_text])[0] + 1 if kept else 0
+    if ledger_t > room or (evicted and ledger_t < room):
+        # Entries were counted one by one (an estimate: a counter may round each text up,
+        # a line's framing is shared): measure the whole instead, so the ledger fills its
+        # room and never takes the prose's share of it.
+        kept, ledger_text, ledger_t = _fill(entries, room, count, len(kept), ledger_t)
+        evicted = len(entries) - len(kept)
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
     total = count([content])[0]
     stats = LedgerStats(len(kept), ledger_t, added, evicted, before - len(entries))
-    held = [e for e in parse(item.content) if e.text in leave_out] if leave_out else []
+    shown = {e.text for e in kept}
+    # Held: what the kept messages hold, and what this build's room could not show (a
+    # later build, with more room or a new mention, shows it again with all its mentions).
+    held = [e for e in parse(item.content) if e.text not in shown]
     metadata = _stash(item, held, {e.text: e.refs for e in kept if e.refs > 1})
     return replace(item, content=content, token_count=total, metadata=metadata), stats
 
