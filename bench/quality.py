@@ -815,7 +815,7 @@ def run(sz: Sizes) -> Section:
                     f"{budget:,}",
                     *(_pct(round(bound[c]), lost[c]) for c in CATEGORIES),
                     _pct(round(sum(bound.values())), totals[1]),
-                    *(["—"] * 6),
+                    *(["—"] * 5),
                 ]
             )
         summary[f"{strategy}@{budget}"] = {

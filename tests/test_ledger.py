@@ -281,7 +281,8 @@ def test_the_ledger_takes_the_room_the_recent_part_leaves(fake: FakeAnthropic) -
 
 def test_the_ledger_share_grows_with_the_windows_length() -> None:
     assert ledger.ledger_share(40_000, 10_000) == ledger.LEDGER_SHARE
-    assert ledger.ledger_share(160_000, 10_000) == ledger.MAX_LEDGER_SHARE
+    assert ledger.ledger_share(160_000, 10_000) == 0.5  # an eighth more a doubling
+    assert ledger.ledger_share(640_000, 10_000) == ledger.MAX_LEDGER_SHARE == 0.75
     assert ledger.ledger_share(10_000_000, 10_000) == ledger.MAX_LEDGER_SHARE
     middle = ledger.ledger_share(80_000, 10_000)
     assert ledger.LEDGER_SHARE < middle < ledger.MAX_LEDGER_SHARE
@@ -355,9 +356,9 @@ def test_entries_the_kept_messages_hold_are_left_out_and_come_back(fake: FakeAnt
 
 
 def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnthropic) -> None:
-    """A window 16 or more times the budget: the ledger may take up to half of the history
-    budget (a quarter otherwise), as much as its entries need; the recent part keeps what
-    truncation keeps under the budget less the summary as built."""
+    """A window many times the budget: the ledger may take up to three quarters of the
+    history budget (a quarter otherwise), as much as its entries need; the recent part
+    keeps what truncation keeps under the budget less the summary as built."""
     fake.reply_lossy()
     history = specifics_session(1_500)
     common = {"system_prompt": "s", "history": history, "count_tokens": estimate_counter}
