@@ -35,6 +35,7 @@ Pure functions.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -277,16 +278,26 @@ def fit(
     """The entries whose rendering (with or without ``counts``) costs at most
     ``max_tokens`` (about: entries are counted one by one, a separator each), evicting in
     :func:`eviction_order`; and how many were evicted."""
-    kept, evicted, _ = _fit(entries, max_tokens, count, counts)
+    kept, evicted, _, _ = _fit(entries, max_tokens, count, counts)
     return kept, evicted
+
+
+@dataclass(frozen=True, slots=True)
+class _Estimate:
+    """What :func:`_fit` priced: the eviction order, each entry's cost (its text and a
+    separator) and each source's (its line's id)."""
+
+    order: list[int]
+    line_costs: list[int]
+    header_cost: dict[int, int]
 
 
 def _fit(
     entries: Sequence[Entry], max_tokens: int, count: TokenCounter, counts: bool = True
-) -> tuple[list[Entry], int, int]:
-    """:func:`fit`, and the estimated cost of what it kept."""
+) -> tuple[list[Entry], int, int, _Estimate]:
+    """:func:`fit`, the estimated cost of what it kept, and the estimate's parts."""
     if not entries:
-        return [], 0, 0
+        return [], 0, 0, _Estimate([], [], {})
     texts = [" " + _entry_text(e, counts) for e in entries]
     sources = sorted({e.source for e in entries})
     heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
@@ -297,13 +308,15 @@ def _fit(
     line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
     header_cost = {s: c + 1 for s, c in zip(sources, costs[len(texts) + 1 :], strict=True)}
     total = sum(line_costs) + costs[len(texts)] + sum(header_cost.values())
+    order = eviction_order(entries, line_costs)
+    estimate = _Estimate(order, line_costs, header_cost)
     if total <= max_tokens:
-        return list(entries), 0, total
+        return list(entries), 0, total, estimate
     left = {s: 0 for s in sources}
     for e in entries:
         left[e.source] += 1
     gone: set[int] = set()
-    for i in eviction_order(entries, line_costs):
+    for i in order:
         if total <= max_tokens:
             break
         gone.add(i)
@@ -312,41 +325,61 @@ def _fit(
         left[source] -= 1
         if not left[source]:  # its line is gone, and its provenance with it
             total -= header_cost[source]
-    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total
+    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total, estimate
 
 
 def _fill(
-    entries: Sequence[Entry], room: int, count: TokenCounter, guess: int, guess_t: int
+    entries: Sequence[Entry],
+    room: int,
+    count: TokenCounter,
+    estimate: _Estimate,
+    guess: tuple[list[Entry], str, int],
 ) -> tuple[list[Entry], str, int]:
-    """The most entries, kept in :func:`eviction_order` (by their estimated costs),
-    whose rendering without counts measures at most ``room`` tokens (a separating line
-    included): a binary search over how many are kept, starting from ``guess`` entries
-    measured at ``guess_t``. Returns them (in their order), their text and its tokens."""
-    texts = [" " + _entry_text(e, False) for e in entries]
-    *costs, framing = count([*texts, ""])
-    line_costs = [max(0, c - framing) + 1 for c in costs]
-    keep_order = eviction_order(entries, line_costs)[::-1]  # the last to go first
+    """The most entries, kept in the estimate's eviction order, whose rendering without
+    counts measures at most ``room`` tokens (a separating line included), starting from
+    ``guess`` (what the estimate kept: its entries, text and measured tokens). A search
+    over how many are kept that aims each probe by the estimate scaled to the last
+    measure (the ledger's cost is about proportional to its estimate: two or three
+    probes), halving the range after four. Returns the entries (in their order), their
+    text and its tokens."""
+    keep_order = estimate.order[::-1]  # the last to go first
+    # The estimated cost of keeping the first k of keep_order (each source's id once).
+    cumulative = [0]
+    seen: set[int] = set()
+    for i in keep_order:
+        source = entries[i].source
+        extra = estimate.header_cost.get(source, 0) if source not in seen else 0
+        seen.add(source)
+        cumulative.append(cumulative[-1] + estimate.line_costs[i] + extra)
 
     def measure(k: int) -> tuple[list[Entry], str, int]:
-        chosen = sorted(keep_order[:k])
-        kept = [entries[i] for i in chosen]
+        kept = [entries[i] for i in sorted(keep_order[:k])]
         text = render(kept, counts=False)
         return kept, text, count([text])[0] + 1 if kept else 0
 
-    best: tuple[list[Entry], str, int] = ([], "", 0)
     lo, hi = 0, len(entries)
-    if guess_t <= room:
-        lo = guess
-        best = measure(guess)
+    best: tuple[list[Entry], str, int] = ([], "", 0)
+    k0 = len(guess[0])
+    if guess[2] <= room:
+        lo, best = k0, guess
     else:
-        hi = guess - 1
+        hi = k0 - 1
+    ratio = guess[2] / cumulative[k0] if k0 and cumulative[k0] else 1.0
+    probes = 0
     while lo < hi:
-        mid = (lo + hi + 1) // 2
-        found = measure(mid)
-        if found[2] <= room:
-            lo, best = mid, found
+        if probes < 4 and ratio > 0:
+            aim = bisect.bisect_right(cumulative, room / ratio) - 1
+            k = min(hi, max(lo + 1, aim))
         else:
-            hi = mid - 1
+            k = (lo + hi + 1) // 2
+        found = measure(k)
+        probes += 1
+        if cumulative[k]:
+            ratio = found[2] / cumulative[k]
+        if found[2] <= room:
+            lo, best = k, found
+        else:
+            hi = k - 1
     return best
 
 
@@ -433,14 +466,15 @@ def fit_item(
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted, _ = _fit(entries, room, count, False)
+    kept, evicted, _, estimate = _fit(entries, room, count, False)
     ledger_text = render(kept, counts=False)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
     if ledger_t > room or (evicted and ledger_t < room):
         # Entries were counted one by one (an estimate: a counter may round each text up,
         # a line's framing is shared): measure the whole instead, so the ledger fills its
         # room and never takes the prose's share of it.
-        kept, ledger_text, ledger_t = _fill(entries, room, count, len(kept), ledger_t)
+        guess = (kept, ledger_text, ledger_t)
+        kept, ledger_text, ledger_t = _fill(entries, room, count, estimate, guess)
         evicted = len(entries) - len(kept)
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
