@@ -225,17 +225,19 @@ def test_evicted_entries_are_held_and_come_back_with_their_references() -> None:
 
 def test_fit_item_fills_its_room_when_the_counter_frames_each_text() -> None:
     """The whole ledger is measured, not the sum of its entries' estimates: with a
-    counter that prices each text as a framed message, the ledger still fills its room
-    (within a few entries) and never passes it."""
+    counter that prices each text as a framed message, an empty one higher (as a build's
+    does: an empty message renders a placeholder), the estimate runs low, and still the
+    ledger fills its room (within a few entries) and never passes it."""
 
     def framed(texts: list[str]) -> list[int]:
-        return [n + 7 for n in core.count_tokens_batch(texts, "o200k_base")]
+        counted = core.count_tokens_batch(texts, "o200k_base")
+        return [n + (4 if text else 6) for n, text in zip(counted, texts, strict=True)]
 
-    entries = [Entry(f"src/sched/lease_{i}.py", 10 + i, 1) for i in range(400)]
+    entries = [Entry(f"src/sched/lease_{i}.py", 10 + i, 1) for i in range(1_500)]
     text = ledger.with_ledger("[Context checkpoint: summary]\n\n## Goal\ng", entries)
-    item = HistoryItem(-500, Role.USER, text, is_summary=True, summary_of=(1, 500))
-    _, stats = ledger.fit_item(item, max_item_tokens=1_200, max_ledger_tokens=1_000, count=framed)
-    assert stats.evicted > 0 and 1_000 - 40 <= stats.tokens <= 1_000, stats
+    item = HistoryItem(-2_000, Role.USER, text, is_summary=True, summary_of=(1, 2_000))
+    _, stats = ledger.fit_item(item, max_item_tokens=4_200, max_ledger_tokens=4_000, count=framed)
+    assert stats.evicted > 0 and 4_000 - 40 <= stats.tokens <= 4_000, stats
 
 
 def test_a_blob_stubs_sizes_are_not_entries() -> None:
