@@ -302,7 +302,10 @@ def _fit(
     sources = sorted({e.source for e in entries})
     heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
     # A counter may frame each text as a message: that framing is paid once, not by each.
-    *counted, framing = count([*texts, heading, *(f"{s}:" for s in sources), ""])
+    # It is what an empty text costs, or a one-token text less one when that is less (a
+    # build's counter renders an empty message with a placeholder).
+    *counted, empty, one = count([*texts, heading, *(f"{s}:" for s in sources), "", "x"])
+    framing = max(0, min(empty, one - 1))
     costs = [max(0, c - framing) for c in counted]
     costs[len(texts)] += framing
     line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
