@@ -48,6 +48,16 @@ window); **budget truth**, the OpenAI rendering counted with o200k_base plus the
 format's 3 tokens per message and 3 for the reply, over the budget; **valid**, whether
 the Anthropic and OpenAI renderings obey the APIs' pairing and alternation rules;
 **recent kept**, how many of the newest messages are in the context unchanged.
+
+Two ceilings bound summarize's measured retention (they are not targets): each fills a
+room with the distinct specifics the build folded or dropped, each at what it costs as a
+ledger entry (its text after a space and a separator; its provenance free), the most
+lost mentions per token first, the last one in part (no choice of whole entries keeps
+more). **ceiling**: the room is the whole history budget (less the system prompt, the
+reply's priming and the ledger's heading), as if the context held nothing else.
+**ceiling beside its recent part**: the room is what the build gave its ledger (the
+ledger's tokens and any budget left unused), and what the messages it kept whole hold
+is free: how close the ledger comes to the best any ledger of its size could do.
 """
 
 import base64
@@ -94,6 +104,10 @@ class Outcome:
     ratio: float = 0.0  # rendered tokens / budget, worst build
     valid: bool = True
     recent: int = 0
+    ceiling: dict[str, float] = field(default_factory=dict)  # category -> at most kept
+    beside: dict[str, float] = field(default_factory=dict)  # ... by a ledger of its room
+    distinct: int = 0  # distinct specifics among the lost
+    bare_tokens: int = 0  # what those cost, one per line as the ledger frames them
 
 
 # ------------------------------------------------------------------ the transcripts
@@ -548,6 +562,7 @@ def measure(t: Transcript, ctx: Any, budget: int, outcome: Outcome) -> None:
             outcome.lost[cat] = outcome.lost.get(cat, 0) + 1
             outcome.kept[cat] = outcome.kept.get(cat, 0) + (s in text)
     outcome.goal_kept = t.goal in text
+    _ceiling(t, ctx, budget, whole, outcome)
     openai = to_openai(ctx)
     outcome.ratio = max(outcome.ratio, openai_tokens(openai) / budget)
     outcome.valid = outcome.valid and openai_valid(openai) and anthropic_valid(to_anthropic(ctx))
@@ -557,6 +572,62 @@ def measure(t: Transcript, ctx: Any, budget: int, outcome: Outcome) -> None:
             break
         recent += 1
     outcome.recent = recent
+
+
+def _knapsack(
+    texts: list[str], mentions: dict[str, int], costs: list[int], room: int
+) -> dict[str, float]:
+    """Per text, how much of it (0 to 1) a fractional knapsack of ``room`` tokens holds,
+    the most mentions per token first: no choice of whole texts holds more mentions."""
+    held: dict[str, float] = {}
+    for k in sorted(range(len(texts)), key=lambda k: -mentions[texts[k]] / max(1, costs[k])):
+        if room <= 0:
+            break
+        held[texts[k]] = min(1.0, room / max(1, costs[k]))
+        room -= costs[k]
+    return held
+
+
+def _ceiling(t: Transcript, ctx: Any, budget: int, whole: dict[int, str], outcome: Outcome) -> None:
+    """Two bounds on the measured retention (not targets), each a fractional knapsack
+    over the distinct lost specifics, each at what it costs as a ledger entry (its text
+    after a space and a separator; provenance free), the most lost mentions per token
+    first. ``ceiling``: the most of ``outcome.lost`` any context of ``budget`` could hold,
+    the history budget (less the system prompt, the reply's priming and the ledger's
+    heading) filled with nothing but those specifics. ``beside``: the most a ledger of
+    this build's room could hold beside the messages the build kept whole (what those
+    hold is free): the room is the ledger's tokens and the budget left unused."""
+    from contextd import core
+    from contextd.app.build import ledger
+
+    mentions: dict[str, int] = {}
+    category: dict[str, str] = {}
+    for mid, specs in t.planted.items():
+        original = t.items[mid - 1] if 0 < mid <= len(t.items) else None
+        if original is not None and original.id == mid and whole.get(mid) == original.content:
+            continue
+        for cat, s in specs:
+            mentions[s] = mentions.get(s, 0) + 1
+            category.setdefault(s, cat)
+    texts = list(mentions)
+    fixed = [ctx.system_prompt, f"{ledger.SPECIFICS_HEADING}\n{ledger.LEGEND}", ledger.SEPARATOR]
+    *head, separator = core.count_tokens_batch(fixed, "o200k_base")
+    costs = [c + separator for c in core.count_tokens_batch([" " + x for x in texts], "o200k_base")]
+    room = budget - sum(head) - 3 * 2 - 3  # two messages' framing and the reply's priming
+    outcome.distinct, outcome.bare_tokens = len(texts), sum(costs)
+    outcome.ceiling = dict.fromkeys(CATEGORIES, 0.0)
+    for text, part in _knapsack(texts, mentions, costs, room).items():
+        outcome.ceiling[category[text]] += part * mentions[text]
+    kept_whole = "\n".join(
+        part for it in ctx.history if not it.is_summary for part in (it.content, it.tool_calls)
+    )
+    free = [x for x in texts if x in kept_whole]
+    rest = [k for k, x in enumerate(texts) if x not in kept_whole]
+    room = ctx.stats.ledger_tokens + max(0, budget - ctx.stats.total_tokens)
+    held = _knapsack([texts[k] for k in rest], mentions, [costs[k] for k in rest], room)
+    outcome.beside = dict.fromkeys(CATEGORIES, 0.0)
+    for text, part in [*((x, 1.0) for x in free), *held.items()]:
+        outcome.beside[category[text]] += part * mentions[text]
 
 
 def _options(strategy: str) -> Any:
@@ -767,6 +838,28 @@ def run(sz: Sizes) -> Section:
                 str(recent),
             ]
         )
+        bounded = strategy.startswith("summarize") and "elide" not in strategy
+        bound = {c: sum(o.ceiling.get(c, 0.0) for o in outs) for c in CATEGORIES}
+        if bounded:
+            rows.append(
+                [
+                    f"{strategy}: ceiling",
+                    f"{budget:,}",
+                    *(_pct(round(bound[c]), lost[c]) for c in CATEGORIES),
+                    _pct(round(sum(bound.values())), totals[1]),
+                    *(["—"] * 5),
+                ]
+            )
+            near = {c: sum(o.beside.get(c, 0.0) for o in outs) for c in CATEGORIES}
+            rows.append(
+                [
+                    f"{strategy}: ceiling beside its recent part",
+                    f"{budget:,}",
+                    *(_pct(round(near[c]), lost[c]) for c in CATEGORIES),
+                    _pct(round(sum(near.values())), totals[1]),
+                    *(["—"] * 5),
+                ]
+            )
         summary[f"{strategy}@{budget}"] = {
             "lost": lost,
             "kept": kept,
@@ -775,6 +868,10 @@ def run(sz: Sizes) -> Section:
             "ratio": [o.ratio for o in outs],
             "valid": [o.valid for o in outs],
             "recent": [o.recent for o in outs],
+            "ceiling": bound if bounded else {},
+            "beside": {c: sum(o.beside.get(c, 0.0) for o in outs) for c in CATEGORIES},
+            "distinct": [o.distinct for o in outs],
+            "bare_tokens": [o.bare_tokens for o in outs],
         }
 
     def rate(strategy: str, budget: int, cat: str | None = None) -> float:
@@ -791,10 +888,37 @@ def run(sz: Sizes) -> Section:
             cell = [o for t, o in zip(source, outs, strict=True) if t.length == n]
             lost = sum(sum(o.lost.values()) for o in cell)
             kept = sum(sum(o.kept.values()) for o in cell)
-            parts.append(f"{_pct(kept, lost)} of {lost:,} at {n:,} messages")
+            bound = round(sum(sum(o.ceiling.values()) for o in cell))
+            near = round(sum(sum(o.beside.values()) for o in cell))
+            parts.append(
+                f"{_pct(kept, lost)} of {lost:,} (ceiling beside its recent part "
+                f"{_pct(near, lost)}, ceiling {_pct(bound, lost)}) at {n:,} messages"
+            )
         return "; ".join(parts)
 
     best = max(budgets)
+    low = min(budgets)
+    low_cell = summary[f"summarize@{low}"]
+    low_lost = max(1, sum(low_cell["lost"].values()))
+    ceiling_low = sum(low_cell["ceiling"].values()) / low_lost
+    beside_low = sum(low_cell["beside"].values()) / low_lost
+
+    def room(strategy: str) -> str:
+        """The distinct specifics the longest transcripts' last builds at the lowest budget
+        folded or dropped, and what they cost as ledger entries (lowest to highest)."""
+        source = stress if strategy.endswith(STRESS) else corpus
+        cell = [
+            o
+            for t, o in zip(source, results[(strategy, low)], strict=True)
+            if t.length == max(lengths)
+        ]
+        distinct = sorted(o.distinct for o in cell)
+        tokens = sorted(o.bare_tokens for o in cell)
+        return (
+            f"{distinct[0]:,} to {distinct[-1]:,} distinct specifics, "
+            f"{tokens[0]:,} to {tokens[-1]:,} tokens"
+        )
+
     overall = min(rate("summarize", b) for b in budgets)
     worst_cat = min((rate("summarize", b, c), c, b) for b in budgets for c in CATEGORIES)
     rolling = ("summarize", "summarize" + STRESS)
@@ -821,11 +945,15 @@ def run(sz: Sizes) -> Section:
             "≥ 95% overall",
             f"{100 * overall:.1f}% (lowest budget's overall; transcripts with reuse)",
             overall >= 0.95,
-            "room: a 3,000-message window with reuse still names about 900 distinct "
-            "specifics (about 8 tokens each), more than an 8,000-token budget's ledger (a "
-            "quarter, up to a half for windows 16 or more times the budget) holds beside the "
-            "recent messages; the fewest mentions per token go first, and a build says how "
-            "many (see the retention by transcript length below the table)",
+            "the split, not the room: the history budget holding nothing but what "
+            f"summarize folded would keep {100 * ceiling_low:.1f}% of it at {low:,} tokens "
+            "(the ceiling row), but the recent messages take their part (the ledger a "
+            "quarter of the history budget, an eighth more each time the window doubles "
+            "past 4 times the budget, three quarters at 64 times), and beside what they left "
+            f"no ledger could keep more than {100 * beside_low:.1f}% (the ceiling beside its "
+            "recent part; the gap to it is mostly the entries' provenance, a source id a "
+            "line); the fewest mentions per token go first, held for later builds, and a "
+            "build says how many (see the retention by transcript length below the table)",
         ),
         Target(
             "Specifics retention per category (summarize)",
@@ -882,10 +1010,15 @@ def run(sz: Sizes) -> Section:
             f"({by_length('summarize' + STRESS, b)})"
             for b in budgets
         )
-        + ". There a 3,000-message window names 4,300 to 5,700 distinct specifics, 42,000 "
-        "to 67,000 tokens of bare text, more than the whole budget: no verbatim ledger "
-        "within the budget can hold it, so what is kept is what fits, the most mentioned "
-        "per token (with reuse: 730 to 890 distinct, 5,100 to 7,500 tokens).",
+        + f". There what a {max(lengths):,}-message window's build at {low:,} tokens folded "
+        f"names {room('summarize' + STRESS)} of bare text (each as a ledger entry), more "
+        "than the whole budget: no verbatim ledger within the budget can hold it, so what "
+        "is kept is what fits, the most mentioned per token (with reuse: "
+        f"{room('summarize')}). The ceiling rows say how much any context of the budget "
+        "could keep of what summarize folded or dropped: the history budget filled with "
+        "nothing but those specifics, one per line as the ledger frames them (provenance "
+        "free), the most mentions per token first; the targets are judged on the measured "
+        "rows.",
         f"summarize kept {100 * rate('summarize', best):.1f}% of the specifics of what it "
         f"folded or dropped at {best:,} tokens; truncate kept "
         f"{100 * rate('truncate', best):.1f}%, langchain's trim_messages "

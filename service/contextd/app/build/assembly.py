@@ -457,14 +457,15 @@ def _compress(
         # its ledger at most its share of the budget (the least referenced entries go).
         cap = max(budget - sum(work.costs), reserve)
         kept_texts = _kept_texts(work, budget - cap)
-        fitted = _fit_summary(summary, cap, int(budget * share), cost, added, kept_texts)
+        # The ledger takes its share, or all the room the recent part leaves when that is
+        # more: room left unused holds no evidence.
+        most = max(int(budget * share), cap)
+        fitted = _fit_summary(summary, cap, most, cost, added, kept_texts)
         summary, ledger_stats, present = fitted
     out, dropped, truncated = _trim(work, budget, summary, cost)
     if present and prepared_summary is not None and not _holds(out or [], present):
         # The recent part kept less than foreseen: the ledger keeps its entries after all.
-        summary, ledger_stats, _ = _fit_summary(
-            prepared_summary, cap, int(budget * share), cost, added, ()
-        )
+        summary, ledger_stats, _ = _fit_summary(prepared_summary, cap, most, cost, added, ())
         out, dropped, truncated = _trim(work, budget, summary, cost)
     if out is None and summary is not None:
         summary = None  # the newest turn outranks the summary

@@ -21,10 +21,12 @@ context, where the counts are kept in the summary's metadata (:data:`REFS_KEY`):
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
 :data:`MAX_LEDGER_ENTRIES` entries stored (the least referenced go first), and, in a
-build, at most its share of the budget (:func:`ledger_share`: a quarter, up to a half for
+build, at most its share of the budget (:func:`ledger_share`: a quarter, up to three quarters for
 windows many times the budget); past that the entries with the fewest references per
 token go first (the room keeps the most mentions), the oldest first among equals, and the
-build reports how many went. In a build, an entry that a message kept whole in the
+build reports how many went; they are held in the summary's metadata (:data:`HELD_KEY`),
+not forgotten. The ledger also takes the room the recent messages leave when that is
+more than its share. In a build, an entry that a message kept whole in the
 context holds verbatim is left out of the ledger (the evidence is in the context
 anyway) and held in the summary's metadata (:data:`HELD_KEY`) with its provenance and
 references; the next build puts it back (:func:`restore`) before it merges or fits.
@@ -33,6 +35,7 @@ Pure functions.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -56,19 +59,23 @@ MAX_LEDGER_ENTRIES = 2_000
 LEDGER_SHARE = 0.25
 """The share of a build's history budget the ledger may take; past it, entries go."""
 
-MAX_LEDGER_SHARE = 0.5
+MAX_LEDGER_SHARE = 0.75
 """The share a ledger may take when the window is :data:`LONG_WINDOW` or more times the
-budget (see :func:`ledger_share`); the recent part keeps at least the other half."""
+budget (see :func:`ledger_share`); the recent part keeps at least the other quarter."""
 
-LONG_WINDOW = 16
+LONG_WINDOW = 64
 """How many times the budget a window is when the ledger may take its largest share."""
 
 
 def ledger_share(window_tokens: int, budget: int) -> float:
     """The share of the history budget the ledger may take: a quarter while the window is
-    at most four times the budget, then growing with the log of how much longer it is,
-    to :data:`MAX_LEDGER_SHARE` at :data:`LONG_WINDOW` times. The longer the window, the
-    more of it the summary stands for, and the more evidence there is to keep."""
+    at most four times the budget, then an eighth more each time the window doubles (a
+    half at 16 times), to :data:`MAX_LEDGER_SHARE` at :data:`LONG_WINDOW` times. The
+    longer the window, the more of it the summary stands for (at 64 times, all but the
+    last one or two per cent), and the more evidence there is to keep: on the quality
+    bench's long transcripts at 8,000 tokens, going on past a half to three quarters kept
+    4 to 5 points more of the folded specifics for about 2 fewer recent messages (median)
+    (docs/benchmarks.md, section 7)."""
     if budget <= 0 or window_tokens <= 4 * budget:
         return LEDGER_SHARE
     ratio = min(window_tokens / budget, float(LONG_WINDOW))
@@ -81,10 +88,13 @@ def ledger_share(window_tokens: int, budget: int) -> float:
 _IDENTIFIER = "identifier"
 
 HELD_KEY = "ledger_held"
-"""The summary's metadata key for the entries a build left out because messages the
-context kept whole hold them: ``[[text, source, references], ...]``. Not rendered; the
-next build puts them back (:func:`restore`) before it merges or fits, so an entry's
-provenance and references survive the builds it spends in the recent part."""
+"""The summary's metadata key for the entries a build left out, because messages the
+context kept whole hold them or because its room could not show them (evicted):
+``[[text, source, references], ...]``. Not rendered; the next build puts them back
+(:func:`restore`) before it merges or fits, so an entry's provenance and references
+survive the builds it spends in the recent part or out of the room, and a build with more
+room, or a new mention, shows it again with every mention counted (a stored ledger is
+still bounded by :data:`MAX_LEDGER_ENTRIES`)."""
 
 REFS_KEY = "ledger_refs"
 """The summary's metadata key for the reference counts of its ledger's entries (those
@@ -131,7 +141,7 @@ def extract(items: Sequence[HistoryItem]) -> list[Entry]:
             continue
         prose = item.role in (Role.USER, Role.ASSISTANT)
         if item.content:
-            texts.append(item.content)
+            texts.append(_without_stubs(item.content))
             owners.append((i, prose))
         if item.tool_calls:
             texts.append(item.tool_calls)
@@ -151,6 +161,17 @@ def extract(items: Sequence[HistoryItem]) -> list[Entry]:
                 Entry(text, items[i].id) if old is None else replace(old, refs=old.refs + 1)
             )
     return list(order.values())
+
+
+# A blob's stub (blobs.stub): its sizes are the build's words, not the conversation's
+# evidence, and the handle is the message's own id; the ledger's line names it anyway.
+_STUB = re.compile(
+    r"\[[^\[\]\n]{1,80}, [\d,]+ chars, about [\d,]+ bytes, omitted; full text: [^\]\s]+\]"
+)
+
+
+def _without_stubs(text: str) -> str:
+    return _STUB.sub(" ", text) if "omitted; full text:" in text else text
 
 
 def merge(previous: Sequence[Entry], new: Iterable[Entry]) -> tuple[list[Entry], int]:
@@ -257,33 +278,48 @@ def fit(
     """The entries whose rendering (with or without ``counts``) costs at most
     ``max_tokens`` (about: entries are counted one by one, a separator each), evicting in
     :func:`eviction_order`; and how many were evicted."""
-    kept, evicted, _ = _fit(entries, max_tokens, count, counts)
+    kept, evicted, _, _ = _fit(entries, max_tokens, count, counts)
     return kept, evicted
+
+
+@dataclass(frozen=True, slots=True)
+class _Estimate:
+    """What :func:`_fit` priced: the eviction order, each entry's cost (its text and a
+    separator) and each source's (its line's id)."""
+
+    order: list[int]
+    line_costs: list[int]
+    header_cost: dict[int, int]
 
 
 def _fit(
     entries: Sequence[Entry], max_tokens: int, count: TokenCounter, counts: bool = True
-) -> tuple[list[Entry], int, int]:
-    """:func:`fit`, and the estimated cost of what it kept."""
+) -> tuple[list[Entry], int, int, _Estimate]:
+    """:func:`fit`, the estimated cost of what it kept, and the estimate's parts."""
     if not entries:
-        return [], 0, 0
+        return [], 0, 0, _Estimate([], [], {})
     texts = [" " + _entry_text(e, counts) for e in entries]
     sources = sorted({e.source for e in entries})
     heading = f"{SPECIFICS_HEADING}\n{LEGEND}"
     # A counter may frame each text as a message: that framing is paid once, not by each.
-    *counted, framing = count([*texts, heading, *(f"{s}:" for s in sources), ""])
+    # It is what an empty text costs, or a one-token text less one when that is less (a
+    # build's counter renders an empty message with a placeholder).
+    *counted, empty, one = count([*texts, heading, *(f"{s}:" for s in sources), "", "x"])
+    framing = max(0, min(empty, one - 1))
     costs = [max(0, c - framing) for c in counted]
     costs[len(texts)] += framing
     line_costs = [c + 1 for c in costs[: len(texts)]]  # the separator or the "-"
     header_cost = {s: c + 1 for s, c in zip(sources, costs[len(texts) + 1 :], strict=True)}
     total = sum(line_costs) + costs[len(texts)] + sum(header_cost.values())
+    order = eviction_order(entries, line_costs)
+    estimate = _Estimate(order, line_costs, header_cost)
     if total <= max_tokens:
-        return list(entries), 0, total
+        return list(entries), 0, total, estimate
     left = {s: 0 for s in sources}
     for e in entries:
         left[e.source] += 1
     gone: set[int] = set()
-    for i in eviction_order(entries, line_costs):
+    for i in order:
         if total <= max_tokens:
             break
         gone.add(i)
@@ -292,7 +328,62 @@ def _fit(
         left[source] -= 1
         if not left[source]:  # its line is gone, and its provenance with it
             total -= header_cost[source]
-    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total
+    return [e for i, e in enumerate(entries) if i not in gone], len(gone), total, estimate
+
+
+def _fill(
+    entries: Sequence[Entry],
+    room: int,
+    count: TokenCounter,
+    estimate: _Estimate,
+    guess: tuple[list[Entry], str, int],
+) -> tuple[list[Entry], str, int]:
+    """The most entries, kept in the estimate's eviction order, whose rendering without
+    counts measures at most ``room`` tokens (a separating line included), starting from
+    ``guess`` (what the estimate kept: its entries, text and measured tokens). A search
+    over how many are kept that aims each probe by the estimate scaled to the last
+    measure (the ledger's cost is about proportional to its estimate: two or three
+    probes), halving the range after four. Returns the entries (in their order), their
+    text and its tokens."""
+    keep_order = estimate.order[::-1]  # the last to go first
+    # The estimated cost of keeping the first k of keep_order (each source's id once).
+    cumulative = [0]
+    seen: set[int] = set()
+    for i in keep_order:
+        source = entries[i].source
+        extra = estimate.header_cost.get(source, 0) if source not in seen else 0
+        seen.add(source)
+        cumulative.append(cumulative[-1] + estimate.line_costs[i] + extra)
+
+    def measure(k: int) -> tuple[list[Entry], str, int]:
+        kept = [entries[i] for i in sorted(keep_order[:k])]
+        text = render(kept, counts=False)
+        return kept, text, count([text])[0] + 1 if kept else 0
+
+    lo, hi = 0, len(entries)
+    best: tuple[list[Entry], str, int] = ([], "", 0)
+    k0 = len(guess[0])
+    if guess[2] <= room:
+        lo, best = k0, guess
+    else:
+        hi = k0 - 1
+    ratio = guess[2] / cumulative[k0] if k0 and cumulative[k0] else 1.0
+    probes = 0
+    while lo < hi:
+        if probes < 4 and ratio > 0:
+            aim = bisect.bisect_right(cumulative, room / ratio) - 1
+            k = min(hi, max(lo + 1, aim))
+        else:
+            k = (lo + hi + 1) // 2
+        found = measure(k)
+        probes += 1
+        if cumulative[k]:
+            ratio = found[2] / cumulative[k]
+        if found[2] <= room:
+            lo, best = k, found
+        else:
+            hi = k - 1
+    return best
 
 
 def need(
@@ -378,32 +469,25 @@ def fit_item(
     body = strip(item.content)
     body_t = count([body])[0]
     room = max(0, min(max_ledger_tokens, max(max_item_tokens - body_t, max_item_tokens // 2)))
-    kept, evicted, estimate = _fit(entries, room, count, False)
+    kept, evicted, _, estimate = _fit(entries, room, count, False)
     ledger_text = render(kept, counts=False)
     ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    target, step = room, 0
-    if evicted and 0 < ledger_t < room and estimate > ledger_t:
-        # The estimate ran high (a counter rounding each text up): aim by the measured
-        # ratio, so the ledger fills its room; the loop below trims any overshoot.
-        target = room * estimate // ledger_t
-        kept, evicted, _ = _fit(entries, target, count, False)
-        ledger_text = render(kept, counts=False)
-        ledger_t = count([ledger_text])[0] + 1 if kept else 0
-    while kept and ledger_t > room:  # entries were counted one by one: trim to the whole
-        # Lower the estimate's target by the overshoot (at least a token, and at least
-        # twice the last step: a few rounds at most) until the whole fits, so the ledger
-        # never takes the prose's share of the room.
-        step = max(ledger_t - room + 1, 2 * step)
-        target = max(0, target - step)
-        kept, evicted = fit(entries, target, count, counts=False)
-        ledger_text = render(kept, counts=False)
-        ledger_t = count([ledger_text])[0] + 1 if kept else 0
+    if ledger_t > room or (evicted and ledger_t < room):
+        # Entries were counted one by one (an estimate: a counter may round each text up,
+        # a line's framing is shared): measure the whole instead, so the ledger fills its
+        # room and never takes the prose's share of it.
+        guess = (kept, ledger_text, ledger_t)
+        kept, ledger_text, ledger_t = _fill(entries, room, count, estimate, guess)
+        evicted = len(entries) - len(kept)
     if body_t + ledger_t > max_item_tokens:
         body = _cut_prose(body, max(0, max_item_tokens - ledger_t), count)
     content = f"{body}\n\n{ledger_text}" if ledger_text else body
     total = count([content])[0]
     stats = LedgerStats(len(kept), ledger_t, added, evicted, before - len(entries))
-    held = [e for e in parse(item.content) if e.text in leave_out] if leave_out else []
+    shown = {e.text for e in kept}
+    # Held: what the kept messages hold, and what this build's room could not show (a
+    # later build, with more room or a new mention, shows it again with all its mentions).
+    held = [e for e in parse(item.content) if e.text not in shown]
     metadata = _stash(item, held, {e.text: e.refs for e in kept if e.refs > 1})
     return replace(item, content=content, token_count=total, metadata=metadata), stats
 
