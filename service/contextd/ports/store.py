@@ -204,12 +204,18 @@ class ContextReader(Protocol):
         (0: none)."""
 
     def window_page(
-        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
     ) -> pa.Table:
         """The newest `limit` non-summary messages with `from_sequence <= sequence <
         before_sequence`, in sequence order, as `window_columns` gives them plus the
-        running columns ordinal and tools_total (int64). Only valid for a window
-        `window_bounds` answered (the caller passes its `first_sequence` or later)."""
+        running columns ordinal and tools_total (int64); with `ids_only`, the id column
+        alone. Only valid for a window `window_bounds` answered (the caller passes its
+        `first_sequence` or later)."""
 
 
 @dataclass(frozen=True, slots=True)

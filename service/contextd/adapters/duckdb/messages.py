@@ -192,7 +192,12 @@ class MessagesMixin(DuckDBBase):
         return None
 
     def window_page(
-        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
     ) -> pa.Table:
         """Never called: `window_bounds` answers None on this engine."""
         raise NotImplementedError("DuckDB builds read window_columns")

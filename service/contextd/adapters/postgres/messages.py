@@ -98,6 +98,11 @@ _NARROW_COLUMNS = (
 # times never go back within a thread) with the counts before it; the newest message's
 # ordinal; the summary's last message, if in the thread, and the message after it.
 _BOUNDS = """
+WITH s AS MATERIALIZED (
+    -- by (tenant, id) alone: no plan may look for it along the thread
+    SELECT m.context_id, m.sequence, m.ordinal, m.tools_total FROM messages m
+    WHERE m.tenant = %s AND m.id = %s AND NOT m.is_summary
+)
 SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us IS NULL,
        (SELECT min(x.sequence) FROM messages x
          WHERE x.tenant = t.tenant AND x.context_id = t.context_id),
@@ -114,10 +119,7 @@ LEFT JOIN LATERAL (
     WHERE m.tenant = t.tenant AND m.context_id = t.context_id
       AND m.create_time_us > %s AND NOT m.is_summary
     ORDER BY m.create_time_us, m.sequence LIMIT 1) f ON true
-LEFT JOIN LATERAL (
-    SELECT m.sequence, m.ordinal, m.tools_total FROM messages m
-    WHERE m.tenant = t.tenant AND m.id = %s AND m.context_id = t.context_id
-      AND NOT m.is_summary) s ON true
+LEFT JOIN s ON s.context_id = t.context_id
 LEFT JOIN LATERAL (
     SELECT m.id, m.sequence FROM messages m
     WHERE m.tenant = t.tenant AND m.context_id = t.context_id
@@ -140,6 +142,12 @@ _PAGE = (
     + " FROM (SELECT id, role, token_count, chars, group_id, sequence, ordinal, tools_total "
     "FROM messages WHERE tenant = %s AND context_id = %s AND sequence >= %s AND sequence < %s "
     "AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
+)
+
+_PAGE_IDS = (
+    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence), ''::bytea) "
+    "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
+    "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
 
 _LOCK_AGENT = (
@@ -563,7 +571,9 @@ class MessagesMixin(PostgresBase):
         tenant = _tenant(context)
         after_us = max(window.clear_after_us, window.age_after_us)
         with self._reading() as conn:
-            row = first(conn, _BOUNDS, [after_us, summary_last_id, tenant, context.context_id])
+            row = first(
+                conn, _BOUNDS, [tenant, summary_last_id, after_us, tenant, context.context_id]
+            )
         if row is None:
             return None
         (last_sequence, through, count, no_source, first_sequence) = row[:5]
@@ -592,17 +602,21 @@ class MessagesMixin(PostgresBase):
         )
 
     def window_page(
-        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
     ) -> pa.Table:
         """Newest first by the primary key, at most `limit` rows, encoded as
         `window_columns` encodes them (one row of binary arrays, no object per row)."""
+        params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
         with self._reading() as conn:
-            row = first(
-                conn,
-                _PAGE,
-                [_tenant(context), context.context_id, from_sequence, before_sequence, limit],
-            )
+            row = first(conn, _PAGE_IDS if ids_only else _PAGE, params)
         assert row is not None
+        if ids_only:
+            return pa.table({"id": pa.array(np.frombuffer(bytes(row[0]), ">i8").astype(np.int64))})
         ids, roles, tokens, chars, groups, sequences, ordinals, tools = (bytes(v) for v in row)
         return pa.table(
             {

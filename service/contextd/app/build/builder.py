@@ -597,7 +597,9 @@ class ContextBuilder:
         older = _NO_IDS
         if need > 0:
             page_before = before if got else _NO_SEQUENCE
-            extra = self._store.window_page(plan.context, bounds.first_sequence, page_before, need)
+            extra = self._store.window_page(
+                plan.context, bounds.first_sequence, page_before, need, ids_only=True
+            )
             if extra.num_rows != need:
                 return None
             older = extra.column("id").to_numpy()
