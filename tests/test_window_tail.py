@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import psycopg
 import pytest
 
 from contextd.adapters.postgres.store import PostgresStore
@@ -33,7 +34,8 @@ from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
 from contextd.domain.context import IdList
 from contextd.domain.errors import FailedPrecondition
-from contextd.domain.model import AgentSettings, BuildOverrides, NewMessage, Role
+from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
+from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 THREADS = ("t1", "t2")
@@ -202,3 +204,58 @@ def test_an_id_list_with_unlisted_ids_serves_its_length_and_newest_ids() -> None
     for read in (lambda: list(ids), lambda: ids[-4:], lambda: ids[0], lambda: ids.array()):
         with pytest.raises(ValueError):
             read()
+
+
+def test_a_database_from_before_the_running_counts_migrates_to_them(
+    postgres_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Migration 9 backfills every message's running counts and each thread's totals to
+    what appends write; builds after it take the newest-first read and answer as the
+    whole read does."""
+    clock = ManualClock(1_700_000_000_000_000)
+    store = PostgresStore.open(postgres_dsn, clock=clock)
+    service = ContextService(store, ExtractiveSummarizer())
+    service.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=2 * HOUR_US))
+    rng = random.Random(7)
+    calls: list[str] = []
+    for _ in range(150):
+        _history_step(service, clock, rng, 0.15, calls)
+    counts = "SELECT context_id, sequence, ordinal, tools_total FROM messages ORDER BY 1, 2"
+    totals = "SELECT context_id, ordinal_total, tools_total, totals_through FROM threads ORDER BY 1"
+    with store._reading() as conn:
+        written = (conn.execute(counts).fetchall(), conn.execute(totals).fetchall())
+        assert all(row[2] is not None for row in written[0])
+    store.close()
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # back to version 8
+        conn.execute("DROP INDEX messages_by_time")
+        conn.execute("ALTER TABLE messages DROP COLUMN ordinal, DROP COLUMN tools_total")
+        conn.execute(
+            "ALTER TABLE threads DROP COLUMN ordinal_total, DROP COLUMN tools_total, "
+            "DROP COLUMN totals_through"
+        )
+        conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
+    store = PostgresStore.open(postgres_dsn, clock=clock)
+    try:
+        with store._reading() as conn:
+            assert (conn.execute(counts).fetchall(), conn.execute(totals).fetchall()) == written
+        service = ContextService(store, ExtractiveSummarizer())
+        monkeypatch.setattr(builder, "HELD_DROPPED_IDS", HELD)
+        whole_window = store.window_bounds
+        served = 0
+        for thread in THREADS:
+            request = BuildRequest(
+                TENANT, AGENT, "", thread, overrides=BuildOverrides(budget_tokens=200)
+            )
+            new = service.build_context(request)
+            monkeypatch.setattr(store, "window_bounds", lambda *a: None)
+            old = service.build_context(request)
+            monkeypatch.setattr(store, "window_bounds", whole_window)
+            _same(new, old)
+            ref = store.context_ref(ContextKey(TENANT, AGENT, "", thread))
+            assert ref is not None
+            summary = store.latest_summary(ref)
+            last = summary.summarized_ids[1] if summary and summary.summarized_ids else 0
+            served += store.window_bounds(ref, WindowSpec(0, 0), last) is not None
+        assert served == len(THREADS)
+    finally:
+        store.close()
