@@ -155,6 +155,16 @@ def test_newest_first_builds_what_the_whole_window_builds(
     clock = store.clock
     assert isinstance(clock, ManualClock)
     whole_window = store.window_bounds
+    ordinal_of = store.window_ordinal
+    found: list[int] = []  # ordinals of messages a build checked a run of ids with
+
+    def finding(*args: Any) -> int | None:
+        ordinal = ordinal_of(*args)
+        if ordinal is not None:
+            found.append(ordinal)
+        return ordinal
+
+    monkeypatch.setattr(store, "window_ordinal", finding)
     rng = random.Random(seed)
     calls: list[str] = []
     builds = 0
@@ -188,6 +198,7 @@ def test_newest_first_builds_what_the_whole_window_builds(
     # unread (counted, not read); with tool turns throughout, some fell back.
     assert len(served) > (builds // 2 if tools == 0 else 0)
     assert any(h > 0 for h in served)
+    assert found  # some runs of held ids were checked, not read
 
 
 def test_the_held_ids_cover_what_a_response_lists() -> None:

@@ -217,6 +217,11 @@ class ContextReader(Protocol):
         alone. Only valid for a window `window_bounds` answered (the caller passes its
         `first_sequence` or later)."""
 
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """The running count (`ordinal`) of this thread's non-summary message
+        `message_id`, or None when there is none (one index lookup). A build checks
+        with it whether a run of the window's ids is contiguous, instead of reading it."""
+
 
 @dataclass(frozen=True, slots=True)
 class WindowBounds:

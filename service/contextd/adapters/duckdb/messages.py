@@ -202,6 +202,10 @@ class MessagesMixin(DuckDBBase):
         """Never called: `window_bounds` answers None on this engine."""
         raise NotImplementedError("DuckDB builds read window_columns")
 
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """Never called: `window_bounds` answers None on this engine."""
+        raise NotImplementedError("DuckDB builds read window_columns")
+
     def window_messages_from(
         self,
         context: ContextRef,

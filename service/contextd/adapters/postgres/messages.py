@@ -631,6 +631,16 @@ class MessagesMixin(PostgresBase):
             }
         )
 
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        with self._reading() as conn:
+            row = first(
+                conn,
+                "SELECT ordinal FROM messages WHERE tenant = %s AND id = %s "
+                "AND context_id = %s AND NOT is_summary",
+                [_tenant(context), message_id, context.context_id],
+            )
+        return int(row[0]) if row is not None and row[0] is not None else None
+
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
             return None

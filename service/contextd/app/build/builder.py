@@ -592,9 +592,20 @@ class ContextBuilder:
                 groups,
             )
         loaded_from = c + start
+        read_ids = read.column("id").to_numpy() if got else _NO_IDS
         # The ids of the window left out that a response may list, from before the pages.
         need = min(c, HELD_DROPPED_IDS - start) if region else min(n, HELD_DROPPED_IDS)
         older = _NO_IDS
+        if need > 0 and got:
+            # Ids grow along the thread, so id - ordinal never falls: if the message
+            # `need` ids before the oldest one read sits `need` positions before it, every
+            # id between is a window message's (a thread appended alone, in batches).
+            first_read = int(read_ids[0])
+            guess = first_read - need
+            at = bounds.base_ordinal + c - need + 1
+            if guess > 0 and self._store.window_ordinal(plan.context, guess) == at:
+                older = np.arange(guess, first_read, dtype=np.int64)
+                need = 0
         if need > 0:
             page_before = before if got else _NO_SEQUENCE
             extra = self._store.window_page(
@@ -603,7 +614,6 @@ class ContextBuilder:
             if extra.num_rows != need:
                 return None
             older = extra.column("id").to_numpy()
-        read_ids = read.column("id").to_numpy() if got else _NO_IDS
         held = np.concatenate([older, read_ids]) if len(older) else read_ids
         hidden = n - len(held)
         if not got:
