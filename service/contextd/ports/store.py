@@ -192,7 +192,12 @@ class ContextReader(Protocol):
     def latest_summary(self, context: ContextRef) -> StoredMessage | None: ...
 
     def window_bounds(
-        self, context: ContextRef, window: WindowSpec, summary_last_id: int
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
     ) -> WindowBounds | None:
         """What a build must know of a window without reading it, at a cost that does
         not grow with the thread (index lookups), or None when this engine cannot answer
@@ -201,7 +206,10 @@ class ContextReader(Protocol):
         at insert by a running count (`ordinal`) and a running count of tool rows (a
         message with a tool group or a tool_result role), so any range's count is a
         difference. `summary_last_id` is the last message a stored summary stands for
-        (0: none)."""
+        (0: none). In the same statement: the newest `first_page` messages of the window
+        after that summary (as `window_page` reads them), and whether the ids of the up to
+        `held` window messages just before them are contiguous (see
+        `WindowBounds.contiguous_before`)."""
 
     def window_page(
         self,
@@ -242,6 +250,10 @@ class WindowBounds:
     summary_tools: int = 0
     after_summary_id: int = 0
     after_summary_sequence: int = 0
+    # The first page asked for (None: none was), and how many window messages just
+    # before its oldest have ids that run without a gap up to that message's id.
+    first_page: pa.Table | None = None
+    contiguous_before: int = 0
 
 
 class ThreadStore(Protocol):

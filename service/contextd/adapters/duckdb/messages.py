@@ -184,7 +184,12 @@ class MessagesMixin(DuckDBBase):
         return _in_sequence_order(table)
 
     def window_bounds(
-        self, context: ContextRef, window: WindowSpec, summary_last_id: int
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
     ) -> WindowBounds | None:
         """None: a build reads `window_columns`, which the hot cache serves from memory
         (and DuckDB reads a cold window's narrow columns by one columnar scan), so this

@@ -97,7 +97,8 @@ _NARROW_COLUMNS = (
 # show); the window's first message (the first commit after the window's bounds; commit
 # times never go back within a thread) with the counts before it; the newest message's
 # ordinal; the summary's last message, if in the thread, and the message after it.
-_BOUNDS = """
+_BOUNDS = (
+    """
 WITH s AS MATERIALIZED (
     -- by (tenant, id) alone: no plan may look for it along the thread
     SELECT m.context_id, m.sequence, m.ordinal, m.tools_total FROM messages m
@@ -110,7 +111,9 @@ SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us 
        (SELECT x.ordinal FROM messages x WHERE x.tenant = t.tenant
          AND x.context_id = t.context_id AND NOT x.is_summary
          ORDER BY x.sequence DESC LIMIT 1),
-       s.sequence, s.ordinal, s.tools_total, a.id, a.sequence
+       s.sequence, s.ordinal, s.tools_total, a.id, a.sequence,
+       g.context_id, g.ordinal, p.oldest_ordinal, p.ids, p.roles, p.tokens, p.chars, p.groups,
+       p.sequences, p.ordinals, p.tools
 FROM threads t
 LEFT JOIN LATERAL (
     SELECT m.sequence, m.id, m.ordinal, m.tools_total,
@@ -125,8 +128,39 @@ LEFT JOIN LATERAL (
     WHERE m.tenant = t.tenant AND m.context_id = t.context_id
       AND m.sequence > s.sequence AND NOT m.is_summary
     ORDER BY m.sequence LIMIT 1) a ON true
+LEFT JOIN LATERAL (
+    -- the first page: the newest rows of the window after the summary
+    SELECT min(q.id) AS oldest_id, min(q.ordinal) AS oldest_ordinal, """
+    + ", ".join(
+        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence), ''::bytea) AS {name}"
+        for send, column, name in (
+            ("int8send", "id", "ids"),
+            ("int2send", "role", "roles"),
+            ("int4send", "token_count", "tokens"),
+            ("int4send", "chars", "chars"),
+            ("int8send", "group_id", "groups"),
+            ("int8send", "sequence", "sequences"),
+            ("int8send", "coalesce(ordinal, -1)", "ordinals"),
+            ("int8send", "coalesce(tools_total, -1)", "tools"),
+        )
+    )
+    + """
+    FROM (SELECT m.id, m.role, m.token_count, m.chars, m.group_id, m.sequence, m.ordinal,
+                 m.tools_total
+          FROM messages m
+          WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
+            AND m.sequence >= CASE WHEN s.sequence >= f.sequence
+                                   THEN coalesce(a.sequence, 9223372036854775807)
+                                   ELSE f.sequence END
+          ORDER BY m.sequence DESC LIMIT %s) q) p ON true
+LEFT JOIN LATERAL (
+    -- the message `held` ids before the page's oldest, by (tenant, id) alone
+    SELECT m.context_id, m.ordinal FROM messages m
+    WHERE m.tenant = t.tenant
+      AND m.id = p.oldest_id - least(%s, p.oldest_ordinal - f.ordinal)) g ON true
 WHERE t.tenant = %s AND t.context_id = %s
 """
+)
 
 # `window_page`: the narrow columns and running counts of the newest rows of a range.
 _PAGE = (
@@ -553,7 +587,12 @@ class MessagesMixin(PostgresBase):
         return [message_from_row(r) for r in rows]
 
     def window_bounds(
-        self, context: ContextRef, window: WindowSpec, summary_last_id: int
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
     ) -> WindowBounds | None:
         """The window's size and edges from the running counts (schema version 9), in one
         statement of index lookups: the thread's row, its first message, the window's
@@ -572,7 +611,9 @@ class MessagesMixin(PostgresBase):
         after_us = max(window.clear_after_us, window.age_after_us)
         with self._reading() as conn:
             row = first(
-                conn, _BOUNDS, [tenant, summary_last_id, after_us, tenant, context.context_id]
+                conn,
+                _BOUNDS,
+                [tenant, summary_last_id, after_us, first_page, held, tenant, context.context_id],
             )
         if row is None:
             return None
@@ -589,6 +630,14 @@ class MessagesMixin(PostgresBase):
         base, base_tools = int(f_ordinal) - 1, int(f_tools)
         bounds = WindowBounds(int(newest) - base, int(f_sequence), int(f_id), base, base_tools)
         s_sequence, s_ordinal, s_tools, a_id, a_sequence = row[10:15]
+        g_context, g_ordinal, oldest_ordinal = row[15:18]
+        page = _page_table(row[18:26]) if first_page else None
+        if page is not None and page.num_rows and oldest_ordinal is not None:
+            c = int(oldest_ordinal) - base - 1
+            k = min(held, c)
+            if g_context == context.context_id and g_ordinal == oldest_ordinal - k:
+                bounds = replace(bounds, contiguous_before=k)
+        bounds = replace(bounds, first_page=page)
         if s_sequence is None or s_sequence < f_sequence:
             return bounds
         if s_ordinal is None or s_tools is None:
@@ -617,29 +666,19 @@ class MessagesMixin(PostgresBase):
         assert row is not None
         if ids_only:
             return pa.table({"id": pa.array(np.frombuffer(bytes(row[0]), ">i8").astype(np.int64))})
-        ids, roles, tokens, chars, groups, sequences, ordinals, tools = (bytes(v) for v in row)
-        return pa.table(
-            {
-                "id": pa.array(np.frombuffer(ids, ">i8").astype(np.int64)),
-                "role": pa.array(np.frombuffer(roles, ">i2").astype(np.uint8)),
-                "token_count": pa.array(np.frombuffer(tokens, ">i4").astype(np.uint64)),
-                "chars": pa.array(np.frombuffer(chars, ">i4").astype(np.uint64)),
-                "group_id": pa.array(np.frombuffer(groups, ">i8").astype(np.int64)),
-                "sequence": pa.array(np.frombuffer(sequences, ">i8").astype(np.int64)),
-                "ordinal": pa.array(np.frombuffer(ordinals, ">i8").astype(np.int64)),
-                "tools_total": pa.array(np.frombuffer(tools, ">i8").astype(np.int64)),
-            }
-        )
+        return _page_table(row)
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
         with self._reading() as conn:
-            row = first(
+            row = first(  # by (tenant, id) alone: no plan may look for it along the thread
                 conn,
-                "SELECT ordinal FROM messages WHERE tenant = %s AND id = %s "
-                "AND context_id = %s AND NOT is_summary",
-                [_tenant(context), message_id, context.context_id],
+                "SELECT context_id, ordinal FROM messages WHERE tenant = %s AND id = %s "
+                "AND NOT is_summary",
+                [_tenant(context), message_id],
             )
-        return int(row[0]) if row is not None and row[0] is not None else None
+        if row is None or row[0] != context.context_id or row[1] is None:
+            return None
+        return int(row[1])
 
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
@@ -664,3 +703,20 @@ class MessagesMixin(PostgresBase):
 def _tenant(context: ContextRef) -> str:
     assert context.key is not None, "a PostgreSQL ContextRef carries its key"
     return context.key.tenant
+
+
+def _page_table(row: Sequence[Any]) -> pa.Table:
+    """A page's binary arrays (see `_PAGE`) as the Arrow table `window_page` returns."""
+    ids, roles, tokens, chars, groups, sequences, ordinals, tools = (bytes(v) for v in row)
+    return pa.table(
+        {
+            "id": pa.array(np.frombuffer(ids, ">i8").astype(np.int64)),
+            "role": pa.array(np.frombuffer(roles, ">i2").astype(np.uint8)),
+            "token_count": pa.array(np.frombuffer(tokens, ">i4").astype(np.uint64)),
+            "chars": pa.array(np.frombuffer(chars, ">i4").astype(np.uint64)),
+            "group_id": pa.array(np.frombuffer(groups, ">i8").astype(np.int64)),
+            "sequence": pa.array(np.frombuffer(sequences, ">i8").astype(np.int64)),
+            "ordinal": pa.array(np.frombuffer(ordinals, ">i8").astype(np.int64)),
+            "tools_total": pa.array(np.frombuffer(tools, ">i8").astype(np.int64)),
+        }
+    )

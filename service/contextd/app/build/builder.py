@@ -531,7 +531,9 @@ class ContextBuilder:
             summary_last = previous.summary_of[1]
             if summary_last > previous.id:
                 return None  # not a prefix of the window: read it all
-        bounds = self._store.window_bounds(plan.context, plan.window, summary_last)
+        bounds = self._store.window_bounds(
+            plan.context, plan.window, summary_last, FIRST_PAGE, HELD_DROPPED_IDS
+        )
         if bounds is None:
             return None
         n = bounds.count
@@ -551,10 +553,13 @@ class ContextBuilder:
         got, before, page = 0, _NO_SEQUENCE, FIRST_PAGE
         read = _EMPTY_PAGE
         roles = groups = orphans = None
+        first = bounds.first_page
         while got < region:
-            more = self._store.window_page(
-                plan.context, region_from, before, min(page, region - got)
-            )
+            if first is not None:  # read with the bounds
+                more, first = first, None
+            else:
+                size = min(page, region - got)
+                more = self._store.window_page(plan.context, region_from, before, size)
             if more.num_rows == 0:
                 return None
             parts.insert(0, more)
@@ -596,6 +601,9 @@ class ContextBuilder:
         # The ids of the window left out that a response may list, from before the pages.
         need = min(c, HELD_DROPPED_IDS - start) if region else min(n, HELD_DROPPED_IDS)
         older = _NO_IDS
+        if need > 0 and got and len(parts) == 1 and need <= bounds.contiguous_before:
+            older = np.arange(int(read_ids[0]) - need, int(read_ids[0]), dtype=np.int64)
+            need = 0
         if need > 0 and got:
             # Ids grow along the thread, so id - ordinal never falls: if the message
             # `need` ids before the oldest one read sits `need` positions before it, every
