@@ -132,7 +132,8 @@ LEFT JOIN LATERAL (
     -- the first page: the newest rows of the window after the summary
     SELECT min(q.id) AS oldest_id, min(q.ordinal) AS oldest_ordinal, """
     + ", ".join(
-        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence), ''::bytea) AS {name}"
+        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), "
+        f"''::bytea) AS {name}"
         for send, column, name in (
             ("int8send", "id", "ids"),
             ("int2send", "role", "roles"),
@@ -162,11 +163,12 @@ WHERE t.tenant = %s AND t.context_id = %s
 """
 )
 
-# `window_page`: the narrow columns and running counts of the newest rows of a range.
+# `window_page`: the narrow columns and running counts of the newest rows of a range,
+# newest first (see `_page_table`).
 _PAGE = (
     "SELECT "
     + ", ".join(
-        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence), ''::bytea)"
+        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), ''::bytea)"
         for send, column in (
             *_NARROW_COLUMNS,
             ("int8send", "coalesce(ordinal, -1)"),
@@ -179,7 +181,7 @@ _PAGE = (
 )
 
 _PAGE_IDS = (
-    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence), ''::bytea) "
+    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea) "
     "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
@@ -665,7 +667,8 @@ class MessagesMixin(PostgresBase):
             row = first(conn, _PAGE_IDS if ids_only else _PAGE, params)
         assert row is not None
         if ids_only:
-            return pa.table({"id": pa.array(np.frombuffer(bytes(row[0]), ">i8").astype(np.int64))})
+            ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
+            return pa.table({"id": pa.array(ids)})
         return _page_table(row)
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
@@ -706,17 +709,19 @@ def _tenant(context: ContextRef) -> str:
 
 
 def _page_table(row: Sequence[Any]) -> pa.Table:
-    """A page's binary arrays (see `_PAGE`) as the Arrow table `window_page` returns."""
+    """A page's binary arrays (see `_PAGE`) as the Arrow table `window_page` returns.
+    They come newest first, the order the rows are read in along the primary key, so
+    PostgreSQL aggregates them without a sort; each column is reversed here."""
     ids, roles, tokens, chars, groups, sequences, ordinals, tools = (bytes(v) for v in row)
     return pa.table(
         {
-            "id": pa.array(np.frombuffer(ids, ">i8").astype(np.int64)),
-            "role": pa.array(np.frombuffer(roles, ">i2").astype(np.uint8)),
-            "token_count": pa.array(np.frombuffer(tokens, ">i4").astype(np.uint64)),
-            "chars": pa.array(np.frombuffer(chars, ">i4").astype(np.uint64)),
-            "group_id": pa.array(np.frombuffer(groups, ">i8").astype(np.int64)),
-            "sequence": pa.array(np.frombuffer(sequences, ">i8").astype(np.int64)),
-            "ordinal": pa.array(np.frombuffer(ordinals, ">i8").astype(np.int64)),
-            "tools_total": pa.array(np.frombuffer(tools, ">i8").astype(np.int64)),
+            "id": pa.array(np.frombuffer(ids, ">i8")[::-1].astype(np.int64)),
+            "role": pa.array(np.frombuffer(roles, ">i2")[::-1].astype(np.uint8)),
+            "token_count": pa.array(np.frombuffer(tokens, ">i4")[::-1].astype(np.uint64)),
+            "chars": pa.array(np.frombuffer(chars, ">i4")[::-1].astype(np.uint64)),
+            "group_id": pa.array(np.frombuffer(groups, ">i8")[::-1].astype(np.int64)),
+            "sequence": pa.array(np.frombuffer(sequences, ">i8")[::-1].astype(np.int64)),
+            "ordinal": pa.array(np.frombuffer(ordinals, ">i8")[::-1].astype(np.int64)),
+            "tools_total": pa.array(np.frombuffer(tools, ">i8")[::-1].astype(np.int64)),
         }
     )
