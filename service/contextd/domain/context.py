@@ -265,16 +265,22 @@ class IdList(Sequence[int]):
 
     A build over a million-message window drops nearly all of it; a tuple of a million
     ints cost more than the rest of the build (the response lists only the newest 10,000
-    and the count). Compares equal to any sequence of the same ids."""
+    and the count). Compares equal to any sequence of the same ids.
 
-    __slots__ = ("_flat", "_parts")
+    `unlisted` counts ids older than every held one that were never read (a PostgreSQL
+    build counts the older part of a long window without reading it): they count in
+    `len`, but only the held ids can be indexed, sliced or iterated, so a list with
+    unlisted ids serves its length and its newest ids (what a response lists), and
+    anything else raises ValueError rather than answer wrongly."""
 
-    def __init__(self, *parts: npt.NDArray[np.int64] | Sequence[int]) -> None:
+    __slots__ = ("_flat", "_parts", "_unlisted")
+
+    def __init__(self, *parts: npt.NDArray[np.int64] | Sequence[int], unlisted: int = 0) -> None:
         self._parts = [np.asarray(p, dtype=np.int64) for p in parts if len(p)]
         self._flat: npt.NDArray[np.int64] | None = None
+        self._unlisted = unlisted
 
-    def array(self) -> npt.NDArray[np.int64]:
-        """All the ids, in order, as one array (made once)."""
+    def _held(self) -> npt.NDArray[np.int64]:
         if self._flat is None:
             if len(self._parts) == 1:
                 self._flat = self._parts[0]
@@ -284,8 +290,14 @@ class IdList(Sequence[int]):
                 self._flat = np.empty(0, dtype=np.int64)
         return self._flat
 
+    def array(self) -> npt.NDArray[np.int64]:
+        """All the ids, in order, as one array (made once)."""
+        if self._unlisted:
+            raise ValueError(f"{self._unlisted} of these ids were counted, not read")
+        return self._held()
+
     def __len__(self) -> int:
-        return sum(len(p) for p in self._parts)
+        return self._unlisted + sum(len(p) for p in self._parts)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
@@ -295,15 +307,27 @@ class IdList(Sequence[int]):
 
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
-            return tuple(self.array()[index].tolist())
-        return int(self.array()[index])
+            start, stop, step = index.indices(len(self))
+            if self._unlisted and (step < 0 or (start < stop and start < self._unlisted)):
+                raise ValueError("only the held (newest) ids can be sliced")
+            held = self._held()
+            skip = self._unlisted
+            return tuple(held[max(start - skip, 0) : max(stop - skip, 0) : step].tolist())
+        at = index + len(self) if index < 0 else index
+        if not 0 <= at < len(self):
+            raise IndexError("IdList index out of range")
+        if self._unlisted and 0 <= at < self._unlisted:
+            raise ValueError("only the held (newest) ids can be indexed")
+        return int(self._held()[at - self._unlisted])
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.array().tolist())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, IdList):
-            return bool(np.array_equal(self.array(), other.array()))
+            return self._unlisted == other._unlisted and bool(
+                np.array_equal(self._held(), other._held())
+            )
         if isinstance(other, Sequence) and not isinstance(other, str):
             return len(other) == len(self) and tuple(self) == tuple(other)
         return NotImplemented
@@ -311,9 +335,11 @@ class IdList(Sequence[int]):
     __hash__ = None  # type: ignore[assignment]
 
     def __bool__(self) -> bool:
-        return any(len(p) for p in self._parts)
+        return len(self) > 0
 
     def __repr__(self) -> str:
+        if self._unlisted:
+            return f"IdList({self._unlisted} unlisted, then {self._held().tolist()!r})"
         return f"IdList({list(self)!r})"
 
 

@@ -191,6 +191,70 @@ class ContextReader(Protocol):
 
     def latest_summary(self, context: ContextRef) -> StoredMessage | None: ...
 
+    def window_bounds(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
+    ) -> WindowBounds | None:
+        """What a build must know of a window without reading it, at a cost that does
+        not grow with the thread (index lookups), or None when this engine cannot answer
+        so (the build then reads `window_columns`). Answering means: the window is
+        exactly the thread's non-summary messages from `first_sequence` on, each numbered
+        at insert by a running count (`ordinal`) and a running count of tool rows (a
+        message with a tool group or a tool_result role), so any range's count is a
+        difference. `summary_last_id` is the last message a stored summary stands for
+        (0: none). In the same statement: the newest `first_page` messages of the window
+        after that summary (as `window_page` reads them), and whether the ids of the up to
+        `held` window messages just before them are contiguous (see
+        `WindowBounds.contiguous_before`)."""
+
+    def window_page(
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
+    ) -> pa.Table:
+        """The newest `limit` non-summary messages with `from_sequence <= sequence <
+        before_sequence`, in sequence order, as `window_columns` gives them plus the
+        running columns ordinal and tools_total (int64); with `ids_only`, the id column
+        alone. Only valid for a window `window_bounds` answered (the caller passes its
+        `first_sequence` or later)."""
+
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """The running count (`ordinal`) of this thread's non-summary message
+        `message_id`, or None when there is none (one index lookup). A build checks
+        with it whether a run of the window's ids is contiguous, instead of reading it."""
+
+
+@dataclass(frozen=True, slots=True)
+class WindowBounds:
+    """A window's size and edges from its running counts (see `window_bounds`).
+
+    Positions are 0-based in window (sequence) order; a message's position is its
+    ordinal minus `base_ordinal` minus one."""
+
+    count: int  # messages in the window
+    first_sequence: int  # sequence of its oldest message
+    first_id: int  # id of its oldest message
+    base_ordinal: int  # running count before its oldest message
+    base_tools: int  # running tool-row count before its oldest message
+    # Messages up to and including the summary's last message (-1: that message is not
+    # in the window, so the summary stands for none of it), the tool rows through it,
+    # and the id and sequence of the next window message (0 when there is none).
+    summarized: int = -1
+    summary_tools: int = 0
+    after_summary_id: int = 0
+    after_summary_sequence: int = 0
+    # The first page asked for (None: none was), and how many window messages just
+    # before its oldest have ids that run without a gap up to that message's id.
+    first_page: pa.Table | None = None
+    contiguous_before: int = 0
+
 
 class ThreadStore(Protocol):
     """Threads, their counters and clear markers."""

@@ -50,7 +50,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.quota import stored_bytes
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
-from contextd.ports.store import ContextRef, ThreadFilter
+from contextd.ports.store import ContextRef, ThreadFilter, WindowBounds
 
 
 class MessagesMixin(DuckDBBase):
@@ -182,6 +182,34 @@ class MessagesMixin(DuckDBBase):
             .combine_chunks()
         )
         return _in_sequence_order(table)
+
+    def window_bounds(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
+    ) -> WindowBounds | None:
+        """None: a build reads `window_columns`, which the hot cache serves from memory
+        (and DuckDB reads a cold window's narrow columns by one columnar scan), so this
+        engine keeps no running counts."""
+        return None
+
+    def window_page(
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
+    ) -> pa.Table:
+        """Never called: `window_bounds` answers None on this engine."""
+        raise NotImplementedError("DuckDB builds read window_columns")
+
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """Never called: `window_bounds` answers None on this engine."""
+        raise NotImplementedError("DuckDB builds read window_columns")
 
     def window_messages_from(
         self,

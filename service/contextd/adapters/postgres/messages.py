@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,13 +36,13 @@ from contextd.domain.model import (
 from contextd.domain.quota import stored_bytes
 from contextd.domain.retention import policy_for, retention_of
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, ThreadFilter
+from contextd.ports.store import ContextRef, ThreadFilter, WindowBounds
 
 _COPY_COLUMNS = (
     "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
     "metadata, token_estimate, create_time_us, source_time_us, token_count, tokenizer, chars, "
     "group_id, tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
-    "group_start, search_tsv"
+    "group_start, search_tsv, ordinal, tools_total"
 )
 _INSERT_MESSAGE = (
     f"INSERT INTO messages ({_COPY_COLUMNS}) VALUES "
@@ -96,6 +97,99 @@ _NARROW_COLUMNS = (
     ("int8send", "sequence"),
 )
 
+# `window_bounds`: the thread's row; its oldest stored message (with message_count, holes
+# show); the window's first message (the first commit after the window's bounds; commit
+# times never go back within a thread) with the counts before it; the newest message's
+# ordinal; the summary's last message, if in the thread, and the message after it.
+_BOUNDS = (
+    """
+WITH s AS MATERIALIZED (
+    -- by (tenant, id) alone: no plan may look for it along the thread
+    SELECT m.context_id, m.sequence, m.ordinal, m.tools_total FROM messages m
+    WHERE m.tenant = %s AND m.id = %s AND NOT m.is_summary
+)
+SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us IS NULL,
+       (SELECT min(x.sequence) FROM messages x
+         WHERE x.tenant = t.tenant AND x.context_id = t.context_id),
+       f.sequence, f.id, f.ordinal, f.tools_total - f.tool::int,
+       (SELECT x.ordinal FROM messages x WHERE x.tenant = t.tenant
+         AND x.context_id = t.context_id AND NOT x.is_summary
+         ORDER BY x.sequence DESC LIMIT 1),
+       s.sequence, s.ordinal, s.tools_total, a.id, a.sequence,
+       g.context_id, g.ordinal, p.oldest_ordinal, p.ids, p.roles, p.tokens, p.chars, p.groups,
+       p.sequences, p.ordinals, p.tools
+FROM threads t
+LEFT JOIN LATERAL (
+    SELECT m.sequence, m.id, m.ordinal, m.tools_total,
+           (m.group_id >= 0 OR m.role = 4) AS tool
+    FROM messages m
+    WHERE m.tenant = t.tenant AND m.context_id = t.context_id
+      AND m.create_time_us > %s AND NOT m.is_summary
+    ORDER BY m.create_time_us, m.sequence LIMIT 1) f ON true
+LEFT JOIN s ON s.context_id = t.context_id
+LEFT JOIN LATERAL (
+    SELECT m.id, m.sequence FROM messages m
+    WHERE m.tenant = t.tenant AND m.context_id = t.context_id
+      AND m.sequence > s.sequence AND NOT m.is_summary
+    ORDER BY m.sequence LIMIT 1) a ON true
+LEFT JOIN LATERAL (
+    -- the first page: the newest rows of the window after the summary
+    SELECT min(q.id) AS oldest_id, min(q.ordinal) AS oldest_ordinal, """
+    + ", ".join(
+        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), "
+        f"''::bytea) AS {name}"
+        for send, column, name in (
+            ("int8send", "id", "ids"),
+            ("int2send", "role", "roles"),
+            ("int4send", "token_count", "tokens"),
+            ("int4send", "chars", "chars"),
+            ("int8send", "group_id", "groups"),
+            ("int8send", "sequence", "sequences"),
+            ("int8send", "coalesce(ordinal, -1)", "ordinals"),
+            ("int8send", "coalesce(tools_total, -1)", "tools"),
+        )
+    )
+    + """
+    FROM (SELECT m.id, m.role, m.token_count, m.chars, m.group_id, m.sequence, m.ordinal,
+                 m.tools_total
+          FROM messages m
+          WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
+            AND m.sequence >= CASE WHEN s.sequence >= f.sequence
+                                   THEN coalesce(a.sequence, 9223372036854775807)
+                                   ELSE f.sequence END
+          ORDER BY m.sequence DESC LIMIT %s) q) p ON true
+LEFT JOIN LATERAL (
+    -- the message `held` ids before the page's oldest, by (tenant, id) alone
+    SELECT m.context_id, m.ordinal FROM messages m
+    WHERE m.tenant = t.tenant
+      AND m.id = p.oldest_id - least(%s, p.oldest_ordinal - f.ordinal)) g ON true
+WHERE t.tenant = %s AND t.context_id = %s
+"""
+)
+
+# `window_page`: the narrow columns and running counts of the newest rows of a range,
+# newest first (see `_page_table`).
+_PAGE = (
+    "SELECT "
+    + ", ".join(
+        f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), ''::bytea)"
+        for send, column in (
+            *_NARROW_COLUMNS,
+            ("int8send", "coalesce(ordinal, -1)"),
+            ("int8send", "coalesce(tools_total, -1)"),
+        )
+    )
+    + " FROM (SELECT id, role, token_count, chars, group_id, sequence, ordinal, tools_total "
+    "FROM messages WHERE tenant = %s AND context_id = %s AND sequence >= %s AND sequence < %s "
+    "AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
+)
+
+_PAGE_IDS = (
+    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea) "
+    "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
+    "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
+)
+
 _LOCK_AGENT = (
     "SELECT model, last_clear_us, settings_json FROM agents WHERE tenant = %s AND name = %s "
     "FOR KEY SHARE"
@@ -112,7 +206,8 @@ def _ttl_of(settings: str, scope: str) -> int:
 
 
 _LOCK_THREAD = (
-    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us FROM threads "
+    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total, "
+    "tools_total, totals_through FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
 )
 # The same lock, also taking the append's message ids: one round trip instead of two for
@@ -120,7 +215,8 @@ _LOCK_THREAD = (
 # Ids are unique whatever happens to the transaction; one re-taken when the row is
 # re-checked under a concurrent update leaves only a gap, as a rollback does.
 _LOCK_THREAD_TAKING_IDS = (
-    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, "
+    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total, "
+    "tools_total, totals_through, "
     "ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %s)) FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
 )
@@ -186,7 +282,7 @@ class MessagesMixin(PostgresBase):
             raise StaleModel(model)
         n = len(batch)
         locked = first(conn, _LOCK_THREAD_TAKING_IDS, [n, tenant, key.agent, key.scope, key.thread])
-        row, ids = (tuple(locked[:4]), [int(i) for i in locked[4]]) if locked else (None, [])
+        row, ids = (tuple(locked[:7]), [int(i) for i in locked[7]]) if locked else (None, [])
         commit_time = 0  # stamped below, or here when this append creates the thread
         if row is None:
             if batch.summarized_ids is not None:
@@ -206,12 +302,12 @@ class MessagesMixin(PostgresBase):
                 [tenant, key.agent, key.scope, key.thread, commit_time, commit_time],
             )
             if created is not None:
-                row = (int(created[0]), 0, 0, None)
+                row = (int(created[0]), 0, 0, None, 0, 0, 0)
             else:
                 # Another replica created the thread meanwhile: lock and use it.
                 row = first(conn, _LOCK_THREAD, [tenant, key.agent, key.scope, key.thread])
                 assert row is not None
-        context_id, last_sequence, last_time, last_clear = row
+        context_id, last_sequence, last_time, last_clear, ordinal, tools, through = row
         # Commit times of a thread never go back, nor fall at or before a clear that
         # applies to it, whatever this replica's clock says.
         self.clock.advance_to(max(last_time, agent_clear_us, last_clear or 0))
@@ -242,6 +338,16 @@ class MessagesMixin(PostgresBase):
         sequences = range(last_sequence + 1, last_sequence + 1 + n)
         groups, starts = self._groups(conn, tenant, context_id, ids, sequences, batch)
         summary = batch.summarized_ids
+        # The running counts (schema version 9), while they are exact for this thread.
+        exact = through == last_sequence
+        ordinals: list[int | None] = [None] * n
+        tool_totals: list[int | None] = [None] * n
+        for i, message in enumerate(batch.messages):
+            if summary is None:
+                ordinal += 1
+                tools += int(groups[i] >= 0 or message.role == Role.TOOL_RESULT)
+            if exact:
+                ordinals[i], tool_totals[i] = ordinal, tools
         vectors = search_vectors(batch.messages) if self._search_vectors else [None] * len(ids)
         rows = [
             (
@@ -270,6 +376,8 @@ class MessagesMixin(PostgresBase):
                 starts[i],
                 # None: the database's trigger computes it (search_vector.py).
                 vectors[i],
+                ordinals[i],
+                tool_totals[i],
             )
             for i, message in enumerate(batch.messages)
         ]
@@ -288,7 +396,9 @@ class MessagesMixin(PostgresBase):
             "last_message_time_us = %s, "
             "min_source_time_us = least(min_source_time_us, %s::bigint), "
             "stored_bytes = stored_bytes + %s, "
-            "latest_summary_id = CASE WHEN %s THEN %s ELSE latest_summary_id END "
+            "latest_summary_id = CASE WHEN %s THEN %s ELSE latest_summary_id END, "
+            "ordinal_total = %s, tools_total = %s, "
+            "totals_through = CASE WHEN %s THEN %s ELSE totals_through END "
             "WHERE tenant = %s AND context_id = %s",
             [
                 n,
@@ -299,6 +409,10 @@ class MessagesMixin(PostgresBase):
                 stored_bytes(batch.messages),
                 summary is not None,
                 ids[-1],
+                ordinal,
+                tools,
+                exact,
+                last_sequence + n,
                 tenant,
                 context_id,
             ],
@@ -499,6 +613,101 @@ class MessagesMixin(PostgresBase):
             ).fetchall()
         return [message_from_row(r) for r in rows]
 
+    def window_bounds(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int = 0,
+        held: int = 0,
+    ) -> WindowBounds | None:
+        """The window's size and edges from the running counts (schema version 9), in one
+        statement of index lookups: the thread's row, its first message, the window's
+        first message (by commit time), its newest, and the summary's last message.
+
+        None (the build reads `window_columns`) unless the window is a plain suffix
+        of the thread whose counts are exact: no retention bounds (a cap counts by tool
+        group, not by position), no client source_time in the thread (a message's own
+        time then is its commit time, which never goes back, so the age bound cuts the
+        thread at one point, as the clear marker does), no message deleted between its
+        first and last (retention deletes by tool group may leave holes), and every
+        append of the thread wrote the counts (`totals_through`)."""
+        if window.retains:
+            return None
+        tenant = _tenant(context)
+        after_us = max(window.clear_after_us, window.age_after_us)
+        with self._reading() as conn:
+            row = first(
+                conn,
+                _BOUNDS,
+                [tenant, summary_last_id, after_us, first_page, held, tenant, context.context_id],
+            )
+        if row is None:
+            return None
+        (last_sequence, through, count, no_source, first_sequence) = row[:5]
+        if not no_source or through != last_sequence or first_sequence is None:
+            return None
+        if count != last_sequence - first_sequence + 1:
+            return None  # a hole: a range's count is not a difference of ordinals
+        f_sequence, f_id, f_ordinal, f_tools, newest = row[5:10]
+        if f_sequence is None:  # nothing in the window
+            return WindowBounds(0, 0, 0, 0, 0)
+        if f_ordinal is None or f_tools is None or newest is None:
+            return None
+        base, base_tools = int(f_ordinal) - 1, int(f_tools)
+        bounds = WindowBounds(int(newest) - base, int(f_sequence), int(f_id), base, base_tools)
+        s_sequence, s_ordinal, s_tools, a_id, a_sequence = row[10:15]
+        g_context, g_ordinal, oldest_ordinal = row[15:18]
+        page = _page_table(row[18:26]) if first_page else None
+        if page is not None and page.num_rows and oldest_ordinal is not None:
+            c = int(oldest_ordinal) - base - 1
+            k = min(held, c)
+            if g_context == context.context_id and g_ordinal == oldest_ordinal - k:
+                bounds = replace(bounds, contiguous_before=k)
+        bounds = replace(bounds, first_page=page)
+        if s_sequence is None or s_sequence < f_sequence:
+            return bounds
+        if s_ordinal is None or s_tools is None:
+            return None
+        return replace(
+            bounds,
+            summarized=int(s_ordinal) - base,
+            summary_tools=int(s_tools),
+            after_summary_id=int(a_id or 0),
+            after_summary_sequence=int(a_sequence or 0),
+        )
+
+    def window_page(
+        self,
+        context: ContextRef,
+        from_sequence: int,
+        before_sequence: int,
+        limit: int,
+        ids_only: bool = False,
+    ) -> pa.Table:
+        """Newest first by the primary key, at most `limit` rows, encoded as
+        `window_columns` encodes them (one row of binary arrays, no object per row)."""
+        params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
+        with self._reading() as conn:
+            row = first(conn, _PAGE_IDS if ids_only else _PAGE, params)
+        assert row is not None
+        if ids_only:
+            ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
+            return pa.table({"id": pa.array(ids)})
+        return _page_table(row)
+
+    def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        with self._reading() as conn:
+            row = first(  # by (tenant, id) alone: no plan may look for it along the thread
+                conn,
+                "SELECT context_id, ordinal FROM messages WHERE tenant = %s AND id = %s "
+                "AND NOT is_summary",
+                [_tenant(context), message_id],
+            )
+        if row is None or row[0] != context.context_id or row[1] is None:
+            return None
+        return int(row[1])
+
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
             return None
@@ -522,3 +731,22 @@ class MessagesMixin(PostgresBase):
 def _tenant(context: ContextRef) -> str:
     assert context.key is not None, "a PostgreSQL ContextRef carries its key"
     return context.key.tenant
+
+
+def _page_table(row: Sequence[Any]) -> pa.Table:
+    """A page's binary arrays (see `_PAGE`) as the Arrow table `window_page` returns.
+    They come newest first, the order the rows are read in along the primary key, so
+    PostgreSQL aggregates them without a sort; each column is reversed here."""
+    ids, roles, tokens, chars, groups, sequences, ordinals, tools = (bytes(v) for v in row)
+    return pa.table(
+        {
+            "id": pa.array(np.frombuffer(ids, ">i8")[::-1].astype(np.int64)),
+            "role": pa.array(np.frombuffer(roles, ">i2")[::-1].astype(np.uint8)),
+            "token_count": pa.array(np.frombuffer(tokens, ">i4")[::-1].astype(np.uint64)),
+            "chars": pa.array(np.frombuffer(chars, ">i4")[::-1].astype(np.uint64)),
+            "group_id": pa.array(np.frombuffer(groups, ">i8")[::-1].astype(np.int64)),
+            "sequence": pa.array(np.frombuffer(sequences, ">i8")[::-1].astype(np.int64)),
+            "ordinal": pa.array(np.frombuffer(ordinals, ">i8")[::-1].astype(np.int64)),
+            "tools_total": pa.array(np.frombuffer(tools, ">i8")[::-1].astype(np.int64)),
+        }
+    )

@@ -328,12 +328,54 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         ],
     ),
     (
+        9,
+        [
+            # Running counts per thread, written at insert, so a build learns its
+            # window's size, edges and tool rows from a few index lookups instead of
+            # reading the window (see messages.py `window_bounds`): each message's count
+            # of non-summary messages through it (ordinal) and of tool rows through it (a
+            # tool group or a tool_result role; tools_total). The thread row carries the
+            # totals and the sequence through which they are exact (totals_through): an
+            # append of a replica that does not write them leaves it behind, and builds of
+            # that thread then read the whole window as before. Commit times never go
+            # back within a thread, so the index on them finds a window's first message.
+            "ALTER TABLE messages ADD COLUMN ordinal bigint, ADD COLUMN tools_total bigint",
+            """
+            UPDATE messages m SET ordinal = s.o, tools_total = s.t
+            FROM (SELECT tenant, context_id, sequence,
+                         count(*) FILTER (WHERE NOT is_summary) OVER w AS o,
+                         count(*) FILTER (WHERE NOT is_summary AND (group_id >= 0 OR role = 4))
+                             OVER w AS t
+                  FROM messages
+                  WINDOW w AS (PARTITION BY tenant, context_id ORDER BY sequence)) s
+            WHERE m.tenant = s.tenant AND m.context_id = s.context_id
+              AND m.sequence = s.sequence
+            """,
+            "ALTER TABLE threads ADD COLUMN ordinal_total bigint NOT NULL DEFAULT 0, "
+            "ADD COLUMN tools_total bigint NOT NULL DEFAULT 0, "
+            "ADD COLUMN totals_through bigint NOT NULL DEFAULT 0",
+            """
+            UPDATE threads t SET ordinal_total = coalesce(s.o, 0), tools_total = coalesce(s.t, 0),
+                totals_through = t.last_sequence
+            FROM (SELECT x.tenant, x.context_id,
+                         (SELECT max(ordinal) FROM messages m WHERE m.tenant = x.tenant
+                            AND m.context_id = x.context_id) AS o,
+                         (SELECT max(tools_total) FROM messages m WHERE m.tenant = x.tenant
+                            AND m.context_id = x.context_id) AS t
+                  FROM threads x) s
+            WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+            """,
+            "CREATE INDEX messages_by_time ON messages (tenant, context_id, create_time_us, "
+            "sequence)",
+        ],
+    ),
+    (
         12,
         [
             # Tool outputs of the thread stored at or before this time belong to a time
             # the thread had expired (an append after expiry sets it to the append's time
             # - ttl): reads leave them out and the sweep deletes them, as for messages up
-            # to expired_through. (Versions 9 to 11 are other features'.)
+            # to expired_through. (Versions 10 and 11 are other features'.)
             "ALTER TABLE threads ADD COLUMN outputs_expired_through_us bigint NOT NULL DEFAULT 0",
         ],
     ),

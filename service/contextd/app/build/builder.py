@@ -10,12 +10,13 @@ compaction, render, summarizer) then do the rest on plain values.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 
 from contextd import core
 from contextd.app.build.assembly import (
@@ -79,6 +80,12 @@ CHARS_PER_TOKEN_BOUND = 8
 CANDIDATE_SLACK = 1.5
 # An elided tool result costs about this much (its stub), at least.
 ELIDED_COST = 16
+# A newest-first window read (`_load_tail`) reads this many messages' columns first,
+# then four times more per further page, until the trimmer's walk stops inside them.
+FIRST_PAGE = 256
+# ... and holds at least this many ids of the messages it leaves out (at least what a
+# response lists: api.convert.MAX_LISTED_DROPPED_IDS); older ones are counted, not read.
+HELD_DROPPED_IDS = 10_000
 STATUS_ENTRIES = 100
 STATUS_THREADS = 30
 
@@ -156,14 +163,42 @@ class _Window:
     # are found on NumPy masks, never from Python tuples of the window.
     summarized_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
     not_loaded_at: slice | npt.NDArray[np.intp] = field(default_factory=lambda: slice(0, 0))
+    # A newest-first read holds only the newest ids: `window_ids` is then the window from
+    # position `hidden` on (the positions above stay window positions, and are slices),
+    # and `edge_ids` names the ids at the unread positions a dropped run may start or
+    # end at (the window's first, the summary's last, the first after it).
+    hidden: int = 0
+    edge_ids: dict[int, int] = field(default_factory=dict)
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
-        return self.window_ids[self.summarized_at]
+        return self.window_ids[self._held(self.summarized_at)]
 
     @property
     def not_loaded_ids(self) -> npt.NDArray[np.int64]:
-        return self.window_ids[self.not_loaded_at]
+        return self.window_ids[self._held(self.not_loaded_at)]
+
+    def unlisted(self, at: slice | npt.NDArray[np.intp]) -> int:
+        """How many of the positions `at` (a slice when `hidden`) were not read."""
+        if not self.hidden:
+            return 0
+        assert isinstance(at, slice)
+        start = at.start or 0
+        return max(0, min(at.stop or 0, self.hidden) - start)
+
+    def _held(self, at: slice | npt.NDArray[np.intp]) -> slice | npt.NDArray[np.intp]:
+        """`at` (window positions) as positions of `window_ids`, the unread ones left out."""
+        if not self.hidden:
+            return at
+        assert isinstance(at, slice)
+        h = self.hidden
+        return slice(max((at.start or 0) - h, 0), max((at.stop or 0) - h, 0))
+
+    def id_at(self, position: int) -> int:
+        """The id at a window position (held, or one of `edge_ids`)."""
+        if position >= self.hidden:
+            return int(self.window_ids[position - self.hidden])
+        return self.edge_ids[position]
 
 
 class ContextBuilder:
@@ -412,6 +447,11 @@ class ContextBuilder:
         stored_summary = self._store.latest_summary(plan.context)
         previous = HistoryItem.from_stored(stored_summary) if stored_summary else None
         stamps = {stored_summary.id: MessageStamp.of(stored_summary)} if stored_summary else {}
+        if not everything and not plan.options.summarize:
+            # Summarizing reads what it summarizes; a plain build reads newest first.
+            tail = self._load_tail(plan, previous, stamps)
+            if tail is not None:
+                return tail
         table = self._store.window_columns(plan.context, plan.window)
         # NumPy views of the Arrow columns: no Python object per message on this path.
         all_ids = table.column("id").to_numpy()
@@ -466,6 +506,181 @@ class ContextBuilder:
             if isinstance(rest, slice)
             else rest[:start],
         )
+
+    def _load_tail(
+        self, plan: _Plan, previous: HistoryItem | None, stamps: dict[int, MessageStamp]
+    ) -> _Window | None:
+        """`_load_history` of a build that does not summarize, reading the window newest
+        first in pages, so its cost follows the budget, not the window; None when the
+        store cannot count the window without reading it (`ContextReader.window_bounds`)
+        or the older, unread part holds tool rows (their pairs could change what the
+        newest part keeps, or be orphans a build reports): the caller then reads it all.
+
+        It answers exactly what reading the whole window answers: the trimmer walks from
+        the newest message and stops at the first that does not fit, so once its walk
+        stops inside the pages read, older messages cannot change where it stops; with no
+        tool row in the unread part, the orphan repair of the pages is the whole window's
+        (a result's call is then in the pages or before the window's part after the
+        summary, and a call's results come after it). Ids of a thread grow with its
+        sequence on this path (appends of a thread are serialized), so a stored summary
+        covers a prefix of the window. Counts, and the ids dropped runs start and end at,
+        come from the running counts; the newest HELD_DROPPED_IDS ids of what is left out
+        are read, older ones only counted."""
+        assert plan.context is not None
+        summary_last = 0
+        if previous is not None and previous.summary_of is not None:
+            summary_last = previous.summary_of[1]
+            if summary_last > previous.id:
+                return None  # not a prefix of the window: read it all
+        bounds = self._store.window_bounds(
+            plan.context, plan.window, summary_last, FIRST_PAGE, HELD_DROPPED_IDS
+        )
+        if bounds is None:
+            return None
+        n = bounds.count
+        se, region_from, region_tools = 0, bounds.first_sequence, bounds.base_tools
+        if previous is not None and previous.summary_of is not None:
+            if bounds.summarized < 0:
+                previous = None  # its last message left the window: it stands for none
+            else:
+                se = bounds.summarized
+                region_from = bounds.after_summary_sequence
+                region_tools = bounds.summary_tools
+        edges = {0: bounds.first_id}
+        if se:
+            edges |= {se - 1: summary_last, se: bounds.after_summary_id}
+        region = n - se
+        parts: list[pa.Table] = []
+        got, before, page = 0, _NO_SEQUENCE, FIRST_PAGE
+        read = _EMPTY_PAGE
+        roles = groups = orphans = None
+        first = bounds.first_page
+        while got < region:
+            if first is not None:  # read with the bounds
+                more, first = first, None
+            else:
+                size = min(page, region - got)
+                more = self._store.window_page(plan.context, region_from, before, size)
+            if more.num_rows == 0:
+                return None
+            parts.insert(0, more)
+            got += more.num_rows
+            before = int(more.column("sequence")[0].as_py())
+            read = pa.concat_tables(parts).combine_chunks()
+            ids = read.column("id").to_numpy()
+            roles, groups, orphans = _repair_pair_columns(
+                ids, read.column("role").to_numpy(), read.column("group_id").to_numpy()
+            )
+            if got < region and self._walk_stops(plan, read, roles):
+                break
+            page *= 4
+        c = n - got  # the window position of the oldest message read
+        if got:
+            ordinal, tools = (
+                read.column("ordinal")[0].as_py(),
+                read.column("tools_total")[0].as_py(),
+            )
+            oldest_is_tool = read.column("group_id")[0].as_py() >= 0 or read.column("role")[
+                0
+            ].as_py() == int(Role.TOOL_RESULT)
+            if ordinal - 1 - bounds.base_ordinal != c or tools < 0:
+                return None  # the counts do not match the rows: read it all
+            if got < region and tools - int(oldest_is_tool) != region_tools:
+                return None  # tool rows in the unread part
+        start = 0
+        if got:
+            assert roles is not None and groups is not None
+            start = self._candidates(
+                plan,
+                roles,
+                read.column("token_count").to_numpy(),
+                read.column("chars").to_numpy(),
+                groups,
+            )
+        loaded_from = c + start
+        read_ids = read.column("id").to_numpy() if got else _NO_IDS
+        # The ids of the window left out that a response may list, from before the pages.
+        need = min(c, HELD_DROPPED_IDS - start) if region else min(n, HELD_DROPPED_IDS)
+        older = _NO_IDS
+        if need > 0 and got and len(parts) == 1 and need <= bounds.contiguous_before:
+            older = np.arange(int(read_ids[0]) - need, int(read_ids[0]), dtype=np.int64)
+            need = 0
+        if need > 0 and got:
+            # Ids grow along the thread, so id - ordinal never falls: if the message
+            # `need` ids before the oldest one read sits `need` positions before it, every
+            # id between is a window message's (a thread appended alone, in batches).
+            first_read = int(read_ids[0])
+            guess = first_read - need
+            at = bounds.base_ordinal + c - need + 1
+            if guess > 0 and self._store.window_ordinal(plan.context, guess) == at:
+                older = np.arange(guess, first_read, dtype=np.int64)
+                need = 0
+        if need > 0:
+            page_before = before if got else _NO_SEQUENCE
+            extra = self._store.window_page(
+                plan.context, bounds.first_sequence, page_before, need, ids_only=True
+            )
+            if extra.num_rows != need:
+                return None
+            older = extra.column("id").to_numpy()
+        held = np.concatenate([older, read_ids]) if len(older) else read_ids
+        hidden = n - len(held)
+        if not got:
+            return _Window(
+                [],
+                previous,
+                stamps,
+                window_ids=held,
+                summarized_at=slice(0, se),
+                hidden=hidden,
+                edge_ids=edges,
+            )
+        assert orphans is not None
+        ids = read_ids
+        kept_ids = ids[start:]
+        loaded = self._store.window_messages_from(
+            plan.context,
+            plan.window,
+            int(read.column("sequence")[start].as_py()),
+            (int(kept_ids.min()), int(kept_ids.max())),
+        )
+        items, repaired = repair_tool_pairs(
+            [HistoryItem.from_stored(m) for m in loaded],
+            self._outside_calls(plan, loaded, set(ids[orphans].tolist())),
+        )
+        orphaned = ids[:start][orphans[:start]].tolist() + repaired
+        label = stored_tokenizer(plan.model)
+        return _Window(
+            items,
+            previous,
+            stamps | {m.id: MessageStamp.of(m) for m in loaded},
+            {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
+            tuple(orphaned),
+            held,
+            slice(0, se),
+            slice(se, loaded_from),
+            hidden,
+            edges,
+        )
+
+    @staticmethod
+    def _walk_stops(plan: _Plan, read: pa.Table, roles: npt.NDArray[np.uint8]) -> bool:
+        """Whether the trimmer's walk over these newest messages stops among them: their
+        costs (as `_candidates` gives them to the trimmer, each cut to what truncation
+        leaves) add up to more than its budget."""
+        opts = plan.options
+        tokens = read.column("token_count").to_numpy()
+        chars = read.column("chars").to_numpy()
+        costs = tokens.astype(np.int64)
+        if opts.elide_tool_results:
+            elidable = (roles == int(Role.TOOL_RESULT)) & (chars > opts.elide_threshold_chars)
+            costs = np.where(elidable, np.minimum(costs, ELIDED_COST), costs)
+        max_chars = opts.max_chars_per_message if opts.truncate else NO_CHAR_LIMIT
+        if max_chars < NO_CHAR_LIMIT:
+            cut = -(-max_chars // 4)
+            costs = np.where(chars > max_chars, np.minimum(costs, cut), costs)
+        budget = int(plan.budget.prompt_budget * CANDIDATE_SLACK) + 1
+        return int(costs.sum()) > budget
 
     def _outside_calls(
         self, plan: _Plan, loaded: Sequence[StoredMessage], orphaned: set[int]
@@ -563,6 +778,8 @@ class ContextBuilder:
 
 
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+_NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
+_EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
 
 # The largest prompt budget a build applies, whatever a request or agent asks for.
 MAX_BUILD_BUDGET_TOKENS = 1_000_000
@@ -720,12 +937,18 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
     stats = context.stats
     summarized = stats.summarized_range
     lost = _NO_IDS
+    unlisted = window.unlisted(window.not_loaded_at)
+    lost_unread = 0
     if context.summary is None:
         lost = window.summarized_ids
+        lost_unread = window.unlisted(window.summarized_at)
+        unlisted += lost_unread
     elif summarized is None:
         summarized = context.summary.summary_of
     # Kept as arrays: a long window's dropped ids are nearly all of it (see IdList).
-    dropped = IdList(lost, window.not_loaded_ids, stats.dropped_ids)
+    # The unread ones are the oldest (a summary covers a prefix when ids are unread).
+    dropped = IdList(lost, window.not_loaded_ids, stats.dropped_ids, unlisted=unlisted)
+    not_loaded = len(window.not_loaded_ids) + window.unlisted(window.not_loaded_at)
     runs: tuple[tuple[int, int], ...] = ()
     order = window.window_ids
     if (
@@ -737,13 +960,14 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         # ranges of window positions, and assembly dropped a few of the loaded rest.
         loaded_from = window.not_loaded_at.stop or 0
         intervals = [(window.not_loaded_at.start or 0, loaded_from)]
-        if len(lost):
+        if len(lost) or lost_unread:
             intervals.append((0, window.summarized_at.stop or 0))
         if stats.dropped_ids:
             wanted = np.asarray(stats.dropped_ids, dtype=np.int64)
-            at = loaded_from + np.flatnonzero(np.isin(order[loaded_from:], wanted))
+            from_held = loaded_from - window.hidden
+            at = loaded_from + np.flatnonzero(np.isin(order[from_held:], wanted))
             intervals += [(p, p + 1) for p in at.tolist()]
-        runs = _runs_of_intervals(order, intervals)
+        runs = _runs_of_intervals(window.id_at, intervals)
     elif dropped:
         gone = np.zeros(len(order), dtype=bool)
         if len(lost):
@@ -754,7 +978,7 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         runs = _runs_of(order, gone)
     return replace(
         stats,
-        messages_before=stats.messages_before + len(window.not_loaded_ids),
+        messages_before=stats.messages_before + not_loaded,
         dropped_ids=dropped,
         dropped_ranges=runs,
         summarized_range=summarized,
@@ -762,17 +986,18 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
 
 
 def _runs_of_intervals(
-    order: npt.NDArray[np.int64], intervals: list[tuple[int, int]]
+    id_at: Callable[[int], int], intervals: list[tuple[int, int]]
 ) -> tuple[tuple[int, int], ...]:
     """As :func:`_runs_of`, from half-open ranges of dropped window positions (merged
-    where they touch or overlap): no pass over the whole window."""
+    where they touch or overlap): no pass over the whole window (`id_at` names the id at
+    a position)."""
     runs: list[list[int]] = []
     for a, b in sorted(i for i in intervals if i[1] > i[0]):
         if runs and a <= runs[-1][1]:
             runs[-1][1] = max(runs[-1][1], b)
         else:
             runs.append([a, b])
-    return tuple((int(order[a]), int(order[b - 1])) for a, b in runs)
+    return tuple((id_at(a), id_at(b - 1)) for a, b in runs)
 
 
 def _runs_of(
