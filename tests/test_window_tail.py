@@ -242,7 +242,7 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
         conn.execute("ALTER TABLE messages DROP COLUMN ordinal, DROP COLUMN tools_total")
         conn.execute(
             "ALTER TABLE threads DROP COLUMN ordinal_total, DROP COLUMN tools_total, "
-            "DROP COLUMN totals_through"
+            "DROP COLUMN totals_through, DROP COLUMN outputs_expired_through_us"  # and 12's
         )
         conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
     store = PostgresStore.open(postgres_dsn, clock=clock)
