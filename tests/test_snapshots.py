@@ -292,6 +292,38 @@ def test_a_snapshot_keeps_the_agents_settings_and_the_specifics_ledger(svc: Serv
     assert "/var/log/app.log" in full.specifics and "make deploy" in full.specifics
 
 
+def test_a_snapshot_keeps_the_ledger_entries_a_build_held_out(
+    svc: Service, clock: ManualClock
+) -> None:
+    """A summary whose ledger could not show every entry keeps the rest in its metadata;
+    once the summarized messages have left the rolling window, the snapshot's specifics
+    still list every one of them."""
+    c = svc.client
+    c.stub.CreateAgent(
+        pb.CreateAgentRequest(
+            agent=pb.Agent(name="a1", rolling_window=duration_pb2.Duration(seconds=3600))
+        )
+    )
+    paths = [f"src/sched/lease_{i:03d}.py" for i in range(80)]  # a snapshot lists 80
+    for i, path in enumerate(paths):
+        c.append("a1", f"step {i}: edited {path}", role=USER if i % 2 == 0 else ASSISTANT)
+    clock.advance(1_800 * SECOND)
+    c.stub.BuildContext(
+        pb.BuildContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(summarize=True, budget_tokens=700)
+        )
+    )
+    [summary] = [m for m in c.window("a1") if m.is_summary]
+    shown = [p for p in paths if p in summary.content]
+    assert 0 < len(shown) < len(paths) and "ledger_held" in summary.metadata
+    clock.advance(1_800 * SECOND + 1)  # the appended messages leave the window, not it
+    assert [m.is_summary for m in c.window("a1")] == [True]
+    full = _get(c, _save(c).id)
+    summarized = paths[summary.first_summarized_id - 1 : summary.last_summarized_id]
+    assert len(summarized) > len(shown)
+    assert not full.messages and set(summarized) <= set(full.specifics)
+
+
 def test_stored_summaries_are_not_captured(svc: Service) -> None:
     c = svc.client
     for i in range(30):

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from contextd.app.base import UseCases
+from contextd.app.build.ledger import restore as restore_ledger
 from contextd.app.build.summarizer import collect_specifics, parse_specifics
 from contextd.app.paging import page_size
 from contextd.domain.batches import prepare_batch
@@ -151,7 +152,12 @@ class SnapshotCalls(UseCases):
                 break
             last = page[-1]
             after = (last.sequence, last.id) if where.thread else (last.create_time_us, last.id)
-        ledgers = [parse_specifics(summaries[t].content) for t in sorted(summaries)]
+        # Each ledger whole: the entries a build held out of its rendering (kept in the
+        # summary's metadata) go back in first.
+        ledgers = [
+            parse_specifics(restore_ledger(HistoryItem.from_stored(summaries[t])).content)
+            for t in sorted(summaries)
+        ]
         return kept, ledgers
 
     def list_snapshots(
