@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+import numpy.typing as npt
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_assembly import History, histories
 
+from contextd import core
 from contextd.app.build.assembly import _counted
+from contextd.app.build.builder import _repair_pair_columns
 from contextd.app.build.compaction import repair_tool_pairs
 from contextd.domain.context import HistoryItem
 from contextd.domain.model import Role
@@ -59,3 +64,86 @@ def test_repair_is_idempotent_on_any_window(history: History) -> None:
     once, _ = repair_tool_pairs(history.items)
     twice, repaired = repair_tool_pairs(once)
     assert twice == once and repaired == []
+
+
+def _numpy_repair_pair_columns(
+    ids: npt.NDArray[np.int64], roles: npt.NDArray[np.uint8], groups: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """The builder's orphan repair as it was (NumPy passes over the window, a mask)."""
+    result = int(Role.TOOL_RESULT)
+    result_at = np.flatnonzero(roles == result)
+    grouped = np.flatnonzero(groups >= 0)
+    head_at = grouped[(groups[grouped] == ids[grouped]) & (roles[grouped] != result)]
+    answered_at = heard_at = np.empty(0, dtype=np.intp)
+    if len(head_at) and len(result_at):
+        order = np.argsort(ids[head_at], kind="stable")
+        head_ids, heads = ids[head_at][order], head_at[order]
+        wanted = groups[result_at]
+        at = np.minimum(np.searchsorted(head_ids, wanted), len(head_ids) - 1)
+        ok = (head_ids[at] == wanted) & (heads[at] < result_at)
+        answered_at, heard_at = result_at[ok], heads[at[ok]]
+    orphan_results = np.setdiff1d(result_at, answered_at, assume_unique=True)
+    orphan_calls = np.setdiff1d(head_at, heard_at)
+    orphans = np.zeros(len(ids), dtype=bool)
+    if not len(orphan_results) and not len(orphan_calls):
+        return roles, groups, orphans
+    orphans[orphan_results] = True
+    orphans[orphan_calls] = True
+    roles = roles.copy()
+    roles[orphan_results] = int(Role.USER)
+    roles[orphan_calls] = int(Role.ASSISTANT)
+    groups = groups.copy()
+    groups[orphans] = -1
+    return roles, groups, orphans
+
+
+@st.composite
+def window_columns(
+    draw: st.DrawFn,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """A window's (ids, roles, groups) as the store gives them, orphans of every kind
+    included: results of calls before the window or after them, of no group, calls
+    never answered; long runs of plain rows between (the Rust scan skips blocks)."""
+    n = draw(st.integers(0, 400))
+    first = draw(st.integers(1, 10**9))
+    steps = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    ids = first + np.cumsum(np.asarray(steps, dtype=np.int64)) if n else np.empty(0, np.int64)
+    roles = np.full(n, int(Role.USER), dtype=np.uint8)
+    groups = np.full(n, -1, dtype=np.int64)
+    tool_rows = draw(st.lists(st.integers(0, max(0, n - 1)), max_size=n // 3 + 1)) if n else []
+    for i in tool_rows:
+        kind = draw(st.sampled_from(["head", "head", "result", "result", "stray", "member"]))
+        if kind == "head":
+            roles[i] = draw(st.sampled_from([int(Role.TOOL_USE), int(Role.ASSISTANT)]))
+            groups[i] = ids[i]
+        elif kind == "result":
+            roles[i] = int(Role.TOOL_RESULT)
+            groups[i] = ids[draw(st.integers(0, n - 1))]
+        elif kind == "stray":
+            roles[i] = int(Role.TOOL_RESULT)
+            groups[i] = draw(st.sampled_from([-1, first - 5, int(ids[-1]) + 7]))
+        else:
+            roles[i] = int(Role.ASSISTANT)
+            groups[i] = ids[draw(st.integers(0, n - 1))]
+    return ids, roles, groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(window_columns())
+def test_the_rust_orphan_scan_repairs_what_the_numpy_passes_did(
+    columns: tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8], npt.NDArray[np.int64]],
+) -> None:
+    ids, roles, groups = columns
+    old_roles, old_groups, old_mask = _numpy_repair_pair_columns(ids, roles, groups)
+    new_roles, new_groups, orphan_at = _repair_pair_columns(ids, roles, groups)
+    assert np.array_equal(new_roles, old_roles)
+    assert np.array_equal(new_groups, old_groups)
+    assert orphan_at.tolist() == np.flatnonzero(old_mask).tolist()
+    assert roles is new_roles or not np.shares_memory(roles, new_roles)  # inputs untouched
+
+
+def test_the_orphan_scan_rejects_columns_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        core.pair_orphans_columns(
+            np.arange(3, dtype=np.int64), np.ones(2, dtype=np.uint8), np.zeros(3, dtype=np.int64)
+        )
