@@ -21,8 +21,17 @@ from test_assembly import History, histories
 from contextd import core
 from contextd.app.build.assembly import _counted
 from contextd.app.build.builder import _repair_pair_columns
-from contextd.app.build.compaction import repair_tool_pairs
-from contextd.domain.context import HistoryItem
+from contextd.app.build.compaction import repair_tool_pairs, trim_columns
+from contextd.app.build.render import (
+    OPENAI_REPLY_TOKENS,
+    openai_item_tokens,
+    openai_message,
+    openai_tokens,
+    rendered_tokens,
+    to_openai,
+    wire_order,
+)
+from contextd.domain.context import AssembledContext, BuildStats, HistoryItem, estimate_counter
 from contextd.domain.model import Role
 
 
@@ -147,3 +156,51 @@ def test_the_orphan_scan_rejects_columns_of_different_lengths() -> None:
         core.pair_orphans_columns(
             np.arange(3, dtype=np.int64), np.ones(2, dtype=np.uint8), np.zeros(3, dtype=np.int64)
         )
+
+
+def _wire_order_reference(history: list[HistoryItem]) -> list[HistoryItem]:
+    """render.wire_order as it was, without the early return for windows with no result."""
+    items, _ = repair_tool_pairs(history)
+    roles, groups = trim_columns(items)
+    results: dict[int, list[HistoryItem]] = {}
+    for i, item in enumerate(items):
+        if roles[i] == core.ROLE_TOOL_RESULT and groups[i] >= 0:
+            results.setdefault(groups[i], []).append(item)
+    out: list[HistoryItem] = []
+    for i, item in enumerate(items):
+        if roles[i] == core.ROLE_TOOL_RESULT and groups[i] >= 0:
+            continue
+        out.append(item)
+        if roles[i] == core.ROLE_TOOL_USE:
+            out.extend(results.get(i, []))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.booleans())
+def test_wire_order_is_what_it_was(history: History, drop_results: bool) -> None:
+    items = [it for it in history.items if not (drop_results and it.role is Role.TOOL_RESULT)]
+    assert wire_order(items) == _wire_order_reference(items)
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories())
+def test_openai_item_costs_are_the_rendered_messages_costs(history: History) -> None:
+    items = history.items
+    expected = openai_tokens([openai_message(it) for it in items], estimate_counter)
+    assert openai_item_tokens(items, estimate_counter) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    histories(),
+    st.sampled_from(["", "You are terse."]),
+    st.sampled_from(["", "Status as of now:\n- nothing"]),
+    st.sampled_from([None, "and now?"]),
+)
+def test_the_openai_rendered_count_is_the_count_of_the_rendering(
+    history: History, system: str, status: str, new: str | None
+) -> None:
+    ctx = AssembledContext(system, (), status, tuple(history.items), new, BuildStats(budget=0))
+    expected = sum(openai_tokens(to_openai(ctx), estimate_counter)) + OPENAI_REPLY_TOKENS
+    assert rendered_tokens("openai", ctx, estimate_counter) == expected
