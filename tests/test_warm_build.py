@@ -31,7 +31,13 @@ from contextd.app.build.render import (
     to_openai,
     wire_order,
 )
-from contextd.domain.context import AssembledContext, BuildStats, HistoryItem, estimate_counter
+from contextd.domain.context import (
+    AssembledContext,
+    BuildStats,
+    HistoryItem,
+    IdList,
+    estimate_counter,
+)
 from contextd.domain.model import Role
 
 
@@ -204,3 +210,19 @@ def test_the_openai_rendered_count_is_the_count_of_the_rendering(
     ctx = AssembledContext(system, (), status, tuple(history.items), new, BuildStats(budget=0))
     expected = sum(openai_tokens(to_openai(ctx), estimate_counter)) + OPENAI_REPLY_TOKENS
     assert rendered_tokens("openai", ctx, estimate_counter) == expected
+
+
+@given(
+    st.lists(st.lists(st.integers(-(2**40), 2**40), max_size=12), max_size=5),
+    st.integers(-40, 40) | st.none(),
+    st.integers(-40, 40) | st.none(),
+    st.sampled_from([None, 1, 2, -1]),
+)
+def test_a_slice_of_an_id_list_reads_only_its_parts_and_is_the_plain_slice(
+    parts: list[list[int]], start: int | None, stop: int | None, step: int | None
+) -> None:
+    flat = [i for part in parts for i in part]
+    ids = IdList(*[np.asarray(p, dtype=np.int64) for p in parts])
+    assert ids[start:stop:step] == tuple(flat[start:stop:step])
+    assert list(ids) == flat  # joined afterwards, the same
+    assert ids[start:stop:step] == tuple(flat[start:stop:step])

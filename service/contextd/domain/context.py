@@ -295,8 +295,26 @@ class IdList(Sequence[int]):
 
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
         if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if self._flat is None and step == 1:
+                return tuple(self._range(start, stop).tolist())
             return tuple(self.array()[index].tolist())
         return int(self.array()[index])
+
+    def _range(self, start: int, stop: int) -> npt.NDArray[np.int64]:
+        """Ids ``start:stop`` from the parts that hold them, without joining the rest: a
+        response lists the newest 10,000 dropped ids of a window that may drop a million,
+        and joining them all first cost a millisecond per build."""
+        out: list[npt.NDArray[np.int64]] = []
+        at = 0
+        for part in self._parts:
+            lo, hi = max(start, at), min(stop, at + len(part))
+            if lo < hi:
+                out.append(part[lo - at : hi - at])
+            at += len(part)
+        if not out:
+            return np.empty(0, dtype=np.int64)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.array().tolist())
