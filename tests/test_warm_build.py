@@ -37,6 +37,7 @@ from contextd.domain.context import (
     HistoryItem,
     IdList,
     estimate_counter,
+    parse_tool_calls,
 )
 from contextd.domain.model import Role
 
@@ -226,3 +227,42 @@ def test_a_slice_of_an_id_list_reads_only_its_parts_and_is_the_plain_slice(
     assert ids[start:stop:step] == tuple(flat[start:stop:step])
     assert list(ids) == flat  # joined afterwards, the same
     assert ids[start:stop:step] == tuple(flat[start:stop:step])
+
+
+def _trim_columns_reference(items: list[HistoryItem]) -> tuple[list[int], list[int]]:
+    """compaction.trim_columns as it was, without the early return for plain windows."""
+    codes = {
+        Role.USER: core.ROLE_USER,
+        Role.ASSISTANT: core.ROLE_ASSISTANT,
+        Role.TOOL_USE: core.ROLE_TOOL_USE,
+        Role.TOOL_RESULT: core.ROLE_TOOL_RESULT,
+    }
+    roles: list[int] = []
+    groups: list[int] = []
+    group_of_call: dict[str, int] = {}
+    for i, item in enumerate(items):
+        code = codes[item.role]
+        group = -1
+        if item.role in (Role.TOOL_USE, Role.ASSISTANT) and item.tool_calls:
+            calls = parse_tool_calls(item.tool_calls)
+            if calls:
+                code, group = core.ROLE_TOOL_USE, i
+                for call in calls:
+                    group_of_call.setdefault(call.id, i)
+        elif item.role is Role.TOOL_RESULT:
+            group = group_of_call.get(item.tool_call_id, -1)
+        roles.append(code)
+        groups.append(group)
+    return roles, groups
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.booleans())
+def test_trim_columns_are_what_they_were(history: History, plain: bool) -> None:
+    items = history.items
+    if plain:
+        items = [
+            replace(it, tool_calls="", role=Role.USER if it.role is Role.TOOL_RESULT else it.role)
+            for it in items
+        ]
+    assert trim_columns(items) == _trim_columns_reference(items)

@@ -141,6 +141,10 @@ def trim_columns(items: Sequence[HistoryItem]) -> tuple[list[int], list[int]]:
     """The ``roles`` and ``groups`` columns of :func:`contextd.core.trim_to_budget` for
     pair-complete ``items``: a tool-using message and its results share a group id (the
     message's index); an assistant message carrying calls counts as a tool_use."""
+    codes = _ROLE_CODES
+    if not any(item.tool_calls or item.role is Role.TOOL_RESULT for item in items):
+        # No call and no result (a chat window; every build asks this more than once).
+        return [codes[item.role] for item in items], [-1] * len(items)
     roles: list[int] = []
     groups: list[int] = []
     group_of_call: dict[str, int] = {}
