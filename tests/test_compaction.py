@@ -199,8 +199,11 @@ def long_conversation(first: int, n: int) -> list[HistoryItem]:
     ]
 
 
-def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthropic) -> None:
+def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(
+    fake: FakeAnthropic, request: pytest.FixtureRequest
+) -> None:
     summarizer = AnthropicSummarizer(AnthropicConfig(api_key="k", base_url=fake.base_url))
+    request.addfinalizer(summarizer.close)  # its connection, not left to a later test's GC
     opts = StrategyOptions(summarize=True, keep_recent_tokens=400, keep_recent_messages=4)
     fake.reply_text(checkpoint("first checkpoint"))
     first = assemble(
@@ -245,9 +248,12 @@ def test_summarize_strategy_uses_the_llm_and_reuses_its_summary(fake: FakeAnthro
     assert second.stats.ledger_tokens <= 1500 * ledger.MAX_LEDGER_SHARE
 
 
-def test_summarize_strategy_survives_an_api_failure(fake: FakeAnthropic) -> None:
+def test_summarize_strategy_survives_an_api_failure(
+    fake: FakeAnthropic, request: pytest.FixtureRequest
+) -> None:
     fake.reply_error(529)
     summarizer = AnthropicSummarizer(AnthropicConfig(api_key="k", base_url=fake.base_url))
+    request.addfinalizer(summarizer.close)
     ctx = assemble(
         system_prompt="s",
         history=long_conversation(1, 30),

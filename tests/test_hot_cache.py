@@ -57,6 +57,7 @@ from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.domain.errors import NotFound
 from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
+from contextd.domain.window import WindowSpec
 from contextd.ports.store import SnapshotMoved, read_consistently
 from contextd.v1 import context_service_pb2 as pb
 
@@ -700,3 +701,28 @@ def test_a_build_reaching_older_than_the_cached_content_reads_it_by_sql(tmp_path
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_builds_share_a_window_table_until_an_append_and_see_the_append(tmp_path: Path) -> None:
+    """The cache keeps one view per thread state and one window table per view: reads
+    between two commits share them, and the first read after an append makes new ones
+    that hold it (the older table is unchanged: a build holding it reads one state)."""
+    store = Store.open(tmp_path / "s.duckdb")
+    try:
+        k = ContextKey("default", "a1", "", "t1")
+        store.append(k, support.batch("one", "two"), AgentSettings())
+        window = WindowSpec(0, 0)
+        ref = store.context_ref(k)
+        assert ref is not None
+        first = store.window_columns(ref, window)
+        assert store.window_columns(ref, window) is first
+        store.append(k, support.batch("three"), None)
+        ref = store.context_ref(k)
+        assert ref is not None
+        after = store.window_columns(ref, window)
+        assert after is not first
+        assert len(first) == 2 and len(after) == 3
+        assert after.column("id").to_pylist()[:2] == first.column("id").to_pylist()
+        assert store.window_columns(ref, window) is after
+    finally:
+        store.close()

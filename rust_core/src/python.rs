@@ -24,6 +24,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use crate::bm25;
 use crate::error::{catch_panic, CoreError, CoreResult};
 use crate::models;
+use crate::pairs;
 use crate::relevance;
 use crate::snippet;
 use crate::specifics;
@@ -406,6 +407,26 @@ fn trim_columns_to_budget(
     })
 }
 
+/// The orphans of a window's tool pairs over its columns read in place (int64 ids, uint8
+/// roles, int64 groups): `(orphan results, orphan calls)` as ascending positions. Attached,
+/// as the trim bindings are (the columns are borrowed under the interpreter's lock): one
+/// pass that skips ungrouped rows in blocks, about one read of the columns.
+#[pyfunction]
+fn pair_orphans_columns(
+    py: Python<'_>,
+    ids: &Bound<'_, PyAny>,
+    roles: &Bound<'_, PyAny>,
+    groups: &Bound<'_, PyAny>,
+) -> PyResult<(Vec<usize>, Vec<usize>)> {
+    guarded(|| {
+        let ids = Column::<i64>::new(ids, "ids", "int64")?;
+        let roles = Column::<u8>::new(roles, "roles", "uint8")?;
+        let groups = Column::<i64>::new(groups, "groups", "int64")?;
+        let found = pairs::pair_orphans(ids.as_slice(py), roles.as_slice(py), groups.as_slice(py))?;
+        Ok((found.results, found.calls))
+    })
+}
+
 /// The words of `text` as relevance scoring sees them (with `cjk_bigrams`, the terms of
 /// a search index: CJK runs as overlapping pairs of characters).
 #[pyfunction]
@@ -713,6 +734,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(list_models, m)?)?;
     m.add_function(wrap_pyfunction!(trim_to_budget, m)?)?;
     m.add_function(wrap_pyfunction!(trim_columns_to_budget, m)?)?;
+    m.add_function(wrap_pyfunction!(pair_orphans_columns, m)?)?;
     m.add_function(wrap_pyfunction!(tokenize, m)?)?;
     m.add_function(wrap_pyfunction!(keyword_scores, m)?)?;
     m.add_function(wrap_pyfunction!(keyword_select, m)?)?;

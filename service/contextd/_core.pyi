@@ -34,6 +34,7 @@ __all__ = [
     "keyword_select",
     "list_models",
     "model_info",
+    "pair_orphans_columns",
     "search_vectors",
     "snippet",
     "tokenize",
@@ -177,6 +178,19 @@ def trim_columns_to_budget(
     that item type (``numpy.ascontiguousarray(x, dtype=...)`` makes one), else
     ``BufferError`` (``TypeError`` for an object that is not a buffer); columns of
     different lengths raise ``ValueError``."""
+
+def pair_orphans_columns(
+    ids: _Column, roles: _Column, groups: _Column
+) -> tuple[list[int], list[int]]:
+    """The orphans of a window's tool pairs, as ascending positions: ``(results, calls)``.
+
+    Columns in window order (int64 stored ids, unique; uint8 role codes; int64 tool
+    groups: a tool-using message has the group of its own id, a tool_result the id of
+    the message that issued its call, -1 none). A *head* is a row whose group is its own
+    id and whose role is not tool_result; a tool_result is answered when the head of its
+    group comes before it, else it is an orphan; a head is an orphan when no answered
+    result names it. One pass over the columns read in place (the buffer rules of
+    :func:`trim_columns_to_budget`); columns of different lengths raise ``ValueError``."""
 
 def tokenize(text: str, stop_words: bool = False, cjk_bigrams: bool = False) -> list[str]:
     """The words relevance scoring sees: ``text`` lower-cased, split into maximal runs of

@@ -258,7 +258,6 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         user_message_tokens=s.new_message_tokens,
         messages_before=s.messages_before,
         messages_after=s.messages_after,
-        dropped_ids=s.dropped_ids[-MAX_LISTED_DROPPED_IDS:],
         dropped_count=len(s.dropped_ids),
         truncated_ids=s.truncated_ids,
         elided_ids=s.elided_ids,
@@ -303,18 +302,23 @@ def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
         for a in result.excerpts.added
     ]
     if not full:
-        return pb.BuildContextResponse(
+        response = pb.BuildContextResponse(
             stats=stats, renderings=renderings, tool_output_excerpts=excerpts
         )
-    return pb.BuildContextResponse(
-        system_prompt=ctx.system_prompt,
-        docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
-        status=ctx.status,
-        messages=messages,
-        stats=stats,
-        renderings=renderings,
-        tool_output_excerpts=excerpts,
-    )
+    else:
+        response = pb.BuildContextResponse(
+            system_prompt=ctx.system_prompt,
+            docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
+            status=ctx.status,
+            messages=messages,
+            stats=stats,
+            renderings=renderings,
+            tool_output_excerpts=excerpts,
+        )
+    # Into the response's own stats: a message given to a constructor is copied, and the
+    # listed ids (up to 10,000) are most of a long window's response.
+    response.stats.dropped_ids.extend(s.dropped_ids[-MAX_LISTED_DROPPED_IDS:])
+    return response
 
 
 def agent_pb(agent: Agent) -> pb.Agent:

@@ -32,6 +32,7 @@ from contextd.app.build.compaction import (
     summary_body,
 )
 from contextd.app.build.excerpts import ExcerptReport, add_excerpts
+from contextd.app.build.memo import Memo
 from contextd.app.build.render import render
 from contextd.app.build.summarizer import Summarizer
 from contextd.domain.batches import prepare_batch, stored_tokenizer
@@ -462,7 +463,7 @@ class ContextBuilder:
         summarized_at = _covered_positions(len(all_ids), rest)
         if len(ids) == 0:
             return _Window([], previous, stamps, window_ids=all_ids, summarized_at=summarized_at)
-        roles, groups, orphans = _repair_pair_columns(
+        roles, groups, orphan_at = _repair_pair_columns(
             ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
         )
         tokens = table.column("token_count").to_numpy()[rest]
@@ -488,11 +489,11 @@ class ContextBuilder:
             loaded = [m for m in loaded if m.id in wanted]
         items, repaired = repair_tool_pairs(
             [HistoryItem.from_stored(m) for m in loaded],
-            self._outside_calls(plan, loaded, set(ids[orphans].tolist())),
+            self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
         )
         # Orphans left unloaded, then what the repair changed among the loaded (which
         # includes the loaded orphans, and calls of which only some were answered).
-        orphaned = ids[:start][orphans[:start]].tolist() + repaired
+        orphaned = ids[orphan_at[orphan_at < start]].tolist() + repaired
         label = stored_tokenizer(plan.model)
         return _Window(
             items,
@@ -815,6 +816,9 @@ def _source_start(chars: npt.NDArray[Any], limit: int) -> int:
     return max(0, len(chars) - within)
 
 
+# Strategy options by the overrides they came from (few distinct ones: agents' and calls').
+_OPTIONS: Memo[BuildOverrides, StrategyOptions] = Memo(1_024)
+
 # The build options that are strategy options under the same name.
 _STRATEGY_FIELDS = tuple(
     f.name for f in fields(StrategyOptions) if f.name in BuildOverrides.__slots__
@@ -822,7 +826,13 @@ _STRATEGY_FIELDS = tuple(
 
 
 def strategy_options(overrides: BuildOverrides) -> StrategyOptions:
-    """The options of a build: the overrides over the documented defaults."""
+    """The options of a build: the overrides over the documented defaults. Remembered by
+    the (frozen) overrides: making and checking them through ``dataclasses.replace`` cost
+    a warm build about 20 microseconds, and a hot thread asks with the same ones."""
+    return _OPTIONS.get(overrides, _strategy_options)
+
+
+def _strategy_options(overrides: BuildOverrides) -> StrategyOptions:
     chosen = {
         name: value for name in _STRATEGY_FIELDS if (value := getattr(overrides, name)) is not None
     }
@@ -869,8 +879,9 @@ def _repair_pair_columns(
     ids: npt.NDArray[np.int64],
     roles: npt.NDArray[np.uint8],
     groups: npt.NDArray[np.int64],
-) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """The trimmer's role and group columns with orphans repaired, and the orphan mask.
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.intp]]:
+    """The trimmer's role and group columns with orphans repaired, and the orphans'
+    positions (ascending).
 
     The store gives a tool-using message the group of its own id and each tool_result
     the id of the message that issued its call (or -1). In a window, a result is an
@@ -880,34 +891,31 @@ def _repair_pair_columns(
     user text and orphan calls into assistant text, so here they lose their group and
     take those roles: the trimmer may then start the kept part at them, and an orphan
     result no longer holds a group open that nothing would close (which kept the trimmer
-    from keeping anything older). Vectorised: O(window) with no Python object per row.
+    from keeping anything older). The window is scanned once by the Rust core
+    (:func:`contextd.core.pair_orphans_columns`, which skips ungrouped rows in blocks):
+    no Python object per row, and positions rather than a mask over the window, so what
+    follows costs what the orphans are, not the window's length.
     """
-    # Two passes over the window (roles, groups); the rest is over the few grouped rows.
-    result = int(Role.TOOL_RESULT)
-    result_at = np.flatnonzero(roles == result)
-    grouped = np.flatnonzero(groups >= 0)
-    head_at = grouped[(groups[grouped] == ids[grouped]) & (roles[grouped] != result)]
-    answered_at = heard_at = np.empty(0, dtype=np.intp)  # results whose call is before them
-    if len(head_at) and len(result_at):
-        order = np.argsort(ids[head_at], kind="stable")
-        head_ids, heads = ids[head_at][order], head_at[order]
-        wanted = groups[result_at]
-        at = np.minimum(np.searchsorted(head_ids, wanted), len(head_ids) - 1)
-        ok = (head_ids[at] == wanted) & (heads[at] < result_at)
-        answered_at, heard_at = result_at[ok], heads[at[ok]]
-    orphan_results = np.setdiff1d(result_at, answered_at, assume_unique=True)
-    orphan_calls = np.setdiff1d(head_at, heard_at)
-    orphans = np.zeros(len(ids), dtype=bool)
-    if not len(orphan_results) and not len(orphan_calls):
-        return roles, groups, orphans
-    orphans[orphan_results] = True
-    orphans[orphan_calls] = True
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    found_results, found_calls = core.pair_orphans_columns(
+        ids,
+        np.ascontiguousarray(roles, dtype=np.uint8),
+        np.ascontiguousarray(groups, dtype=np.int64),
+    )
+    if not found_results and not found_calls:
+        return roles, groups, _NO_POSITIONS
+    orphan_results = np.asarray(found_results, dtype=np.intp)
+    orphan_calls = np.asarray(found_calls, dtype=np.intp)
     roles = roles.copy()
     roles[orphan_results] = int(Role.USER)
     roles[orphan_calls] = int(Role.ASSISTANT)
     groups = groups.copy()
-    groups[orphans] = -1
-    return roles, groups, orphans
+    groups[orphan_results] = -1
+    groups[orphan_calls] = -1
+    return roles, groups, np.union1d(orphan_results, orphan_calls)
+
+
+_NO_POSITIONS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
 
 def _group_start(groups: Sequence[int] | npt.NDArray[np.int64], index: int) -> int:
@@ -962,11 +970,13 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         intervals = [(window.not_loaded_at.start or 0, loaded_from)]
         if len(lost) or lost_unread:
             intervals.append((0, window.summarized_at.stop or 0))
-        if stats.dropped_ids:
-            wanted = np.asarray(stats.dropped_ids, dtype=np.int64)
-            from_held = loaded_from - window.hidden
-            at = loaded_from + np.flatnonzero(np.isin(order[from_held:], wanted))
-            intervals += [(p, p + 1) for p in at.tolist()]
+        if stats.dropped_ids:  # a set over the loaded part: np.isin's setup costs more
+            wanted = set(stats.dropped_ids)
+            at = loaded_from
+            for i in order[loaded_from - window.hidden :].tolist():
+                if i in wanted:
+                    intervals.append((at, at + 1))
+                at += 1
         runs = _runs_of_intervals(window.id_at, intervals)
     elif dropped:
         gone = np.zeros(len(order), dtype=bool)

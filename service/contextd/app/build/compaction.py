@@ -68,6 +68,7 @@ def repair_tool_pairs(
     issued: dict[str, int] = {}
     answered: dict[int, set[str]] = {}
     owner_of_result: dict[int, int] = {}
+    results = False
     for i, item in enumerate(items):
         if item.role in (Role.TOOL_USE, Role.ASSISTANT):
             calls = parse_tool_calls(item.tool_calls) if item.tool_calls else []
@@ -80,10 +81,15 @@ def repair_tool_pairs(
                     ids.append(call.id)
             calls_of[i] = ids
         elif item.role is Role.TOOL_RESULT:
+            results = True
             owner = issued.get(item.tool_call_id)
             if owner is not None and item.tool_call_id not in answered.setdefault(owner, set()):
                 answered[owner].add(item.tool_call_id)
                 owner_of_result[i] = owner
+    if not calls_of and not results:
+        # No call and no result: nothing to pair (every build repairs its history, and
+        # renders it, more than once: this is the common chat window).
+        return list(items), []
 
     out: list[HistoryItem] = []
     repaired: list[int] = []
@@ -135,6 +141,10 @@ def trim_columns(items: Sequence[HistoryItem]) -> tuple[list[int], list[int]]:
     """The ``roles`` and ``groups`` columns of :func:`contextd.core.trim_to_budget` for
     pair-complete ``items``: a tool-using message and its results share a group id (the
     message's index); an assistant message carrying calls counts as a tool_use."""
+    codes = _ROLE_CODES
+    if not any(item.tool_calls or item.role is Role.TOOL_RESULT for item in items):
+        # No call and no result (a chat window; every build asks this more than once).
+        return [codes[item.role] for item in items], [-1] * len(items)
     roles: list[int] = []
     groups: list[int] = []
     group_of_call: dict[str, int] = {}

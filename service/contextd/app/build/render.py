@@ -100,6 +100,8 @@ def wire_text(text: str) -> str:
 def wire_order(history: Sequence[HistoryItem]) -> list[HistoryItem]:
     """The history made pair-complete, each call's results directly after it."""
     items, _ = repair_tool_pairs(history)
+    if not any(item.role is Role.TOOL_RESULT for item in items):
+        return items  # no result to move (a chat window): the order is the stored one
     roles, groups = trim_columns(items)
     results: dict[int, list[HistoryItem]] = {}
     for i, item in enumerate(items):
@@ -327,11 +329,51 @@ def openai_tokens(messages: Sequence[JsonObject], count: TokenCounter) -> list[i
     return [fixed + sum(counts[a:b]) for a, b, fixed in spans]
 
 
+def openai_item_tokens(items: Sequence[HistoryItem], count: TokenCounter) -> list[int]:
+    """``openai_tokens([openai_message(it) for it in items], count)`` without making the
+    messages: a warm build counts every loaded message and its whole rendering this way,
+    and a text message's strings are its role and its wire text. A message carrying tool
+    calls goes through :func:`openai_message` (its calls' JSON is rendered)."""
+    strings: list[str] = []
+    spans: list[tuple[int, int, int]] = []
+    for item in items:
+        at = len(strings)
+        role = item.role
+        if role is Role.USER:
+            strings += ("user", wire_text(item.content))
+        elif role is Role.TOOL_RESULT:
+            strings += ("tool", item.tool_call_id, wire_text(item.content))
+        elif not item.tool_calls:
+            strings += ("assistant", wire_text(item.content))
+        else:
+            values, fixed = openai_message_strings(openai_message(item))
+            strings += values
+            spans.append((at, len(strings), fixed))
+            continue
+        spans.append((at, len(strings), OPENAI_MESSAGE_TOKENS))
+    counts = count(strings) if strings else []
+    return [fixed + sum(counts[a:b]) for a, b, fixed in spans]
+
+
 def rendered_tokens(fmt: str, ctx: AssembledContext, count: TokenCounter) -> int:
     """The rendering ``fmt`` of ``ctx`` as its provider counts it (see the module
-    docstring): what a budget bounds."""
+    docstring): what a budget bounds. For ``openai``, the messages :func:`to_openai` sends,
+    counted as :func:`openai_tokens` counts them, without making them (see
+    :func:`openai_item_tokens`)."""
     if fmt == "openai":
-        return sum(openai_tokens(to_openai(ctx), count)) + OPENAI_REPLY_TOKENS
+        around: list[JsonObject] = []
+        system = system_text(ctx)
+        if system:
+            around.append({"role": "system", "content": system})
+        if ctx.status:
+            around.append({"role": "user", "content": wire_text(ctx.status)})
+        if ctx.new_message:
+            around.append({"role": "user", "content": wire_text(ctx.new_message)})
+        return (
+            sum(openai_tokens(around, count))
+            + sum(openai_item_tokens(wire_order(ctx.history), count))
+            + OPENAI_REPLY_TOKENS
+        )
     return count([render(fmt, ctx)])[0]
 
 
@@ -372,7 +414,7 @@ class Framing:
 
     def _items(self, fmt: str, items: Sequence[HistoryItem]) -> list[int]:
         if fmt == "openai":
-            return openai_tokens([openai_message(it) for it in items], self.count)
+            return openai_item_tokens(items, self.count)
         if fmt == "anthropic":
             # As if each item were a message of its own (merging only saves), ", " after.
             return self.count(
