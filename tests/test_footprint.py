@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
 
 from contextd.adapters.duckdb.store import DEFAULT_MEMORY_LIMIT, Store
@@ -42,5 +42,53 @@ def test_the_store_opens_with_a_bounded_memory_limit_by_default(tmp_path: Path) 
     store = Store.open(tmp_path / "b" / "x.duckdb", memory_limit="")
     try:
         assert _memory_limit(store) != "122.0 MiB"  # DuckDB's own default
+    finally:
+        store.close()
+
+
+def _real_bytes(entry: object) -> int:
+    """What a cached thread holds: its columns' arrays (allocated rows) and its newest
+    messages as Python objects (each distinct object once: "" and small ints are shared)."""
+    cols: dict[str, Any] = entry.cols  # type: ignore[attr-defined]
+    total: int = sum(int(a.nbytes) for a in cols.values())
+    seen: set[int] = set()
+    for m in entry.recent:  # type: ignore[attr-defined]
+        total += sys.getsizeof(m)
+        for f in dataclasses.fields(m):
+            value = getattr(m, f.name)
+            if id(value) not in seen:
+                seen.add(id(value))
+                total += sys.getsizeof(value)
+    return total
+
+
+@pytest.mark.parametrize("text", ["plain words of a message", "中文的消息内容", "🙂🙃🙂🙃"])
+def test_the_hot_cache_accounts_at_least_what_a_large_thread_holds(
+    tmp_path: Path, text: str
+) -> None:
+    """Counting characters undercounted a thread by 1.6x (ASCII) to 2x (emoji): the bound
+    of --hot-cache-bytes was not one of memory. Loaded by SQL and extended by appends,
+    the accounted bytes are at least the real ones, and not far above."""
+    store = Store.open(tmp_path / "x.duckdb")
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+        service.create_agent("default", "support-bot", AgentSettings(model="gpt-4o"))
+        batch = [
+            NewMessage(role=Role.USER if i % 2 else Role.ASSISTANT, content=f"{i} {text * 4}")
+            for i in range(2_500)
+        ]
+        service.append_messages("default", "support-bot", "", "session-42", batch)
+        key = ContextKey("default", "support-bot", "", "session-42")
+        cache = store._hot
+        for step in ("loaded", "extended", "extended past the recent limit"):
+            if step == "loaded":
+                store.context_ref(key)  # a build's first read loads the thread
+            else:
+                service.append_messages("default", "support-bot", "", "session-42", batch)
+            entry = cache.entries[("c", "default", "support-bot", "", "session-42")]
+            real = _real_bytes(entry)
+            assert real <= entry.size() <= 1.5 * real, step
+            assert cache.bytes == sum(e.size() for e in cache.entries.values())
+        assert entry.n == 7_500 and len(entry.recent) == 4_096  # type: ignore[union-attr]
     finally:
         store.close()
