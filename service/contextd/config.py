@@ -34,7 +34,9 @@ class Settings:
     workers: int = 32
     grace_seconds: float = 10.0
     write_timeout_seconds: float = 30.0
-    store_memory_limit: str = ""  # DuckDB's memory_limit, e.g. "2GB"; "": DuckDB's default
+    # DuckDB's memory_limit, e.g. "2GB" ("": DuckDB's own, 80% of RAM); the default keeps
+    # an import's resident set flat (adapters/duckdb/store.py, DEFAULT_MEMORY_LIMIT).
+    store_memory_limit: str = "128MB"
     log_level: str = "INFO"
     log_format: str = "json"
     summary_model: str = "claude-haiku-4-5"
@@ -97,8 +99,8 @@ _SERVE_OPTIONS: dict[str, str] = {
     "grace_seconds": "how long shutdown waits for calls in flight",
     "write_timeout_seconds": "how long a call waits for the store's writer before it is "
     "answered UNAVAILABLE (STORE_BUSY)",
-    "store_memory_limit": "DuckDB's memory limit, e.g. 2GB (unset: DuckDB's default, 80%% of "
-    "the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
+    "store_memory_limit": "DuckDB's memory limit, e.g. 2GB (empty: DuckDB's own default, 80%% "
+    "of the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
     "insecure": "allow serving without API keys on a non-loopback address (every caller is "
     "the default tenant, with every role)",
     "tenant_max_rps": "most calls per second of one tenant on this server, in bursts of as "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -62,8 +63,10 @@ RECENT_CHARS = 1 << 20
 RECENT_MESSAGES = 4_096
 # A scope with more status entries or threads than this is not cached (read by SQL).
 MAX_SCOPE_ROWS = 1_000
-# Bytes counted per cached message beyond its characters, and per small entry.
-_MESSAGE_OVERHEAD = 400
+# Bytes counted per cached message beyond its strings: the object (21 slots, about 200
+# bytes in CPython 3.11) and up to seven integers of 32 bytes (a summary's id pair is
+# counted with the entry's summary rows), and per small entry.
+_MESSAGE_OVERHEAD = 424
 _ENTRY_OVERHEAD = 512
 # Bytes per row of the cached columns (8 int64 columns and a uint8 role).
 _ROW_BYTES = 8 * 8 + 1
@@ -157,6 +160,7 @@ class _Context:
     recent: list[StoredMessage]
     recent_from: int
     recent_chars: int
+    recent_bytes: int  # what `recent` holds in memory (see `_message_bytes`)
     changed: int = 0
     # The view of the current state, made at the first read after a change (`_extend`
     # drops it): the reads of a build, and every build until the next append, share it.
@@ -184,12 +188,14 @@ class _Context:
         )
 
     def size(self) -> int:
-        capacity = len(self.cols["id"])
+        capacity = len(self.cols["id"])  # every column has this many rows allocated
+        summary = self.latest_summary
         return (
             _ENTRY_OVERHEAD
             + capacity * _ROW_BYTES
-            + self.recent_chars
-            + _MESSAGE_OVERHEAD * len(self.recent)
+            + self.recent_bytes
+            + (_message_bytes(summary) if summary is not None else 0)
+            + 100 * len(self.summary_rows)
         )
 
 
@@ -303,6 +309,31 @@ def _message_chars(m: StoredMessage) -> int:
     return len(m.content) + len(m.tool_calls) + len(m.metadata)
 
 
+def _message_bytes(m: StoredMessage) -> int:
+    """The memory one cached message holds, so the cache's bound is one of real bytes:
+    each string as CPython stores it (an ASCII character takes one byte, others two or
+    four: counting characters undercounted CJK and emoji text by up to 4x) and every
+    message's own strings (names and the tokenizer are separate objects per message,
+    as Arrow and DuckDB hand them over), plus the object and its integers."""
+    return _MESSAGE_OVERHEAD + sum(
+        sys.getsizeof(text)
+        for text in (
+            m.content,
+            m.tool_calls,
+            m.metadata,
+            m.tenant,
+            m.agent,
+            m.scope,
+            m.thread,
+            m.tool_call_id,
+            m.external_id,
+            m.tokenizer,
+            m.restored_from,
+        )
+        if text  # "" is one shared object
+    )
+
+
 def _messages_of(batch: pa.Table, rows: npt.NDArray[np.intp]) -> list[StoredMessage]:
     """StoredMessages of some rows of an append's Arrow batch (the writer's columns)."""
     part = batch.take(pa.array(rows)).to_pydict()
@@ -371,6 +402,7 @@ def new_context(
         recent,
         n - len(recent),
         sum(_message_chars(m) for m in recent),
+        sum(_message_bytes(m) for m in recent),
     )
 
 
@@ -570,20 +602,25 @@ class HotCache:
             within = np.cumsum(chars[::-1]) <= RECENT_CHARS
             keep = int(within.sum()) if len(within) else 0
             added = _messages_of(batch, newest_rows[len(newest_rows) - keep :]) if keep else []
+            added_bytes = sum(_message_bytes(m) for m in added)
             if keep < k:  # the older part of the batch does not fit: recent starts anew
                 entry.recent, entry.recent_chars = added, int(chars[len(chars) - keep :].sum())
+                entry.recent_bytes = added_bytes
                 entry.recent_from = entry.n - keep
             else:
                 recent = entry.recent + added
                 total = entry.recent_chars + int(chars.sum())
+                nbytes = entry.recent_bytes + added_bytes
                 drop = 0
                 while len(recent) - drop > RECENT_MESSAGES or (
                     total > RECENT_CHARS and drop < len(recent)
                 ):
                     total -= _message_chars(recent[drop])
+                    nbytes -= _message_bytes(recent[drop])
                     drop += 1
                 entry.recent = recent[drop:]
                 entry.recent_chars = total
+                entry.recent_bytes = nbytes
                 entry.recent_from += drop
         entry.changed = self.gen
         self.bytes += entry.size() - before

@@ -55,6 +55,14 @@ from contextd.domain.model import (
     ContextKey,
 )
 
+# DuckDB's memory limit unless the server is told otherwise (--store-memory-limit). DuckDB's
+# own default, 80% of the machine's memory, lets its buffer pool keep every block a long
+# import writes: the server grew by about 1 GB importing 1,000,000 messages. With this
+# limit the blocks it wrote are evicted (they are on disk; a read brings them back), and
+# the resident set stays flat (docs/operations.md, Memory). It also bounds one
+# transaction: an AppendMessages of more than about 100 MB then needs a larger limit.
+DEFAULT_MEMORY_LIMIT = "128MB"
+
 
 @_failures_translated
 class Store(
@@ -169,15 +177,16 @@ class Store(
         max_group_rows: int = 50_000,
         clock: MonotonicClock | None = None,
         write_timeout_s: float = 30.0,
-        memory_limit: str = "",
+        memory_limit: str = DEFAULT_MEMORY_LIMIT,
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
     ) -> Store:
         """Open (creating if needed) the DuckDB file and migrate it to the current schema.
 
         Raises StoreLocked when another process holds the file, so the caller can say so
-        in one line instead of a stack trace. `memory_limit` ("" for DuckDB's default) is
-        DuckDB's; a call that needs more memory is answered StoreExhausted.
+        in one line instead of a stack trace. `memory_limit` is DuckDB's (DEFAULT_MEMORY_LIMIT
+        unless given; "" for DuckDB's own default); a call that needs more memory is
+        answered StoreExhausted.
         """
         path.parent.mkdir(parents=True, exist_ok=True)
         config: dict[str, str | bool | int | float | list[str]] = {}
