@@ -649,7 +649,7 @@ class ContextBuilder:
             [HistoryItem.from_stored(m) for m in loaded],
             self._outside_calls(plan, loaded, set(ids[orphans].tolist())),
         )
-        orphaned = ids[:start][orphans[:start]].tolist() + repaired
+        orphaned = ids[orphans[orphans < start]].tolist() + repaired
         label = stored_tokenizer(plan.model)
         return _Window(
             items,
