@@ -179,16 +179,20 @@ class SearchMixin(DuckDBBase):
 
     def _search_rows(self, query: SearchQuery, ids: list[int]) -> dict[int, StoredMessage]:
         """The whole messages of these ids, of the query's scope only."""
-        # The ids as a literal IN list: DuckDB checks it against each row group's min/max
-        # statistics (ids grow with insertion), so only the row groups holding hits are read.
-        marks = ", ".join("?" * len(ids))
+        # One point lookup per id, joined by UNION ALL: DuckDB prunes each `id = ?` to
+        # the one row group (and vector) whose min/max statistics hold it, since ids grow
+        # with insertion. An IN list is pruned by the list's min and max instead, which
+        # for hits spread over a long history reads nearly every row group: about 100 ms
+        # for 10 hits over 1,000,000 messages under a 128 MB buffer pool, against 6 ms.
+        branch = (
+            f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ? AND context_id IN "
+            "(SELECT context_id FROM threads WHERE tenant = ? AND agent = ? AND scope = ?)"
+        )
         rows = (
             self._cursor()
             .execute(
-                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id IN ({marks}) "
-                "AND context_id IN (SELECT context_id FROM threads WHERE tenant = ? AND agent = ? "
-                "AND scope = ?)",
-                [*ids, query.tenant, query.agent, query.scope],
+                " UNION ALL ".join([branch] * len(ids)),
+                [p for i in ids for p in (i, query.tenant, query.agent, query.scope)],
             )
             .fetchall()
         )
