@@ -4,7 +4,7 @@ across calls and checked against the store on every call.
 Rebuilding a BM25 index over a scope's outputs on every selection costs time in
 proportion to the scope (seconds at 100,000 outputs); here an index is built once and
 then kept current. Every selection first reads the scope's fingerprint from the store
-(count, sum of create times and sum of the ids' random bits of its outputs: one small
+(count, sum of create times and sum of the engine's hashes of its ids: one small
 aggregate; on PostgreSQL an index-only range), which every put and delete changes,
 whichever server made it, even a delete and a put of the same microsecond on two
 replicas:
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from contextd import core
 from contextd.domain.tool_outputs import ToolOutputFilter
-from contextd.ports.tool_outputs import IndexedOutput, ToolOutputStore, id_number
+from contextd.ports.tool_outputs import IndexedOutput, ToolOutputStore
 
 MAX_INDEXED_OUTPUTS = 200_000
 MAX_CACHED_OUTPUTS = 400_000
@@ -60,7 +60,7 @@ class _ScopeIndex:
             self.tags.append((r[2], r[3], r[4], r[5]))
             self.count += 1
             self.time_sum += r[1]
-            self.id_sum += id_number(r[0])
+            self.id_sum += r[7]
         if rows:
             self.last = (rows[-1][1], rows[-1][0])
 
@@ -96,7 +96,7 @@ class RelevanceIndexes:
                 grown = (
                     entry.count + len(newer),
                     entry.time_sum + sum(r[1] for r in newer),
-                    entry.id_sum + sum(id_number(r[0]) for r in newer),
+                    entry.id_sum + sum(r[7] for r in newer),
                 )
                 if grown == stored:
                     entry.add(newer)

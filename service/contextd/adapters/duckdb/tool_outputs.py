@@ -340,7 +340,7 @@ class ToolOutputsMixin(DuckDBBase):
         row = _first(
             self._cursor().execute(
                 "SELECT count(*), coalesce(sum(create_time_us), 0), "
-                "coalesce(sum(('0x' || substr(id, 4, 12))::BIGINT), 0) FROM tool_outputs "
+                "coalesce(sum(hash(id)), 0) FROM tool_outputs "
                 "WHERE scope_key = ? AND tenant = ? AND agent = ? AND scope = ?",
                 [_scope_key(tenant, agent, scope), tenant, agent, scope],
             )
@@ -354,7 +354,8 @@ class ToolOutputsMixin(DuckDBBase):
         rows = (
             self._cursor()
             .execute(
-                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text, "
+                "hash(id) "
                 "FROM tool_outputs WHERE scope_key = ? AND tenant = ? AND agent = ? AND "
                 "scope = ? AND (create_time_us > ? OR (create_time_us = ? AND id > ?)) "
                 "ORDER BY create_time_us, id LIMIT ?",
@@ -371,7 +372,10 @@ class ToolOutputsMixin(DuckDBBase):
             )
             .fetchall()
         )
-        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]
+        return [
+            (str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6]), int(r[7]))
+            for r in rows
+        ]
 
     def _drop_agent_tool_outputs(
         self, cur: duckdb.DuckDBPyConnection, tenant: str, agent: str

@@ -314,8 +314,8 @@ class ToolOutputsMixin(PostgresBase):
         with self._reading() as conn:
             row = first_row(
                 conn,
-                "SELECT count(*), coalesce(sum(create_time_us), 0), coalesce(sum(("
-                "'x' || lpad(substr(id, 4, 12), 16, '0'))::bit(64)::bigint), 0) "
+                "SELECT count(*), coalesce(sum(create_time_us), 0), "
+                "coalesce(sum(hashtext(id)), 0) "
                 "FROM tool_outputs "
                 "WHERE tenant = %s AND agent = %s AND scope = %s",
                 [tenant, agent, scope],
@@ -328,9 +328,13 @@ class ToolOutputsMixin(PostgresBase):
         position = after or (-1, "")
         with self._reading() as conn:
             rows = conn.execute(
-                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text "
+                "SELECT id, create_time_us, thread, task_id, query_id, tool_name, index_text, "
+                "hashtext(id) "
                 "FROM tool_outputs WHERE tenant = %s AND agent = %s AND scope = %s AND "
                 "(create_time_us, id) > (%s, %s) ORDER BY create_time_us, id LIMIT %s",
                 [tenant, agent, scope, position[0], position[1], limit],
             ).fetchall()
-        return [(str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6])) for r in rows]
+        return [
+            (str(r[0]), int(r[1]), str(r[2]), r[3], r[4], str(r[5]), str(r[6]), int(r[7]))
+            for r in rows
+        ]
