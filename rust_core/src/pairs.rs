@@ -22,7 +22,8 @@ use hashbrown::HashMap;
 
 use crate::error::{CoreError, CoreResult};
 
-const TOOL_RESULT: u8 = 4;
+/// The wire code of a tool_result (the trimmer's `Role`, one definition of the codes).
+const TOOL_RESULT: u8 = crate::trim::Role::ToolResult as u8;
 
 /// Rows per block whose "any tool row?" test is two vectorizable folds.
 const BLOCK: usize = 256;

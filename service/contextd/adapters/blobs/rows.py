@@ -81,22 +81,22 @@ def filter_sql(
             params.append(value)
     if where.expired_through_us:
         parts.append(f"NOT {expired_sql(mark, threads)}")
-        params += [where.expired_through_us] * 3
+        params += [where.expired_through_us] * 2
     return " AND ".join(parts), params
 
 
 def expired_sql(mark: str, threads: str = "threads") -> str:
     """True for a `tool_outputs` row the sweep may delete at a cutoff (now - ttl, given
-    three times): its context (the thread row of its tenant, agent, scope and thread, one
-    lookup by the threads' unique key) is expired and the output is old enough, or it was
-    old enough when an append after expiry restarted the context. An output of a thread
-    with no messages has no context to expire."""
+    twice; only asked with a ttl): its context (the thread row of its tenant, agent,
+    scope and thread, one lookup by the threads' unique key) is expired and the output
+    is old enough, or it was old enough when an append after expiry restarted the
+    context. An output of a thread with no messages has no context to expire."""
     return (
         f"EXISTS (SELECT 1 FROM {threads} t WHERE t.tenant = tool_outputs.tenant AND "
         "t.agent = tool_outputs.agent AND t.scope = tool_outputs.scope AND "
         "t.thread = tool_outputs.thread AND (tool_outputs.create_time_us <= "
         f"t.outputs_expired_through_us OR (tool_outputs.create_time_us <= {mark} AND "
-        f"t.last_message_time_us <= {mark} AND {mark} > 0)))"
+        f"t.last_message_time_us <= {mark})))"
     )
 
 
@@ -105,5 +105,5 @@ def is_expired(
 ) -> bool:
     """`expired_sql` for one output whose thread row was read (see there)."""
     return create_time_us <= outputs_through_us or (
-        cutoff_us > 0 and create_time_us <= cutoff_us and last_message_time_us <= cutoff_us
+        create_time_us <= cutoff_us and last_message_time_us <= cutoff_us
     )

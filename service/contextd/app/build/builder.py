@@ -477,30 +477,16 @@ class ContextBuilder:
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
         sequences = table.column("sequence").to_numpy()[rest]
-        kept_ids = ids[start:]
-        loaded = self._store.window_messages_from(
-            plan.context,
-            plan.window,
-            int(sequences[start]),
-            (int(kept_ids.min()), int(kept_ids.max())),
+        # Summarized messages may sit between kept ones when `rest` is not a range.
+        items, stamps, known, orphaned = self._load_kept(
+            plan, stamps, ids, start, int(sequences[start]), orphan_at, not isinstance(rest, slice)
         )
-        if not isinstance(rest, slice):  # summarized messages may sit between kept ones
-            wanted = set(kept_ids.tolist())
-            loaded = [m for m in loaded if m.id in wanted]
-        items, repaired = repair_tool_pairs(
-            [HistoryItem.from_stored(m) for m in loaded],
-            self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
-        )
-        # Orphans left unloaded, then what the repair changed among the loaded (which
-        # includes the loaded orphans, and calls of which only some were answered).
-        orphaned = ids[orphan_at[orphan_at < start]].tolist() + repaired
-        label = stored_tokenizer(plan.model)
         return _Window(
             items,
             previous,
-            stamps | {m.id: MessageStamp.of(m) for m in loaded},
-            {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
-            tuple(orphaned),
+            stamps,
+            known,
+            orphaned,
             all_ids,
             summarized_at,
             slice(rest.start or 0, (rest.start or 0) + start)
@@ -637,26 +623,16 @@ class ContextBuilder:
                 edge_ids=edges,
             )
         assert orphans is not None
-        ids = read_ids
-        kept_ids = ids[start:]
-        loaded = self._store.window_messages_from(
-            plan.context,
-            plan.window,
-            int(read.column("sequence")[start].as_py()),
-            (int(kept_ids.min()), int(kept_ids.max())),
+        first_sequence = int(read.column("sequence")[start].as_py())
+        items, stamps, known, orphaned = self._load_kept(
+            plan, stamps, read_ids, start, first_sequence, orphans, False
         )
-        items, repaired = repair_tool_pairs(
-            [HistoryItem.from_stored(m) for m in loaded],
-            self._outside_calls(plan, loaded, set(ids[orphans].tolist())),
-        )
-        orphaned = ids[orphans[orphans < start]].tolist() + repaired
-        label = stored_tokenizer(plan.model)
         return _Window(
             items,
             previous,
-            stamps | {m.id: MessageStamp.of(m) for m in loaded},
-            {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
-            tuple(orphaned),
+            stamps,
+            known,
+            orphaned,
             held,
             slice(0, se),
             slice(se, loaded_from),
@@ -682,6 +658,44 @@ class ContextBuilder:
             costs = np.where(chars > max_chars, np.minimum(costs, cut), costs)
         budget = int(plan.budget.prompt_budget * CANDIDATE_SLACK) + 1
         return int(costs.sum()) > budget
+
+    def _load_kept(
+        self,
+        plan: _Plan,
+        stamps: dict[int, MessageStamp],
+        ids: npt.NDArray[np.int64],
+        start: int,
+        first_sequence: int,
+        orphan_at: npt.NDArray[np.intp],
+        only_kept_ids: bool,
+    ) -> tuple[list[HistoryItem], dict[int, MessageStamp], dict[str, int], tuple[int, ...]]:
+        """The messages the trimmer may keep (`ids` from position `start` on, the first
+        at `first_sequence`), read whole and with their tool pairs repaired: the items,
+        the stamps with theirs added, the counts stored under the build's tokenizer, and
+        the orphans (those left unloaded, then what the repair changed among the loaded,
+        which includes the loaded orphans and calls of which only some were answered).
+        `only_kept_ids` drops loaded messages not among the ids (summarized ones that
+        sit between kept ones). The whole and the newest-first read both end here."""
+        assert plan.context is not None
+        kept_ids = ids[start:]
+        loaded = self._store.window_messages_from(
+            plan.context, plan.window, first_sequence, (int(kept_ids.min()), int(kept_ids.max()))
+        )
+        if only_kept_ids:
+            wanted = set(kept_ids.tolist())
+            loaded = [m for m in loaded if m.id in wanted]
+        items, repaired = repair_tool_pairs(
+            [HistoryItem.from_stored(m) for m in loaded],
+            self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
+        )
+        orphaned = ids[orphan_at[orphan_at < start]].tolist() + repaired
+        label = stored_tokenizer(plan.model)
+        return (
+            items,
+            stamps | {m.id: MessageStamp.of(m) for m in loaded},
+            {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
+            tuple(orphaned),
+        )
 
     def _outside_calls(
         self, plan: _Plan, loaded: Sequence[StoredMessage], orphaned: set[int]
