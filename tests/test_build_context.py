@@ -255,6 +255,24 @@ def test_summarize_uses_llm_then_reuses_the_stored_summary(
     assert json.loads(event.data)["summarizer_path"] == "llm"
 
 
+def test_a_summary_with_the_nul_character_is_stored_without_it(
+    running: tuple[RunningServer, Client], fake: FakeAnthropic
+) -> None:
+    """A model's answer holding U+0000 used to reach the store: PostgreSQL refused the
+    summary row and the build failed with INTERNAL."""
+    _, client = running
+    fake.reply_text(full_checkpoint("## Goal\nShip\x00 the parser.\n## Progress\nDone\x00."))
+    for i in range(60):
+        client.append("a1", f"step {i}: edit src/parser_{i}.rs " + "details " * 30)
+    options = pb.BuildOptions(budget_tokens=3_000, summarize=True, keep_recent_tokens=1_000)
+    ctx = _build(client, options=options)
+    assert ctx.stats.summarizer_path == "llm"
+    assert "Ship the parser." in ctx.messages[0].content
+    stored = [m for m in client.history("a1") if m.is_summary]
+    assert len(stored) == 1 and "\x00" not in stored[0].content
+    assert "Ship the parser." in stored[0].content
+
+
 def test_summaries_share_one_client_connection(
     running: tuple[RunningServer, Client], fake: FakeAnthropic
 ) -> None:

@@ -571,7 +571,9 @@ class AnthropicSummarizer:
             for b in blocks
             if getattr(b, "type", None) == "text" and isinstance(getattr(b, "text", None), str)
         ]
-        text = "\n".join(parts).strip()
+        # A model may emit U+0000; no engine stores it in a text column (PostgreSQL
+        # refuses it), and a client could not have sent it, so it never gets further.
+        text = "\n".join(parts).replace("\x00", "").strip()
         if not text:
             raise EmptyAnswerError("empty response: no text content")
         return text
