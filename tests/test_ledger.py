@@ -102,10 +102,27 @@ def test_entries_keep_provenance_and_references() -> None:
     assert text.splitlines() == [
         "## Specifics",
         ledger.LEGEND,
-        "7: src/a.py (x3) · make test",
-        "9: ORD-12-X",
+        "7 src/a.py (x3) · make test",
+        "9 ORD-12-X",
     ], "one line per source, its provenance once"
     assert ledger.parse("## Goal\ng\n\n" + text) == found
+
+
+def test_a_sources_id_then_a_space_costs_a_token_less_a_line_and_the_colon_form_reads() -> None:
+    """A line is its source's id, a space and its entries: the colon the earlier form put
+    after the id is a token of its own on every line (a tenth of a ledger of one-entry
+    lines). Ledgers stored with the colon still read; an entry may start with a digit."""
+    entries = [Entry(f"ORD-{i}-QX", 100 + 3 * i) for i in range(80)] + [Entry("12 ms", 400)]
+    text = ledger.render(entries)
+    colon = "\n".join(
+        line if line[:1] not in "0123456789" else line.replace(" ", ": ", 1)
+        for line in text.splitlines()
+    )
+    assert "400 12 ms" in text and "400: 12 ms" in colon
+    (new_t, colon_t) = core.count_tokens_batch([text, colon], "o200k_base")
+    assert new_t <= colon_t - 80, (new_t, colon_t)
+    assert ledger.parse(text) == entries
+    assert ledger.parse(colon) == entries
 
 
 def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None:
@@ -134,7 +151,7 @@ def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None
         "[message:4]",
         "- echo a · b",
         "- src/x.py",
-        "5: v1.2.3 (x2)",
+        "5 v1.2.3 (x2)",
     ]
     assert ledger.parse(ledger.render(odd)) == odd
 
@@ -170,7 +187,7 @@ def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
         item, max_item_tokens=500, max_ledger_tokens=200, count=estimate_counter
     )
     assert stats.entries == 3 and stats.evicted == 0
-    assert "(x" not in fitted.content and "3: src/a.py · v1.2.3" in fitted.content
+    assert "(x" not in fitted.content and "3 src/a.py · v1.2.3" in fitted.content
     assert json.loads(fitted.metadata)[ledger.REFS_KEY] == {"src/a.py": 7, "ORD-9-QX": 2}
     assert ledger.parse(ledger.restore(fitted).content) == entries
     assert ledger.restore(ledger.restore(fitted)) == ledger.restore(fitted)

@@ -105,7 +105,7 @@ SEPARATOR = " · "
 """Between the entries of one source's line (rare in paths, commands, ids and errors)."""
 
 _SOURCE = re.compile(r"^\[message:(-?\d+)\]$")
-_INLINE = re.compile(r"^(-?\d+): (.+)$")
+_INLINE = re.compile(r"^(-?\d+):? (.+)$")
 _ENTRY = re.compile(r"^(.*?)(?: \(x(\d+)\))?$")
 
 
@@ -230,7 +230,7 @@ def render(entries: Sequence[Entry], *, counts: bool = True) -> str:
         source = group[0].source
         if all(_inline(e) for e in group):
             texts = (_entry_text(e, counts) for e in group)
-            lines.append(f"{source}: " + SEPARATOR.join(texts))
+            lines.append(f"{source} " + SEPARATOR.join(texts))
             continue
         lines.append(f"[message:{source}]")  # the line form: one entry a line
         lines.extend(f"- {_entry_text(e, counts)}" for e in group)
@@ -304,7 +304,7 @@ def _fit(
     # A counter may frame each text as a message: that framing is paid once, not by each.
     # It is what an empty text costs, or a one-token text less one when that is less (a
     # build's counter renders an empty message with a placeholder).
-    *counted, empty, one = count([*texts, heading, *(f"{s}:" for s in sources), "", "x"])
+    *counted, empty, one = count([*texts, heading, *(f"{s}" for s in sources), "", "x"])
     framing = max(0, min(empty, one - 1))
     costs = [max(0, c - framing) for c in counted]
     costs[len(texts)] += framing
