@@ -196,12 +196,47 @@ def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
 def test_fit_keeps_the_most_mentions_per_token() -> None:
     """Equal references: the longer entry (more tokens for the same mentions) goes first,
     whatever its age; then the fewest references per token."""
-    long_error = "java.lang.IllegalStateException: scheduler lease not ready (slot 4512)"
-    entries = [Entry("v1.2.3", 1), Entry(long_error, 2), Entry("#42", 3), Entry("ORD-7-QX", 4)]
+    long_url = "https://grafana.example.com/d/8f3a9c1e/scheduler-leases?from=now-6h&var=slot"
+    entries = [Entry("v1.2.3", 1), Entry(long_url, 2), Entry("#42", 3), Entry("ORD-7-QX", 4)]
     full = estimate_counter([ledger.render(entries)])[0]
     kept, evicted = ledger.fit(entries, full - 5, estimate_counter)
-    assert evicted == 1 and long_error not in [e.text for e in kept]
+    assert evicted == 1 and long_url not in [e.text for e in kept]
     assert [e.text for e in kept] == ["v1.2.3", "#42", "ORD-7-QX"]
+
+
+def test_an_error_lines_mention_outweighs_its_length() -> None:
+    """An error line's references count 2.5 times against its tokens: an error line of
+    up to 2.5 times a path's tokens outlasts the path, mentioned as often; a longer one
+    still goes first."""
+    error = "KeyError: 'lease_slot_4512'"
+    paths = [Entry(f"src/sched/{w}.py", 10 + i) for i, w in enumerate(("a", "b", "c"))]
+    entries = [Entry(error, 1), *paths]
+    # the largest room that cannot hold them all: one entry must go
+    room = max(r for r in range(1, 200) if ledger.fit(entries, r, estimate_counter)[1])
+    kept, evicted = ledger.fit(entries, room, estimate_counter)
+    assert evicted == 1 and error in [e.text for e in kept]
+    assert [e.text for e in kept] == [error, "src/sched/b.py", "src/sched/c.py"]
+    huge = "ValueError: " + " ".join(f"word{i}" for i in range(60))
+    kept, evicted = ledger.fit([Entry(huge, 1), *paths], 60, estimate_counter)
+    assert huge not in [e.text for e in kept] and len(kept) == 3
+
+
+def test_error_entries_are_told_by_the_extractors_markers() -> None:
+    errors = [
+        "panic: runtime error: index out of range [4] with length 3",
+        "KeyError: 'core_43'",
+        "java.lang.IllegalStateException: merge not ready (5)",
+        "error[E0382]: borrow of moved value: `x`",
+        "Error: ENOENT: no such file or directory, open 'a.json'",
+        "FAILED tests/test_api.py::test_get - AssertionError: 1 != 2",
+        "fatal: not a git repository",
+        "ValueError",
+    ]
+    others = ["errors/handler.py", "error_rate", "ErrorBoundary.tsx", "FAILED", "v1.2.3"]
+    assert all(ledger.is_error(e) for e in errors)
+    assert not any(ledger.is_error(e) for e in others)
+    found = core.extract_specifics_batch(errors)
+    assert all(kind == "error" for pairs in found for kind, _ in pairs[:1])
 
 
 def test_fit_fills_its_room_when_the_counter_frames_each_text() -> None:
@@ -300,8 +335,9 @@ def test_the_ledger_takes_the_room_the_recent_part_leaves(fake: FakeAnthropic) -
 
 def test_the_ledger_share_grows_with_the_windows_length() -> None:
     assert ledger.ledger_share(40_000, 10_000) == ledger.LEDGER_SHARE
-    assert ledger.ledger_share(160_000, 10_000) == 0.5  # an eighth more a doubling
-    assert ledger.ledger_share(640_000, 10_000) == ledger.MAX_LEDGER_SHARE == 0.75
+    # 0.6 more each tenfold past 4 times the budget: 0.55 at 4 * sqrt(10) times
+    assert abs(ledger.ledger_share(int(40_000 * 10**0.5), 10_000) - 0.55) < 1e-4
+    assert ledger.ledger_share(400_000, 10_000) == ledger.MAX_LEDGER_SHARE == 0.85
     assert ledger.ledger_share(10_000_000, 10_000) == ledger.MAX_LEDGER_SHARE
     middle = ledger.ledger_share(80_000, 10_000)
     assert ledger.LEDGER_SHARE < middle < ledger.MAX_LEDGER_SHARE
@@ -375,7 +411,7 @@ def test_entries_the_kept_messages_hold_are_left_out_and_come_back(fake: FakeAnt
 
 
 def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnthropic) -> None:
-    """A window many times the budget: the ledger may take up to three quarters of the
+    """A window many times the budget: the ledger may take up to 85% of the
     history budget (a quarter otherwise), as much as its entries need; the recent part
     keeps what truncation keeps under the budget less the summary as built."""
     fake.reply_lossy()
