@@ -432,6 +432,38 @@ def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnt
     assert len(verbatim) >= len(truncated.history)
 
 
+def test_the_ledgers_larger_share_leaves_the_request_and_newest_turn_whole(
+    fake: FakeAnthropic,
+) -> None:
+    """A window 40 times the budget lets the ledger take up to 85% of it, but never the
+    room of the current request (the latest user message) and the newest turn: they stay
+    whole beside it when they fit the budget."""
+    fake.reply_lossy()
+    history = specifics_session(3_000)
+    n = len(history)
+    calls = json.dumps([{"id": "toolu_01", "name": "bash", "input": {"command": "make"}}])
+    history += [
+        HistoryItem(n + 1, Role.USER, "Now run the build and tell me what fails. " * 12),
+        HistoryItem(n + 2, Role.TOOL_USE, "Running it.", tool_calls=calls),
+        HistoryItem(n + 3, Role.TOOL_RESULT, "build ok " * 420, tool_call_id="toolu_01"),
+    ]
+    built = assemble(
+        system_prompt="s",
+        history=history,
+        budget=4_000,
+        count_tokens=estimate_counter,
+        options=StrategyOptions(summarize=True),
+        summarizer=llm(fake),
+    )
+    newest = {it.id: it.content for it in history[-3:]}
+    kept = {it.id: it.content for it in built.history if not it.is_summary}
+    assert built.summary is not None and built.stats.summarizer_path == "llm"
+    assert sum(estimate_counter([t])[0] for t in newest.values()) > 4_000 * 0.25
+    assert all(kept.get(i) == text for i, text in newest.items()), sorted(kept)
+    assert built.stats.total_tokens <= 4_000
+    assert built.stats.ledger_tokens > 4_000 * ledger.LEDGER_SHARE
+
+
 def test_goal_is_the_first_request_and_explicit_changes() -> None:
     items = [
         HistoryItem(1, Role.USER, GOAL),
