@@ -8,22 +8,25 @@ and how many messages mentioned it (its references). Rendered under the Specific
 heading and a line saying how to read it, one line per source message: its id once,
 then its entries separated by :data:`SEPARATOR` (the provenance is most of a ledger's
 cost when messages bring one or two new entries each: ``[message:12]`` on a line of its
-own and a dash per entry cost about 7 tokens an entry, this about 3). An entry that
+own and a dash per entry cost about 7 tokens an entry, this about 2; the id is followed
+by a space, not a colon, which was a token of its own on every line, and lines with the
+colon, the earlier form, still read). An entry that
 contains the separator gets a line of its own under a ``[message:<id>]`` line, the older
 form, which is still read. A repeat shows its count, ``(x3)``, except in a build's
 context, where the counts are kept in the summary's metadata (:data:`REFS_KEY`)::
 
     ## Specifics
     (each line: the id of the message it comes from, then its details; fetch a me…
-    12: src/api/orders.py · pytest -x -q (x3)
-    15: ORD-1234-QX · €12.50
+    12 src/api/orders.py · pytest -x -q (x3)
+    15 ORD-1234-QX · €12.50
 
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
 :data:`MAX_LEDGER_ENTRIES` entries stored (the least referenced go first), and, in a
-build, at most its share of the budget (:func:`ledger_share`: a quarter, up to three quarters for
+build, at most its share of the budget (:func:`ledger_share`: a quarter, up to 85% for
 windows many times the budget); past that the entries with the fewest references per
-token go first (the room keeps the most mentions), the oldest first among equals, and the
+token go first (the room keeps the most mentions; an error line's count
+:data:`ERROR_WEIGHT` times), the oldest first among equals, and the
 build reports how many went; they are held in the summary's metadata (:data:`HELD_KEY`),
 not forgotten. The ledger also takes the room the recent messages leave when that is
 more than its share. In a build, an entry that a message kept whole in the
