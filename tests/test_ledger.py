@@ -102,10 +102,27 @@ def test_entries_keep_provenance_and_references() -> None:
     assert text.splitlines() == [
         "## Specifics",
         ledger.LEGEND,
-        "7: src/a.py (x3) · make test",
-        "9: ORD-12-X",
+        "7 src/a.py (x3) · make test",
+        "9 ORD-12-X",
     ], "one line per source, its provenance once"
     assert ledger.parse("## Goal\ng\n\n" + text) == found
+
+
+def test_a_sources_id_then_a_space_costs_a_token_less_a_line_and_the_colon_form_reads() -> None:
+    """A line is its source's id, a space and its entries: the colon the earlier form put
+    after the id is a token of its own on every line (a tenth of a ledger of one-entry
+    lines). Ledgers stored with the colon still read; an entry may start with a digit."""
+    entries = [Entry(f"ORD-{i}-QX", 100 + 3 * i) for i in range(80)] + [Entry("12 ms", 400)]
+    text = ledger.render(entries)
+    colon = "\n".join(
+        line if line[:1] not in "0123456789" else line.replace(" ", ": ", 1)
+        for line in text.splitlines()
+    )
+    assert "400 12 ms" in text and "400: 12 ms" in colon
+    (new_t, colon_t) = core.count_tokens_batch([text, colon], "o200k_base")
+    assert new_t <= colon_t - 80, (new_t, colon_t)
+    assert ledger.parse(text) == entries
+    assert ledger.parse(colon) == entries
 
 
 def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None:
@@ -134,7 +151,7 @@ def test_the_one_line_form_costs_fewer_tokens_and_both_forms_read_back() -> None
         "[message:4]",
         "- echo a · b",
         "- src/x.py",
-        "5: v1.2.3 (x2)",
+        "5 v1.2.3 (x2)",
     ]
     assert ledger.parse(ledger.render(odd)) == odd
 
@@ -170,7 +187,7 @@ def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
         item, max_item_tokens=500, max_ledger_tokens=200, count=estimate_counter
     )
     assert stats.entries == 3 and stats.evicted == 0
-    assert "(x" not in fitted.content and "3: src/a.py · v1.2.3" in fitted.content
+    assert "(x" not in fitted.content and "3 src/a.py · v1.2.3" in fitted.content
     assert json.loads(fitted.metadata)[ledger.REFS_KEY] == {"src/a.py": 7, "ORD-9-QX": 2}
     assert ledger.parse(ledger.restore(fitted).content) == entries
     assert ledger.restore(ledger.restore(fitted)) == ledger.restore(fitted)
@@ -179,12 +196,47 @@ def test_a_builds_ledger_keeps_its_reference_counts_in_the_metadata() -> None:
 def test_fit_keeps_the_most_mentions_per_token() -> None:
     """Equal references: the longer entry (more tokens for the same mentions) goes first,
     whatever its age; then the fewest references per token."""
-    long_error = "java.lang.IllegalStateException: scheduler lease not ready (slot 4512)"
-    entries = [Entry("v1.2.3", 1), Entry(long_error, 2), Entry("#42", 3), Entry("ORD-7-QX", 4)]
+    long_url = "https://grafana.example.com/d/8f3a9c1e/scheduler-leases?from=now-6h&var=slot"
+    entries = [Entry("v1.2.3", 1), Entry(long_url, 2), Entry("#42", 3), Entry("ORD-7-QX", 4)]
     full = estimate_counter([ledger.render(entries)])[0]
     kept, evicted = ledger.fit(entries, full - 5, estimate_counter)
-    assert evicted == 1 and long_error not in [e.text for e in kept]
+    assert evicted == 1 and long_url not in [e.text for e in kept]
     assert [e.text for e in kept] == ["v1.2.3", "#42", "ORD-7-QX"]
+
+
+def test_an_error_lines_mention_outweighs_its_length() -> None:
+    """An error line's references count 2.5 times against its tokens: an error line of
+    up to 2.5 times a path's tokens outlasts the path, mentioned as often; a longer one
+    still goes first."""
+    error = "KeyError: 'lease_slot_4512'"
+    paths = [Entry(f"src/sched/{w}.py", 10 + i) for i, w in enumerate(("a", "b", "c"))]
+    entries = [Entry(error, 1), *paths]
+    # the largest room that cannot hold them all: one entry must go
+    room = max(r for r in range(1, 200) if ledger.fit(entries, r, estimate_counter)[1])
+    kept, evicted = ledger.fit(entries, room, estimate_counter)
+    assert evicted == 1 and error in [e.text for e in kept]
+    assert [e.text for e in kept] == [error, "src/sched/b.py", "src/sched/c.py"]
+    huge = "ValueError: " + " ".join(f"word{i}" for i in range(60))
+    kept, evicted = ledger.fit([Entry(huge, 1), *paths], 60, estimate_counter)
+    assert huge not in [e.text for e in kept] and len(kept) == 3
+
+
+def test_error_entries_are_told_by_the_extractors_markers() -> None:
+    errors = [
+        "panic: runtime error: index out of range [4] with length 3",
+        "KeyError: 'core_43'",
+        "java.lang.IllegalStateException: merge not ready (5)",
+        "error[E0382]: borrow of moved value: `x`",
+        "Error: ENOENT: no such file or directory, open 'a.json'",
+        "FAILED tests/test_api.py::test_get - AssertionError: 1 != 2",
+        "fatal: not a git repository",
+        "ValueError",
+    ]
+    others = ["errors/handler.py", "error_rate", "ErrorBoundary.tsx", "FAILED", "v1.2.3"]
+    assert all(ledger.is_error(e) for e in errors)
+    assert not any(ledger.is_error(e) for e in others)
+    found = core.extract_specifics_batch(errors)
+    assert all(kind == "error" for pairs in found for kind, _ in pairs[:1])
 
 
 def test_fit_fills_its_room_when_the_counter_frames_each_text() -> None:
@@ -283,8 +335,9 @@ def test_the_ledger_takes_the_room_the_recent_part_leaves(fake: FakeAnthropic) -
 
 def test_the_ledger_share_grows_with_the_windows_length() -> None:
     assert ledger.ledger_share(40_000, 10_000) == ledger.LEDGER_SHARE
-    assert ledger.ledger_share(160_000, 10_000) == 0.5  # an eighth more a doubling
-    assert ledger.ledger_share(640_000, 10_000) == ledger.MAX_LEDGER_SHARE == 0.75
+    # 0.6 more each tenfold past 4 times the budget: 0.55 at 4 * sqrt(10) times
+    assert abs(ledger.ledger_share(int(40_000 * 10**0.5), 10_000) - 0.55) < 1e-4
+    assert ledger.ledger_share(400_000, 10_000) == ledger.MAX_LEDGER_SHARE == 0.85
     assert ledger.ledger_share(10_000_000, 10_000) == ledger.MAX_LEDGER_SHARE
     middle = ledger.ledger_share(80_000, 10_000)
     assert ledger.LEDGER_SHARE < middle < ledger.MAX_LEDGER_SHARE
@@ -358,7 +411,7 @@ def test_entries_the_kept_messages_hold_are_left_out_and_come_back(fake: FakeAnt
 
 
 def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnthropic) -> None:
-    """A window many times the budget: the ledger may take up to three quarters of the
+    """A window many times the budget: the ledger may take up to 85% of the
     history budget (a quarter otherwise), as much as its entries need; the recent part
     keeps what truncation keeps under the budget less the summary as built."""
     fake.reply_lossy()
@@ -377,6 +430,38 @@ def test_a_window_many_times_the_budget_gives_the_ledger_more_room(fake: FakeAnt
     truncated = assemble(**common, budget=4_000 - built.summary.token_count)  # type: ignore[arg-type]
     verbatim = [it for it in built.history if not it.is_summary]
     assert len(verbatim) >= len(truncated.history)
+
+
+def test_the_ledgers_larger_share_leaves_the_request_and_newest_turn_whole(
+    fake: FakeAnthropic,
+) -> None:
+    """A window 40 times the budget lets the ledger take up to 85% of it, but never the
+    room of the current request (the latest user message) and the newest turn: they stay
+    whole beside it when they fit the budget."""
+    fake.reply_lossy()
+    history = specifics_session(3_000)
+    n = len(history)
+    calls = json.dumps([{"id": "toolu_01", "name": "bash", "input": {"command": "make"}}])
+    history += [
+        HistoryItem(n + 1, Role.USER, "Now run the build and tell me what fails. " * 12),
+        HistoryItem(n + 2, Role.TOOL_USE, "Running it.", tool_calls=calls),
+        HistoryItem(n + 3, Role.TOOL_RESULT, "build ok " * 420, tool_call_id="toolu_01"),
+    ]
+    built = assemble(
+        system_prompt="s",
+        history=history,
+        budget=4_000,
+        count_tokens=estimate_counter,
+        options=StrategyOptions(summarize=True),
+        summarizer=llm(fake),
+    )
+    newest = {it.id: it.content for it in history[-3:]}
+    kept = {it.id: it.content for it in built.history if not it.is_summary}
+    assert built.summary is not None and built.stats.summarizer_path == "llm"
+    assert sum(estimate_counter([t])[0] for t in newest.values()) > 4_000 * 0.25
+    assert all(kept.get(i) == text for i, text in newest.items()), sorted(kept)
+    assert built.stats.total_tokens <= 4_000
+    assert built.stats.ledger_tokens > 4_000 * ledger.LEDGER_SHARE
 
 
 def test_goal_is_the_first_request_and_explicit_changes() -> None:

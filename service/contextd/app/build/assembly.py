@@ -410,14 +410,17 @@ def _compress(
         # out), twice: at the usual reserve, then at the reserve that asks for, whose cut
         # folds more; so little room goes unused. A ledger that fits the usual reserve
         # beside the prose changes nothing.
+        # The larger share never takes the room of the current request (the latest user
+        # message) and the newest turn: they stay whole beside it when they fit the budget.
         base = reserve
+        most = max(
+            base, min(int(budget * share), budget - prepared.protected_cost(with_request=True))
+        )
         for _ in range(2):
             plan = _plan(work, budget - reserve, summary)
             fold = work.items[: plan.cut_index]
             recent_texts = _kept_texts(work.tail(plan.cut_index), budget - reserve)
-            wanted = _ledger_reserve(
-                base, int(budget * share), summary, fold, recent_texts, text_cost
-            )
+            wanted = _ledger_reserve(base, most, summary, fold, recent_texts, text_cost)
             if wanted == reserve:
                 break
             reserve = wanted

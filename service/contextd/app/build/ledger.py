@@ -8,22 +8,25 @@ and how many messages mentioned it (its references). Rendered under the Specific
 heading and a line saying how to read it, one line per source message: its id once,
 then its entries separated by :data:`SEPARATOR` (the provenance is most of a ledger's
 cost when messages bring one or two new entries each: ``[message:12]`` on a line of its
-own and a dash per entry cost about 7 tokens an entry, this about 3). An entry that
+own and a dash per entry cost about 7 tokens an entry, this about 2; the id is followed
+by a space, not a colon, which was a token of its own on every line, and lines with the
+colon, the earlier form, still read). An entry that
 contains the separator gets a line of its own under a ``[message:<id>]`` line, the older
 form, which is still read. A repeat shows its count, ``(x3)``, except in a build's
 context, where the counts are kept in the summary's metadata (:data:`REFS_KEY`)::
 
     ## Specifics
     (each line: the id of the message it comes from, then its details; fetch a me…
-    12: src/api/orders.py · pytest -x -q (x3)
-    15: ORD-1234-QX · €12.50
+    12 src/api/orders.py · pytest -x -q (x3)
+    15 ORD-1234-QX · €12.50
 
 Ledgers merge across compactions: old entries first, in order, none lost, a repeat adds
 to an entry's references instead of a duplicate line. A ledger is bounded twice: at most
 :data:`MAX_LEDGER_ENTRIES` entries stored (the least referenced go first), and, in a
-build, at most its share of the budget (:func:`ledger_share`: a quarter, up to three quarters for
+build, at most its share of the budget (:func:`ledger_share`: a quarter, up to 85% for
 windows many times the budget); past that the entries with the fewest references per
-token go first (the room keeps the most mentions), the oldest first among equals, and the
+token go first (the room keeps the most mentions; an error line's count
+:data:`ERROR_WEIGHT` times), the oldest first among equals, and the
 build reports how many went; they are held in the summary's metadata (:data:`HELD_KEY`),
 not forgotten. The ledger also takes the room the recent messages leave when that is
 more than its share. In a build, an entry that a message kept whole in the
@@ -59,27 +62,33 @@ MAX_LEDGER_ENTRIES = 2_000
 LEDGER_SHARE = 0.25
 """The share of a build's history budget the ledger may take; past it, entries go."""
 
-MAX_LEDGER_SHARE = 0.75
+MAX_LEDGER_SHARE = 0.85
 """The share a ledger may take when the window is :data:`LONG_WINDOW` or more times the
-budget (see :func:`ledger_share`); the recent part keeps at least the other quarter."""
+budget (see :func:`ledger_share`); the recent part keeps at least the other 15%."""
 
-LONG_WINDOW = 64
+SHORT_WINDOW = 4
+"""How many times the budget a window is up to which the ledger takes its usual share."""
+
+LONG_WINDOW = 40
 """How many times the budget a window is when the ledger may take its largest share."""
 
 
 def ledger_share(window_tokens: int, budget: int) -> float:
     """The share of the history budget the ledger may take: a quarter while the window is
-    at most four times the budget, then an eighth more each time the window doubles (a
-    half at 16 times), to :data:`MAX_LEDGER_SHARE` at :data:`LONG_WINDOW` times. The
-    longer the window, the more of it the summary stands for (at 64 times, all but the
-    last one or two per cent), and the more evidence there is to keep: on the quality
-    bench's long transcripts at 8,000 tokens, going on past a half to three quarters kept
-    4 to 5 points more of the folded specifics for about 2 fewer recent messages (median)
-    (docs/benchmarks.md, section 7)."""
-    if budget <= 0 or window_tokens <= 4 * budget:
+    at most :data:`SHORT_WINDOW` (4) times the budget, then growing with the logarithm of
+    its length, 0.6 more for each tenfold (0.55 at about 12.6 times), to
+    :data:`MAX_LEDGER_SHARE` (0.85) at :data:`LONG_WINDOW` (40) times. The longer the
+    window, the more of it the summary stands for (at 40 times, all but the last two or
+    three per cent), and the more evidence there is to keep. The share is a cap: the
+    reserve grows only to what the fold's entries need, and the recent part still keeps
+    what truncation keeps under the budget less that reserve. On the quality bench's long
+    transcripts at 8,000 tokens, the earlier curve (three quarters at 64 times) kept 91.6%
+    of the folded specifics beside a median of 83 recent messages, this one 95.3% beside
+    63 (docs/benchmarks.md, section 7)."""
+    if budget <= 0 or window_tokens <= SHORT_WINDOW * budget:
         return LEDGER_SHARE
     ratio = min(window_tokens / budget, float(LONG_WINDOW))
-    growth = math.log2(ratio / 4) / math.log2(LONG_WINDOW / 4)
+    growth = math.log(ratio / SHORT_WINDOW) / math.log(LONG_WINDOW / SHORT_WINDOW)
     return LEDGER_SHARE + (MAX_LEDGER_SHARE - LEDGER_SHARE) * growth
 
 
@@ -105,7 +114,7 @@ SEPARATOR = " · "
 """Between the entries of one source's line (rare in paths, commands, ids and errors)."""
 
 _SOURCE = re.compile(r"^\[message:(-?\d+)\]$")
-_INLINE = re.compile(r"^(-?\d+): (.+)$")
+_INLINE = re.compile(r"^(-?\d+):? (.+)$")
 _ENTRY = re.compile(r"^(.*?)(?: \(x(\d+)\))?$")
 
 
@@ -194,10 +203,37 @@ def merge(previous: Sequence[Entry], new: Iterable[Entry]) -> tuple[list[Entry],
 def eviction_order(entries: Sequence[Entry], costs: Sequence[int] | None = None) -> list[int]:
     """Indices of ``entries`` in the order they go: least referenced first, oldest first
     among equals (``entries`` is oldest first). With ``costs`` (each entry's tokens), the
-    fewest references per token first: the room keeps the most mentions it can."""
+    fewest references per token first, an error line's references counting
+    :data:`ERROR_WEIGHT` times (:func:`is_error`): the room keeps the most mentions it
+    can, and the errors, long and mostly mentioned once, are not the first to go."""
     if costs is None:
         return sorted(range(len(entries)), key=lambda i: (entries[i].refs, i))
-    return sorted(range(len(entries)), key=lambda i: (entries[i].refs / max(1, costs[i]), i))
+    weights = [ERROR_WEIGHT if is_error(e.text) else 1.0 for e in entries]
+    return sorted(
+        range(len(entries)), key=lambda i: (weights[i] * entries[i].refs / max(1, costs[i]), i)
+    )
+
+
+ERROR_WEIGHT = 2.5
+"""How many mentions an error line's one mention is worth when the room is shared: what
+failed and how is what an agent most needs to go on, and an error line costs two to three
+times a path's tokens for its one mention (on the quality bench's long transcripts at
+8,000 tokens, 2.5 keeps more than 90% of the errors and of every other category)."""
+
+# The extractor's error markers (rust_core/src/specifics.rs), at the start of an entry:
+# an error entry starts at its marker.
+_ERROR_START = re.compile(
+    r"(?:panic: |thread '[^'\n]{0,80}' panicked at |(?:fatal|FATAL)(?: error)?: "
+    r"|(?:error|Error|ERROR)(?:\[[A-Z]?\d+\])?: |ERROR[ \t]|(?:FAILED|FAIL:?)[ \t]"
+    r"|[Ff]ailed to |(?:[A-Za-z_]\w*\.)*[A-Z][A-Za-z0-9]*"
+    r"(?:(?:Error|Exception|Exit|Interrupt|Warning|Fault): |(?:Error|Exception)$))"
+)
+
+
+def is_error(text: str) -> bool:
+    """Whether the entry ``text`` is an error line or an exception type (it starts with
+    one of the extractor's error markers)."""
+    return _ERROR_START.match(text) is not None
 
 
 def _entry_text(entry: Entry, counts: bool = True) -> str:
@@ -230,7 +266,7 @@ def render(entries: Sequence[Entry], *, counts: bool = True) -> str:
         source = group[0].source
         if all(_inline(e) for e in group):
             texts = (_entry_text(e, counts) for e in group)
-            lines.append(f"{source}: " + SEPARATOR.join(texts))
+            lines.append(f"{source} " + SEPARATOR.join(texts))
             continue
         lines.append(f"[message:{source}]")  # the line form: one entry a line
         lines.extend(f"- {_entry_text(e, counts)}" for e in group)
@@ -304,7 +340,7 @@ def _fit(
     # A counter may frame each text as a message: that framing is paid once, not by each.
     # It is what an empty text costs, or a one-token text less one when that is less (a
     # build's counter renders an empty message with a placeholder).
-    *counted, empty, one = count([*texts, heading, *(f"{s}:" for s in sources), "", "x"])
+    *counted, empty, one = count([*texts, heading, *(f"{s}" for s in sources), "", "x"])
     framing = max(0, min(empty, one - 1))
     costs = [max(0, c - framing) for c in counted]
     costs[len(texts)] += framing
