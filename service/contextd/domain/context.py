@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from contextd import core
-from contextd.domain.model import AgentDoc, Role, StoredMessage
+from contextd.domain.model import AgentDoc, MessageStamp, Role, StoredMessage
 
 TokenCounter = Callable[[list[str]], list[int]]
 """Counts tokens of each text, in order. The caller picks the tokenizer (the character
@@ -104,6 +104,14 @@ class HistoryItem:
     is_summary: bool = False
     metadata: str = ""
     summary_of: tuple[int, int] | None = None
+    # What assembly counted this item at under one cost key (see
+    # `contextd.app.build.render.Framing`): (key, cost, the item counted at it or None
+    # when it is that item). Set only on items derived from a stored message the hot
+    # cache keeps (`derived`), so that every build of a hot thread counts only what is
+    # new. Not part of the item's value: not an argument, not compared, not shown.
+    cost_memo: tuple[object, int, HistoryItem | None] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
 
     @classmethod
     def from_stored(cls, message: StoredMessage) -> HistoryItem:
@@ -126,6 +134,25 @@ class HistoryItem:
         """The text whose tokens the item costs: content plus tool calls, as the store's
         token estimate counts them."""
         return self.content + self.tool_calls if self.tool_calls else self.content
+
+
+# The cost memo of an item that keeps its cost and has none yet (see `derived`).
+NOT_COUNTED: tuple[object, int, HistoryItem | None] = (None, 0, None)
+
+
+def derived(message: StoredMessage) -> tuple[HistoryItem, MessageStamp]:
+    """``(HistoryItem.from_stored(message), MessageStamp.of(message))``, made once per
+    message object and kept on it: the hot cache keeps a thread's newest messages as
+    objects and derives them when it takes them in (its accounting counts these), so a
+    build of a hot thread makes no object per loaded message. Equal to making them anew:
+    both are frozen functions of the frozen message."""
+    found = message.derived
+    if found is None:
+        item = HistoryItem.from_stored(message)
+        object.__setattr__(item, "cost_memo", NOT_COUNTED)  # it may keep its cost
+        found = (item, MessageStamp.of(message))
+        object.__setattr__(message, "derived", found)
+    return found  # type: ignore[return-value]
 
 
 class StatusKind(StrEnum):

@@ -204,6 +204,11 @@ class StoredMessage:
     sequence: int = 0
     # The snapshot a restored message came from ("" for every other message).
     restored_from: str = ""
+    # What a build derives from the message (its history item and stamp; see
+    # `contextd.domain.context.derived`), made once per object: the hot cache keeps a
+    # thread's newest messages, which every build of it loads again. Not part of the
+    # message's value: not an argument, not compared, not shown.
+    derived: object = field(default=None, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
