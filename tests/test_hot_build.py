@@ -19,11 +19,13 @@ their costs, assembled three times, give what items that do not keep them give.
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,12 @@ from test_assembly import History, histories
 from test_window_tail import _history_step
 
 from contextd.adapters.duckdb.store import Store
-from contextd.api.convert import build_response
+from contextd.api.convert import (
+    MAX_LISTED_DROPPED_IDS,
+    _add_dropped_ids,
+    build_response,
+    timestamp_pb,
+)
 from contextd.app.build.assembly import BudgetTooSmallError, assemble
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -40,11 +47,14 @@ from contextd.domain.clock import ManualClock
 from contextd.domain.context import (
     NOT_COUNTED,
     AssembledContext,
+    BuildStats,
     HistoryItem,
+    IdList,
     StrategyOptions,
     estimate_counter,
 )
-from contextd.domain.model import AgentSettings, BuildOverrides
+from contextd.domain.model import AgentSettings, BuildOverrides, MessageStamp, NewMessage, Role
+from contextd.v1 import context_service_pb2 as pb
 
 pytestmark = pytest.mark.duckdb_only
 
@@ -95,6 +105,16 @@ def test_a_hot_build_builds_what_a_build_from_sql_builds(
             clock = store.clock
             assert isinstance(clock, ManualClock)
             _history_step(service, clock, rng, tools, pending)
+        if pick.random() < 0.08:  # a message carrying a blob a build stubs
+            blob = base64.b64encode(random.Random(step).randbytes(600)).decode()
+            for service in services:
+                service.append_messages(
+                    TENANT,
+                    AGENT,
+                    "",
+                    THREADS[step % 2],
+                    [NewMessage(role=Role.USER, content=f"see data:image/png;base64,{blob} ok")],
+                )
         if step % 4:
             continue
         for thread in THREADS:
@@ -177,3 +197,91 @@ def test_items_that_keep_their_costs_assemble_what_items_that_do_not_assemble(
     keeping = _keeping(list(history.items))
     for _ in range(3):
         assert _assembled(keeping, budget, options, formats) == plain
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
+    | st.lists(st.integers(0, 2**35), max_size=40)
+    | st.integers(0, 2**40).map(lambda lo: list(range(lo, lo + 300)))
+)
+def test_packed_dropped_ids_are_the_extended_list(ids: list[int]) -> None:
+    """The packed field's bytes merged in make what extending by the ints made."""
+    expected = pb.BuildStats()
+    expected.dropped_ids.extend(ids)
+    got = pb.BuildStats()
+    _add_dropped_ids(got, IdList(np.asarray(ids, dtype=np.int64)))
+    assert list(got.dropped_ids) == ids
+    assert got.SerializeToString() == expected.SerializeToString()
+
+
+def test_a_response_lists_the_newest_held_dropped_ids() -> None:
+    """Past the unlisted (counted, not read) ids and over several parts, as slicing."""
+    parts = [np.arange(100, 6_000, dtype=np.int64), np.arange(7_000, 13_000, dtype=np.int64)]
+    for unlisted in (0, 50):
+        ids = IdList(*parts, unlisted=unlisted)
+        got = pb.BuildStats()
+        _add_dropped_ids(got, ids)
+        assert tuple(got.dropped_ids) == ids[-MAX_LISTED_DROPPED_IDS:]
+    few = IdList(np.arange(3, dtype=np.int64), unlisted=7)  # fewer held than listed
+    with pytest.raises(ValueError):
+        few[-MAX_LISTED_DROPPED_IDS:]
+    with pytest.raises(ValueError):
+        _add_dropped_ids(pb.BuildStats(), few)
+
+
+def _reference_message(
+    item: HistoryItem, stamp: MessageStamp | None, truncated: set[int], elided: set[int]
+) -> pb.ContextMessage:
+    """A kept message as the response made it before it was made in place."""
+    return pb.ContextMessage(
+        id=item.id,
+        role=int(item.role),  # type: ignore[arg-type]
+        content=item.content,
+        tool_calls=item.tool_calls,
+        tool_call_id=item.tool_call_id,
+        token_count=item.token_count,
+        truncated=item.id in truncated,
+        elided=item.id in elided,
+        is_summary=item.is_summary,
+        create_time=timestamp_pb(stamp.create_time_us if stamp else None),
+        source_time=timestamp_pb(stamp.source_time_us if stamp else None),
+        sequence=stamp.sequence if stamp else 0,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    histories(),
+    st.data(),
+    st.none() | st.text(min_size=1, max_size=10),
+)
+def test_the_response_messages_are_made_as_before(
+    history: History, data: st.DataObject, new_message: str | None
+) -> None:
+    items = list(history.items)
+    ids = [it.id for it in items]
+    times = st.integers(0, 2**40)
+    stamped = data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
+    stamps = {
+        i: MessageStamp(data.draw(times), data.draw(st.none() | times), data.draw(times))
+        for i in stamped
+    }
+    truncated = data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
+    elided = data.draw(st.lists(st.sampled_from(ids), unique=True)) if ids else []
+    stats = BuildStats(budget=100, truncated_ids=tuple(truncated), elided_ids=tuple(elided))
+    context = AssembledContext("sys", (), "", tuple(items), new_message, stats)
+    result = BuildResult(context, "o200k_base", "", None, stamps, {}, None, len(items))
+    got = build_response(result, True)
+    expected = [
+        _reference_message(it, stamps.get(it.id), set(truncated), set(elided)) for it in items
+    ]
+    if new_message is not None:
+        expected.append(
+            pb.ContextMessage(
+                role=pb.ROLE_USER, content=new_message, token_count=0, truncated=False
+            )
+        )
+    assert [m.SerializeToString() for m in got.messages] == [
+        m.SerializeToString() for m in expected
+    ]

@@ -112,6 +112,9 @@ class HistoryItem:
     cost_memo: tuple[object, int, HistoryItem | None] | None = field(
         default=None, init=False, compare=False, repr=False
     )
+    # On such an item, True once a build found it has no blob to stub (see
+    # `contextd.app.build.blobs.stub_blobs`). Not part of the value either.
+    stub_memo: bool = field(default=False, init=False, compare=False, repr=False)
 
     @classmethod
     def from_stored(cls, message: StoredMessage) -> HistoryItem:
@@ -352,6 +355,18 @@ class IdList(Sequence[int]):
         if self._unlisted and 0 <= at < self._unlisted:
             raise ValueError("only the held (newest) ids can be indexed")
         return int(self._held()[at - self._unlisted])
+
+    def newest(self, k: int) -> npt.NDArray[np.int64]:
+        """The newest ``k`` ids (all when fewer), as an array: what a response lists,
+        without a Python int per id. Held ids only (ValueError past them, as slicing)."""
+        n = len(self)
+        start = max(0, n - k)
+        if start < self._unlisted:
+            raise ValueError("only the held (newest) ids can be sliced")
+        lo, hi = start - self._unlisted, n - self._unlisted
+        if self._flat is None:
+            return self._range(lo, hi)
+        return self._flat[lo:hi]
 
     def _range(self, start: int, stop: int) -> npt.NDArray[np.int64]:
         """Ids ``start:stop`` from the parts that hold them, without joining the rest: a

@@ -69,9 +69,9 @@ MAX_SCOPE_ROWS = 1_000
 _MESSAGE_OVERHEAD = 424
 # Bytes counted per cached message for what builds derive from it and keep on it
 # (`contextd.domain.context.derived`, made when the message is taken in): its history
-# item (112), stamp (56) and their pair (56); then, at its first build, its cost memo
-# (64), the item counted at that cost (112) with its own memo (64) and the cost (32).
-_DERIVED_BYTES = 496
+# item (120), stamp (56) and their pair (56); then, at its first build, its cost memo
+# (64), the item counted at that cost (120) with its own memo (64) and the cost (32).
+_DERIVED_BYTES = 512
 _ENTRY_OVERHEAD = 512
 # Bytes per row of the cached columns (8 int64 columns and a uint8 role).
 _ROW_BYTES = 8 * 8 + 1
