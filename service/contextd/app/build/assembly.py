@@ -242,6 +242,28 @@ def assemble(
     history_budget = room - status_c
     for check in range(RENDER_CHECKS + 1):
         hist = _compress(prepared, history_budget, framing.items, opts, engine)
+        rendered, fmt = 0, ""
+        if framing.formats:
+            # Counted before the stats are made (the rendering does not read them), so
+            # they are made once, with the count.
+            rendered, fmt = framing.rendered(
+                AssembledContext(
+                    system_prompt, docs, status, hist.items, new, _NO_STATS, hist.summary
+                )
+            )
+            if rendered > limit:
+                if history_budget > 0:  # tighten by the excess; the last keeps no history
+                    excess = rendered - limit
+                    history_budget = (
+                        0 if check == RENDER_CHECKS - 1 else max(0, history_budget - excess)
+                    )
+                elif status:
+                    status, status_t, status_c = "", 0, 0
+                    status_dropped, status_truncated = True, False
+                    history_budget = room
+                else:
+                    break
+                continue
         stats = BuildStats(
             budget=limit,
             system_tokens=sys_t,
@@ -270,22 +292,15 @@ def assemble(
             ledger_in_context=hist.ledger_stats.in_context,
             compaction_deferred=hist.compaction_deferred,
             summary_attempts=hist.summary_attempts,
+            rendered_tokens=rendered,
+            rendered_format=fmt,
         )
-        ctx = AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
-        if not framing.formats:
-            return ctx
-        rendered, fmt = framing.rendered(ctx)
-        if rendered <= limit:
-            return replace(ctx, stats=replace(stats, rendered_tokens=rendered, rendered_format=fmt))
-        if history_budget > 0:  # tighten by the excess; the last check keeps no history
-            excess = rendered - limit
-            history_budget = 0 if check == RENDER_CHECKS - 1 else max(0, history_budget - excess)
-        elif status:
-            status, status_t, status_c, status_dropped, status_truncated = "", 0, 0, True, False
-            history_budget = room
-        else:
-            break
+        return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
     raise BudgetTooSmallError(f"the rendered request needs more than the budget of {limit} tokens")
+
+
+# The stats of a context only counted for its rendering (which does not read them).
+_NO_STATS = BuildStats(budget=0)
 
 
 def compress_history(
