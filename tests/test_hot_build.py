@@ -39,6 +39,7 @@ from contextd.api.convert import (
     build_response,
     timestamp_pb,
 )
+from contextd.app.build import compaction
 from contextd.app.build.assembly import BudgetTooSmallError, assemble
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -285,3 +286,27 @@ def test_the_response_messages_are_made_as_before(
     assert [m.SerializeToString() for m in got.messages] == [
         m.SerializeToString() for m in expected
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            HistoryItem,
+            id=st.integers(1, 50),
+            role=st.sampled_from(list(Role)),
+            content=st.text(max_size=5),
+            tool_calls=st.sampled_from(["", "[]", "not json", '[{"id": "c1", "name": "f"}]']),
+            tool_call_id=st.sampled_from(["", "c1", "c2"]),
+        ),
+        max_size=12,
+    )
+)
+def test_the_chat_window_shortcut_of_pair_repair_repairs_what_the_loop_does(
+    items: list[HistoryItem],
+) -> None:
+    """Checking roles and calls without a Python step per item finds what the loop finds."""
+    fast = compaction.repair_tool_pairs(items)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compaction, "_CHAT_ROLES", frozenset())  # never a chat window
+        assert compaction.repair_tool_pairs(items) == fast

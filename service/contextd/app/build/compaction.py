@@ -19,6 +19,7 @@ Compaction
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,11 @@ _ROLE_CODES = {
 }
 
 
+_ROLE_OF = operator.attrgetter("role")
+_CALLS_OF = operator.attrgetter("tool_calls")
+_CHAT_ROLES = frozenset({Role.USER, Role.ASSISTANT})
+
+
 def repair_tool_pairs(
     items: Sequence[HistoryItem], outside_calls: Mapping[str, ToolCall] | None = None
 ) -> tuple[list[HistoryItem], list[int]]:
@@ -64,6 +70,11 @@ def repair_tool_pairs(
     text it is valid in both the Anthropic and the OpenAI renderings (adjacent turns of
     one role merge). Nothing is dropped, so no text is lost.
     """
+    if set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items)):
+        # A chat window (no tool role, no calls): nothing to pair, found without a
+        # Python step per item (every build repairs its history, and renders it, more
+        # than once); the loop below finds the same.
+        return list(items), []
     calls_of: dict[int, list[str]] = {}
     issued: dict[str, int] = {}
     answered: dict[int, set[str]] = {}
