@@ -153,9 +153,11 @@ def trim_columns(items: Sequence[HistoryItem]) -> tuple[list[int], list[int]]:
     pair-complete ``items``: a tool-using message and its results share a group id (the
     message's index); an assistant message carrying calls counts as a tool_use."""
     codes = _ROLE_CODES
-    if not any(item.tool_calls or item.role is Role.TOOL_RESULT for item in items):
-        # No call and no result (a chat window; every build asks this more than once).
-        return [codes[item.role] for item in items], [-1] * len(items)
+    roles_in = list(map(_ROLE_OF, items))
+    if Role.TOOL_RESULT not in set(roles_in) and not any(map(_CALLS_OF, items)):
+        # No call and no result (a chat window; every build asks this more than once),
+        # found without a Python step per item.
+        return list(map(codes.__getitem__, roles_in)), [-1] * len(items)
     roles: list[int] = []
     groups: list[int] = []
     group_of_call: dict[str, int] = {}

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,10 +99,13 @@ def wire_text(text: str) -> str:
     return text if text.strip() else EMPTY_TEXT
 
 
+_ROLE_OF = operator.attrgetter("role")
+
+
 def wire_order(history: Sequence[HistoryItem]) -> list[HistoryItem]:
     """The history made pair-complete, each call's results directly after it."""
     items, _ = repair_tool_pairs(history)
-    if not any(item.role is Role.TOOL_RESULT for item in items):
+    if Role.TOOL_RESULT not in set(map(_ROLE_OF, items)):
         return items  # no result to move (a chat window): the order is the stored one
     roles, groups = trim_columns(items)
     results: dict[int, list[HistoryItem]] = {}
