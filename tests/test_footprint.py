@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 
 from contextd.adapters.duckdb.store import DEFAULT_MEMORY_LIMIT, Store
+from contextd.app.build.builder import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.config import Settings
-from contextd.domain.model import AgentSettings, ContextKey, NewMessage, Role
+from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
 
 pytestmark = pytest.mark.duckdb_only
 
@@ -48,17 +49,26 @@ def test_the_store_opens_with_a_bounded_memory_limit_by_default(tmp_path: Path) 
 
 def _real_bytes(entry: object) -> int:
     """What a cached thread holds: its columns' arrays (allocated rows) and its newest
-    messages as Python objects (each distinct object once: "" and small ints are shared)."""
+    messages as Python objects, with what builds derived from them and keep on them
+    (history items, stamps, cost memos, counted copies), each distinct object once ("",
+    small ints, None and the shared cost keys are shared)."""
     cols: dict[str, Any] = entry.cols  # type: ignore[attr-defined]
     total: int = sum(int(a.nbytes) for a in cols.values())
     seen: set[int] = set()
+
+    def walk(value: object) -> int:
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
+        size = sys.getsizeof(value)
+        if dataclasses.is_dataclass(value):
+            size += sum(walk(getattr(value, f.name)) for f in dataclasses.fields(value))
+        elif isinstance(value, tuple):
+            size += sum(walk(v) for v in value)
+        return size
+
     for m in entry.recent:  # type: ignore[attr-defined]
-        total += sys.getsizeof(m)
-        for f in dataclasses.fields(m):
-            value = getattr(m, f.name)
-            if id(value) not in seen:
-                seen.add(id(value))
-                total += sys.getsizeof(value)
+        total += walk(m)
     return total
 
 
@@ -80,11 +90,20 @@ def test_the_hot_cache_accounts_at_least_what_a_large_thread_holds(
         service.append_messages("default", "support-bot", "", "session-42", batch)
         key = ContextKey("default", "support-bot", "", "session-42")
         cache = store._hot
+        request = BuildRequest(
+            "default",
+            "support-bot",
+            "",
+            "session-42",
+            overrides=BuildOverrides(budget_tokens=8_000),
+        )
         for step in ("loaded", "extended", "extended past the recent limit"):
             if step == "loaded":
                 store.context_ref(key)  # a build's first read loads the thread
             else:
                 service.append_messages("default", "support-bot", "", "session-42", batch)
+            # What builds keep on the messages they load is counted too.
+            service.build_context(request)
             entry = cache.entries[("c", "default", "support-bot", "", "session-42")]
             real = _real_bytes(entry)
             assert real <= entry.size() <= 1.5 * real, step

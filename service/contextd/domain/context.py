@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from contextd import core
-from contextd.domain.model import AgentDoc, Role, StoredMessage
+from contextd.domain.model import AgentDoc, MessageStamp, Role, StoredMessage
 
 TokenCounter = Callable[[list[str]], list[int]]
 """Counts tokens of each text, in order. The caller picks the tokenizer (the character
@@ -104,6 +104,17 @@ class HistoryItem:
     is_summary: bool = False
     metadata: str = ""
     summary_of: tuple[int, int] | None = None
+    # What assembly counted this item at under one cost key (see
+    # `contextd.app.build.render.Framing`): (key, cost, the item counted at it or None
+    # when it is that item). Set only on items derived from a stored message the hot
+    # cache keeps (`derived`), so that every build of a hot thread counts only what is
+    # new. Not part of the item's value: not an argument, not compared, not shown.
+    cost_memo: tuple[object, int, HistoryItem | None] | None = field(
+        default=None, init=False, compare=False, repr=False
+    )
+    # On such an item, True once a build found it has no blob to stub (see
+    # `contextd.app.build.blobs.stub_blobs`). Not part of the value either.
+    stub_memo: bool = field(default=False, init=False, compare=False, repr=False)
 
     @classmethod
     def from_stored(cls, message: StoredMessage) -> HistoryItem:
@@ -126,6 +137,25 @@ class HistoryItem:
         """The text whose tokens the item costs: content plus tool calls, as the store's
         token estimate counts them."""
         return self.content + self.tool_calls if self.tool_calls else self.content
+
+
+# The cost memo of an item that keeps its cost and has none yet (see `derived`).
+NOT_COUNTED: tuple[object, int, HistoryItem | None] = (None, 0, None)
+
+
+def derived(message: StoredMessage) -> tuple[HistoryItem, MessageStamp]:
+    """``(HistoryItem.from_stored(message), MessageStamp.of(message))``, made once per
+    message object and kept on it: the hot cache keeps a thread's newest messages as
+    objects and derives them when it takes them in (its accounting counts these), so a
+    build of a hot thread makes no object per loaded message. Equal to making them anew:
+    both are frozen functions of the frozen message."""
+    found = message.derived
+    if found is None:
+        item = HistoryItem.from_stored(message)
+        object.__setattr__(item, "cost_memo", NOT_COUNTED)  # it may keep its cost
+        found = (item, MessageStamp.of(message))
+        object.__setattr__(message, "derived", found)
+    return found  # type: ignore[return-value]
 
 
 class StatusKind(StrEnum):
@@ -325,6 +355,18 @@ class IdList(Sequence[int]):
         if self._unlisted and 0 <= at < self._unlisted:
             raise ValueError("only the held (newest) ids can be indexed")
         return int(self._held()[at - self._unlisted])
+
+    def newest(self, k: int) -> npt.NDArray[np.int64]:
+        """The newest ``k`` ids (all when fewer), as an array: what a response lists,
+        without a Python int per id. Held ids only (ValueError past them, as slicing)."""
+        n = len(self)
+        start = max(0, n - k)
+        if start < self._unlisted:
+            raise ValueError("only the held (newest) ids can be sliced")
+        lo, hi = start - self._unlisted, n - self._unlisted
+        if self._flat is None:
+            return self._range(lo, hi)
+        return self._flat[lo:hi]
 
     def _range(self, start: int, stop: int) -> npt.NDArray[np.int64]:
         """Ids ``start:stop`` from the parts that hold them, without joining the rest: a

@@ -101,7 +101,19 @@ class BuildOverrides:
     tool_output_excerpts_max_tokens: int | None = None
 
     def over(self, top: BuildOverrides) -> BuildOverrides:
-        """`top`'s set fields over this one's."""
+        """`top`'s set fields over this one's. Remembered by the (frozen) pair: every
+        build merges its agent's options and its call's, twice, and a hot thread asks
+        with the same ones (the merge made its twenty fields anew each time)."""
+        key = (self, top)
+        found = _MERGED.get(key)
+        if found is None:
+            found = self._over(top)
+            if len(_MERGED) >= _MERGED_ENTRIES:
+                _MERGED.clear()
+            _MERGED[key] = found
+        return found
+
+    def _over(self, top: BuildOverrides) -> BuildOverrides:
         merged = {
             name: getattr(top, name) if getattr(top, name) is not None else getattr(self, name)
             for name in self.__slots__
@@ -110,6 +122,12 @@ class BuildOverrides:
 
     def as_dict(self) -> dict[str, object]:
         return {n: getattr(self, n) for n in self.__slots__ if getattr(self, n) is not None}
+
+
+# Merged build options by (under, over): few distinct ones (agents' and calls'); the
+# whole memo is dropped when full, each dict operation atomic under the GIL.
+_MERGED: dict[tuple[BuildOverrides, BuildOverrides], BuildOverrides] = {}
+_MERGED_ENTRIES = 1_024
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +222,11 @@ class StoredMessage:
     sequence: int = 0
     # The snapshot a restored message came from ("" for every other message).
     restored_from: str = ""
+    # What a build derives from the message (its history item and stamp; see
+    # `contextd.domain.context.derived`), made once per object: the hot cache keeps a
+    # thread's newest messages, which every build of it loads again. Not part of the
+    # message's value: not an argument, not compared, not shown.
+    derived: object = field(default=None, init=False, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

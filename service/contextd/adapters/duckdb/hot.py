@@ -48,7 +48,7 @@ from contextd.adapters.duckdb.base import Touches, _find_agent, _first, log
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.status import StatusMixin
 from contextd.adapters.rows import MESSAGE_COLUMNS, message_from_row, status_from_row
-from contextd.domain.context import StatusEntry, ThreadActivity
+from contextd.domain.context import StatusEntry, ThreadActivity, derived
 from contextd.domain.errors import NotFound
 from contextd.domain.model import Agent, ContextKey, Role, StoredMessage
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
@@ -67,6 +67,11 @@ MAX_SCOPE_ROWS = 1_000
 # bytes in CPython 3.11) and up to seven integers of 32 bytes (a summary's id pair is
 # counted with the entry's summary rows), and per small entry.
 _MESSAGE_OVERHEAD = 424
+# Bytes counted per cached message for what builds derive from it and keep on it
+# (`contextd.domain.context.derived`, made when the message is taken in): its history
+# item (120), stamp (56) and their pair (56); then, at its first build, its cost memo
+# (64), the item counted at that cost (120) with its own memo (64) and the cost (32).
+_DERIVED_BYTES = 512
 _ENTRY_OVERHEAD = 512
 # Bytes per row of the cached columns (8 int64 columns and a uint8 role).
 _ROW_BYTES = 8 * 8 + 1
@@ -314,28 +319,34 @@ def _message_bytes(m: StoredMessage) -> int:
     each string as CPython stores it (an ASCII character takes one byte, others two or
     four: counting characters undercounted CJK and emoji text by up to 4x) and every
     message's own strings (names and the tokenizer are separate objects per message,
-    as Arrow and DuckDB hand them over), plus the object and its integers."""
-    return _MESSAGE_OVERHEAD + sum(
-        sys.getsizeof(text)
-        for text in (
-            m.content,
-            m.tool_calls,
-            m.metadata,
-            m.tenant,
-            m.agent,
-            m.scope,
-            m.thread,
-            m.tool_call_id,
-            m.external_id,
-            m.tokenizer,
-            m.restored_from,
+    as Arrow and DuckDB hand them over), plus the object and its integers, and what
+    builds derive from it (`_DERIVED_BYTES`)."""
+    return (
+        _MESSAGE_OVERHEAD
+        + _DERIVED_BYTES
+        + sum(
+            sys.getsizeof(text)
+            for text in (
+                m.content,
+                m.tool_calls,
+                m.metadata,
+                m.tenant,
+                m.agent,
+                m.scope,
+                m.thread,
+                m.tool_call_id,
+                m.external_id,
+                m.tokenizer,
+                m.restored_from,
+            )
+            if text  # "" is one shared object
         )
-        if text  # "" is one shared object
     )
 
 
 def _messages_of(batch: pa.Table, rows: npt.NDArray[np.intp]) -> list[StoredMessage]:
-    """StoredMessages of some rows of an append's Arrow batch (the writer's columns)."""
+    """StoredMessages of some rows of an append's Arrow batch (the writer's columns),
+    each with what a build derives from it (`derived`: made here, by the writer, once)."""
     part = batch.take(pa.array(rows)).to_pydict()
     out: list[StoredMessage] = []
     for i in range(len(rows)):
@@ -369,6 +380,7 @@ def _messages_of(batch: pa.Table, rows: npt.NDArray[np.intp]) -> list[StoredMess
                 restored_from=part["restored_from"][i],
             )
         )
+        derived(out[-1])
     return out
 
 
@@ -1156,6 +1168,8 @@ def _read_context(cur: duckdb.DuckDBPyConnection, key: ContextKey) -> _Context |
                 ],
             ).fetchall()
             recent = [message_from_row(r) for r in rows]
+            for m in recent:
+                derived(m)  # what a build derives, made once (see `_messages_of`)
             while recent and sum(_message_chars(m) for m in recent) > 2 * RECENT_CHARS:
                 recent = recent[len(recent) // 2 :]
     return new_context(

@@ -189,6 +189,7 @@ def assemble(
     previous_summary: HistoryItem | None = None,
     summarizer: Summarizer | None = None,
     formats: Sequence[str] = (),
+    cost_key: object = None,
 ) -> AssembledContext:
     """Build the context in its documented order within ``budget`` (see the module docstring).
 
@@ -197,13 +198,15 @@ def assemble(
     the summary as ``previous_summary``. ``summarizer`` is used only when
     ``options.summarize`` is set and the window does not fit; without one the extractive
     summary is used. ``formats`` (``"openai"``, ``"anthropic"``, ``"text"``) are the
-    renderings whose provider counts the budget bounds. Raises
+    renderings whose provider counts the budget bounds. ``cost_key`` names what
+    ``count_tokens`` is a function of (the model): items that keep their costs
+    (`HistoryItem.cost_memo`) are then counted once per key, not per build. Raises
     :class:`BudgetTooSmallError` when the system prompt and docs alone do not fit. A
     whitespace-only ``new_message`` is no new message.
     """
     opts = options or StrategyOptions()
     limit = budget.prompt_budget if isinstance(budget, Budget) else budget
-    framing = Framing(count_tokens, tuple(formats))
+    framing = Framing(count_tokens, tuple(formats), cost_key)
     docs = tuple(docs)
     docs_text = render_docs(docs)
     new = new_message if new_message and new_message.strip() else None
@@ -239,6 +242,28 @@ def assemble(
     history_budget = room - status_c
     for check in range(RENDER_CHECKS + 1):
         hist = _compress(prepared, history_budget, framing.items, opts, engine)
+        rendered, fmt = 0, ""
+        if framing.formats:
+            # Counted before the stats are made (the rendering does not read them), so
+            # they are made once, with the count.
+            rendered, fmt = framing.rendered(
+                AssembledContext(
+                    system_prompt, docs, status, hist.items, new, _NO_STATS, hist.summary
+                )
+            )
+            if rendered > limit:
+                if history_budget > 0:  # tighten by the excess; the last keeps no history
+                    excess = rendered - limit
+                    history_budget = (
+                        0 if check == RENDER_CHECKS - 1 else max(0, history_budget - excess)
+                    )
+                elif status:
+                    status, status_t, status_c = "", 0, 0
+                    status_dropped, status_truncated = True, False
+                    history_budget = room
+                else:
+                    break
+                continue
         stats = BuildStats(
             budget=limit,
             system_tokens=sys_t,
@@ -267,22 +292,15 @@ def assemble(
             ledger_in_context=hist.ledger_stats.in_context,
             compaction_deferred=hist.compaction_deferred,
             summary_attempts=hist.summary_attempts,
+            rendered_tokens=rendered,
+            rendered_format=fmt,
         )
-        ctx = AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
-        if not framing.formats:
-            return ctx
-        rendered, fmt = framing.rendered(ctx)
-        if rendered <= limit:
-            return replace(ctx, stats=replace(stats, rendered_tokens=rendered, rendered_format=fmt))
-        if history_budget > 0:  # tighten by the excess; the last check keeps no history
-            excess = rendered - limit
-            history_budget = 0 if check == RENDER_CHECKS - 1 else max(0, history_budget - excess)
-        elif status:
-            status, status_t, status_c, status_dropped, status_truncated = "", 0, 0, True, False
-            history_budget = room
-        else:
-            break
+        return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
     raise BudgetTooSmallError(f"the rendered request needs more than the budget of {limit} tokens")
+
+
+# The stats of a context only counted for its rendering (which does not read them).
+_NO_STATS = BuildStats(budget=0)
 
 
 def compress_history(
@@ -633,14 +651,32 @@ _HISTORY_FIELDS = (
     "metadata",
     "summary_of",
 )
-if tuple(f.name for f in fields(HistoryItem)) != _HISTORY_FIELDS:  # pragma: no cover
+if tuple(f.name for f in fields(HistoryItem) if f.init) != _HISTORY_FIELDS:  # pragma: no cover
     raise ImportError("HistoryItem's fields changed: update assembly._counted")
 
 
 def _counted(item: HistoryItem, tokens: int) -> HistoryItem:
     """``replace(item, token_count=tokens)``, four times cheaper: a warm build counts
     every loaded message, and ``dataclasses.replace`` (keyword plumbing over the fields)
-    was a fifth of its time. The field list is checked when the module loads."""
+    was a fifth of its time. The field list is checked when the module loads.
+
+    An item that keeps its cost (`HistoryItem.cost_memo`, a hot thread's message) keeps
+    the copy too, and the copy the same cost: the next build at that cost gets the very
+    copy back, and counting the rendering finds its cost on it."""
+    memo = item.cost_memo
+    if memo is None:
+        return _copy_counted(item, tokens)
+    found = memo[2]
+    if found is not None and found.token_count == tokens:
+        return found
+    made = _copy_counted(item, tokens)
+    object.__setattr__(made, "cost_memo", (memo[0], memo[1], None))
+    if memo[1] == tokens:  # counted at its own cost: the copy is worth keeping
+        object.__setattr__(item, "cost_memo", (memo[0], memo[1], made))
+    return made
+
+
+def _copy_counted(item: HistoryItem, tokens: int) -> HistoryItem:
     return HistoryItem(
         item.id,
         item.role,

@@ -74,12 +74,17 @@ def stub_blobs(items: Sequence[HistoryItem]) -> tuple[list[HistoryItem], list[in
     out: list[HistoryItem] = []
     changed: list[int] = []
     for item in items:
+        if item.stub_memo:  # kept on a hot thread's item: it has no blob
+            out.append(item)
+            continue
         text = item.content if item.id > 0 and not item.is_summary else ""
         stubbed = _stubbed(text, full_text_handle(item)) if len(text) >= MIN_BASE64_CHARS else text
         if stubbed != text:
             out.append(replace(item, content=stubbed))
             changed.append(item.id)
         else:
+            if item.cost_memo is not None:  # an item that keeps what builds derive
+                object.__setattr__(item, "stub_memo", True)
             out.append(item)
     return out, changed
 

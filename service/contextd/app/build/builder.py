@@ -47,6 +47,7 @@ from contextd.domain.context import (
     ToolCall,
     counter_for_model,
     counter_with_known,
+    derived,
     parse_tool_calls,
 )
 from contextd.domain.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -227,6 +228,7 @@ class ContextBuilder:
                 previous_summary=window.previous_summary,
                 summarizer=self._summarizer,
                 formats=governing_formats(plan.model, request.formats),
+                cost_key=plan.model,  # the counter is the model's (with stored counts)
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -684,15 +686,17 @@ class ContextBuilder:
         if only_kept_ids:
             wanted = set(kept_ids.tolist())
             loaded = [m for m in loaded if m.id in wanted]
+        # Made once per message object (the hot cache keeps them): see `derived`.
+        made = [derived(m) for m in loaded]
         items, repaired = repair_tool_pairs(
-            [HistoryItem.from_stored(m) for m in loaded],
+            [item for item, _ in made],
             self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
         )
         orphaned = ids[orphan_at[orphan_at < start]].tolist() + repaired
         label = stored_tokenizer(plan.model)
         return (
             items,
-            stamps | {m.id: MessageStamp.of(m) for m in loaded},
+            stamps | {item.id: stamp for item, stamp in made},
             {m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label},
             tuple(orphaned),
         )

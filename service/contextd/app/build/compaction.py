@@ -19,6 +19,7 @@ Compaction
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,11 @@ _ROLE_CODES = {
 }
 
 
+_ROLE_OF = operator.attrgetter("role")
+_CALLS_OF = operator.attrgetter("tool_calls")
+_CHAT_ROLES = frozenset({Role.USER, Role.ASSISTANT})
+
+
 def repair_tool_pairs(
     items: Sequence[HistoryItem], outside_calls: Mapping[str, ToolCall] | None = None
 ) -> tuple[list[HistoryItem], list[int]]:
@@ -64,6 +70,11 @@ def repair_tool_pairs(
     text it is valid in both the Anthropic and the OpenAI renderings (adjacent turns of
     one role merge). Nothing is dropped, so no text is lost.
     """
+    if set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items)):
+        # A chat window (no tool role, no calls): nothing to pair, found without a
+        # Python step per item (every build repairs its history, and renders it, more
+        # than once); the loop below finds the same.
+        return list(items), []
     calls_of: dict[int, list[str]] = {}
     issued: dict[str, int] = {}
     answered: dict[int, set[str]] = {}
@@ -142,9 +153,11 @@ def trim_columns(items: Sequence[HistoryItem]) -> tuple[list[int], list[int]]:
     pair-complete ``items``: a tool-using message and its results share a group id (the
     message's index); an assistant message carrying calls counts as a tool_use."""
     codes = _ROLE_CODES
-    if not any(item.tool_calls or item.role is Role.TOOL_RESULT for item in items):
-        # No call and no result (a chat window; every build asks this more than once).
-        return [codes[item.role] for item in items], [-1] * len(items)
+    roles_in = list(map(_ROLE_OF, items))
+    if Role.TOOL_RESULT not in set(roles_in) and not any(map(_CALLS_OF, items)):
+        # No call and no result (a chat window; every build asks this more than once),
+        # found without a Python step per item.
+        return list(map(codes.__getitem__, roles_in)), [-1] * len(items)
     roles: list[int] = []
     groups: list[int] = []
     group_of_call: dict[str, int] = {}

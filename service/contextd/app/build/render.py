@@ -44,8 +44,10 @@ Accounting (:class:`Framing`, :func:`rendered_tokens`)
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +99,13 @@ def wire_text(text: str) -> str:
     return text if text.strip() else EMPTY_TEXT
 
 
+_ROLE_OF = operator.attrgetter("role")
+
+
 def wire_order(history: Sequence[HistoryItem]) -> list[HistoryItem]:
     """The history made pair-complete, each call's results directly after it."""
     items, _ = repair_tool_pairs(history)
-    if not any(item.role is Role.TOOL_RESULT for item in items):
+    if Role.TOOL_RESULT not in set(map(_ROLE_OF, items)):
         return items  # no result to move (a chat window): the order is the stored one
     roles, groups = trim_columns(items)
     results: dict[int, list[HistoryItem]] = {}
@@ -355,11 +360,16 @@ def openai_item_tokens(items: Sequence[HistoryItem], count: TokenCounter) -> lis
     return [fixed + sum(counts[a:b]) for a, b, fixed in spans]
 
 
-def rendered_tokens(fmt: str, ctx: AssembledContext, count: TokenCounter) -> int:
+def rendered_tokens(
+    fmt: str,
+    ctx: AssembledContext,
+    count: TokenCounter,
+    item_tokens: Callable[[Sequence[HistoryItem]], list[int]] | None = None,
+) -> int:
     """The rendering ``fmt`` of ``ctx`` as its provider counts it (see the module
     docstring): what a budget bounds. For ``openai``, the messages :func:`to_openai` sends,
     counted as :func:`openai_tokens` counts them, without making them (see
-    :func:`openai_item_tokens`)."""
+    :func:`openai_item_tokens`; ``item_tokens``, when given, answers what it would)."""
     if fmt == "openai":
         around: list[JsonObject] = []
         system = system_text(ctx)
@@ -371,7 +381,11 @@ def rendered_tokens(fmt: str, ctx: AssembledContext, count: TokenCounter) -> int
             around.append({"role": "user", "content": wire_text(ctx.new_message)})
         return (
             sum(openai_tokens(around, count))
-            + sum(openai_item_tokens(wire_order(ctx.history), count))
+            + sum(
+                (item_tokens or (lambda items: openai_item_tokens(items, count)))(
+                    wire_order(ctx.history)
+                )
+            )
             + OPENAI_REPLY_TOKENS
         )
     return count([render(fmt, ctx)])[0]
@@ -388,6 +402,11 @@ class PartCosts:
     new_message: int
 
 
+# The formats whose cost of an item is that of the item alone (the text transcript names
+# a result's tool from the calls before it).
+_PER_ITEM = frozenset({"openai", "anthropic"})
+
+
 @dataclass(frozen=True, slots=True)
 class Framing:
     """The costs of a context's parts as rendered in ``formats`` (each the most any of
@@ -399,16 +418,48 @@ class Framing:
 
     count: TokenCounter
     formats: tuple[str, ...] = ("openai",)
+    # What ``count`` is a function of (the model), or None. With a key, an item's cost
+    # in formats that cost each item alone is kept on the items that allow it
+    # (`HistoryItem.cost_memo`), so a build of a hot thread counts only new messages.
+    key: object = None
 
     def items(self, items: Sequence[HistoryItem]) -> list[int]:
         """The cost of each history item as its own message(s) in every format."""
+        return self._kept_costs(self.formats, items)
+
+    def _kept_costs(self, formats: tuple[str, ...], items: Sequence[HistoryItem]) -> list[int]:
+        """`_costs` in ``formats``, taken from the items' memos where they hold it under
+        this framing's key, and kept there for the items that allow it. Equal to
+        counting: a format of `_PER_ITEM` costs each item by itself alone, and ``count``
+        is a function of the key."""
+        if self.key is None or not formats or not _PER_ITEM.issuperset(formats):
+            return self._costs(formats, items)
+        key = (self.key, formats)
+        out = [0] * len(items)
+        missing: list[int] = []
+        for i, item in enumerate(items):
+            memo = item.cost_memo
+            if memo is not None and memo[0] == key:
+                out[i] = memo[1]
+            else:
+                missing.append(i)
+        if missing:
+            fresh = self._costs(formats, [items[i] for i in missing])
+            for i, cost in zip(missing, fresh, strict=True):
+                out[i] = cost
+                item = items[i]
+                if item.cost_memo is not None:  # an item that keeps its cost
+                    object.__setattr__(item, "cost_memo", (key, cost, None))
+        return out
+
+    def _costs(self, formats: tuple[str, ...], items: Sequence[HistoryItem]) -> list[int]:
         if not items:
             return []
         costs = [0] * len(items)
-        for fmt in self.formats:
+        for fmt in formats:
             for i, c in enumerate(self._items(fmt, items)):
                 costs[i] = max(costs[i], c)
-        if not self.formats:
+        if not formats:
             return self.count([it.counted_text for it in items])
         return costs
 
@@ -477,7 +528,9 @@ class Framing:
         """The largest rendered count over ``formats``, and its format ("" without)."""
         best, which = -1, ""
         for fmt in self.formats:
-            tokens = rendered_tokens(fmt, ctx, self.count)
+            tokens = rendered_tokens(
+                fmt, ctx, self.count, functools.partial(self._kept_costs, ("openai",))
+            )
             if tokens > best:
                 best, which = tokens, fmt
         return max(best, 0), which
