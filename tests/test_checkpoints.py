@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from conftest import SpawnServer
 from contextd.adapters.duckdb.checkpoints import (
     DEFAULT_CHECKPOINT_THRESHOLD,
     IDLE_CHECKPOINT_BYTES,
@@ -32,7 +33,6 @@ from contextd.app.service import ContextService
 from contextd.config import Settings
 from contextd.domain.model import NewMessage, Role
 from contextd.v1 import context_service_pb2 as pb
-from tests.conftest import SpawnServer
 
 pytestmark = pytest.mark.duckdb_only  # the DuckDB file and its WAL themselves
 
