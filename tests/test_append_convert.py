@@ -11,8 +11,9 @@ import pytest
 from google.protobuf import timestamp_pb2
 
 from contextd.api.convert import new_message_of, new_messages_of, receipt_pb, receipts_pb
-from contextd.domain.errors import InvalidArgument
-from contextd.domain.model import MessageReceipt
+from contextd.domain.errors import ContextdError, InvalidArgument
+from contextd.domain.limits import check_message, check_messages
+from contextd.domain.model import MessageReceipt, NewMessage, Role
 from contextd.v1 import context_service_pb2 as pb
 
 
@@ -69,3 +70,49 @@ def test_receipts_pb_equals_a_list_of_receipt_pb() -> None:
     assert fast.SerializeToString(deterministic=True) == plain.SerializeToString(deterministic=True)
     assert all(r.HasField("create_time") for r in fast.receipts)
     assert receipts_pb([]) == pb.AppendMessagesResponse()
+
+
+def _checked(
+    messages: list[NewMessage], max_bytes: int
+) -> tuple[list[tuple[str, ...]], tuple[type, str, str | None] | None]:
+    """Each message's `check_message` result up to the first error, and that error as
+    (type, text, field)."""
+    out: list[tuple[str, ...]] = []
+    for i, m in enumerate(messages):
+        try:
+            out.append(check_message(m, i, max_bytes, LATEST_US))
+        except ContextdError as exc:
+            return out, (type(exc), str(exc), exc.field)
+    return out, None
+
+
+LATEST_US = 1_800_000_000_000_000
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        NewMessage(Role.USER, "nul \x00 inside"),
+        NewMessage(Role.USER, "x" * 257),  # over a quarter of 1,024 bytes, under 1,024
+        NewMessage(Role.USER, "é" * 600),  # 1,200 UTF-8 bytes: over the limit
+        NewMessage(Role.USER, "y" * 2_000),
+        NewMessage(Role.TOOL_USE, "", tool_calls='[{"id": "c1", "name": "ls"}]'),
+        NewMessage(Role.TOOL_USE, "", tool_calls="not json"),
+        NewMessage(Role.USER, "m", metadata="[1]"),
+        NewMessage(Role.USER, "e", external_id="e" * 1_000),
+        NewMessage(Role.TOOL_RESULT, "r", tool_call_id="c\x00"),
+        NewMessage(Role.USER, "late", source_time_us=LATEST_US + 1),
+        NewMessage(Role.USER, "in time", source_time_us=LATEST_US),
+    ],
+)
+def test_check_messages_equals_check_message_per_message(odd: NewMessage) -> None:
+    """The batch check takes plain messages in one test: every other message gets exactly
+    `check_message`'s result or error, at its own index."""
+    messages = [NewMessage(Role.USER, "plain"), odd, NewMessage(Role.ASSISTANT, "z" * 256)]
+    expected, error = _checked(messages, 1_024)
+    if error is not None:
+        with pytest.raises(ContextdError) as raised:
+            check_messages(messages, 1_024, LATEST_US)
+        assert (type(raised.value), str(raised.value), raised.value.field) == error
+    else:
+        assert check_messages(messages, 1_024, LATEST_US) == expected

@@ -215,8 +215,9 @@ def test_a_disk_write_error_is_unavailable_and_a_retry_succeeds(
 
 
 def test_a_fatal_store_error_turns_health_not_serving(spawn_server: SpawnServer) -> None:
-    """DuckDB checkpoints when its WAL passes 16 MB; if writing the database file then
-    fails, it invalidates the database ("Reopen the database instance to recover")."""
+    """DuckDB checkpoints when its WAL passes the checkpoint threshold (16 MB here); if
+    writing the database file then fails, it invalidates the database ("Reopen the
+    database instance to recover")."""
     first = spawn_server()
     client = first.start()
     for i in range(8):  # ~9.6 MB the database file holds after this server's checkpoint
@@ -224,7 +225,7 @@ def test_a_fatal_store_error_turns_health_not_serving(spawn_server: SpawnServer)
     client.channel.close()
     assert first.signal(signal.SIGTERM) == 0
 
-    proc = spawn_server()
+    proc = spawn_server(extra_env={"CONTEXTD_STORE_CHECKPOINT_THRESHOLD": "16MB"})
     client = proc.start()
     # Room for the WAL up to its checkpoint threshold and more, not for the checkpoint's
     # new blocks past the 9.6 MB already in the file.

@@ -37,6 +37,9 @@ class Settings:
     # DuckDB's memory_limit, e.g. "2GB" ("": DuckDB's own, 80% of RAM); the default keeps
     # an import's resident set flat (adapters/duckdb/store.py, DEFAULT_MEMORY_LIMIT).
     store_memory_limit: str = "128MB"
+    # DuckDB's checkpoint_threshold: the WAL size at which a commit also checkpoints (the
+    # writer checkpoints sooner when idle; adapters/duckdb/checkpoints.py).
+    store_checkpoint_threshold: str = "256MB"
     log_level: str = "INFO"
     log_format: str = "json"
     summary_model: str = "claude-haiku-4-5"
@@ -101,6 +104,9 @@ _SERVE_OPTIONS: dict[str, str] = {
     "answered UNAVAILABLE (STORE_BUSY)",
     "store_memory_limit": "DuckDB's memory limit, e.g. 2GB (empty: DuckDB's own default, 80%% "
     "of the machine's memory); a call that needs more is answered RESOURCE_EXHAUSTED",
+    "store_checkpoint_threshold": "WAL size at which a DuckDB commit also checkpoints, e.g. "
+    "256MB (the writer checkpoints a smaller WAL whenever it is idle); larger: fewer stalls "
+    "under a sustained import, longer replay after a crash",
     "insecure": "allow serving without API keys on a non-loopback address (every caller is "
     "the default tenant, with every role)",
     "tenant_max_rps": "most calls per second of one tenant on this server, in bursts of as "
@@ -197,7 +203,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         if name == "log_level":
             kind = str.upper
-        elif name == "store_memory_limit":
+        elif name in ("store_memory_limit", "store_checkpoint_threshold"):
             kind = _memory_size
         elif name == "store":
             kind = _store_url

@@ -22,6 +22,7 @@ def open_store(settings: Settings, clock: MonotonicClock | None = None) -> Store
         clock=clock,
         write_timeout_s=settings.write_timeout_seconds,
         memory_limit=settings.store_memory_limit,
+        checkpoint_threshold=settings.store_checkpoint_threshold,
         delete_chunk_rows=settings.delete_chunk_rows,
         hot_cache_bytes=settings.hot_cache_bytes,
     )

@@ -506,6 +506,7 @@ def new_messages_of(messages: Iterable[pb.Message]) -> list[NewMessage]:
     validates it and raises exactly the same errors.
     """
     roles = _ROLES
+    new = NewMessage
     out: list[NewMessage] = []
     append = out.append
     for index, m in enumerate(messages):
@@ -513,16 +514,8 @@ def new_messages_of(messages: Iterable[pb.Message]) -> list[NewMessage]:
         if role is None or m.tool_output_id or m.HasField("source_time"):
             append(new_message_of(m, index))
         else:
-            append(
-                NewMessage(
-                    role=role,
-                    content=m.content,
-                    tool_calls=m.tool_calls,
-                    tool_call_id=m.tool_call_id,
-                    external_id=m.external_id,
-                    metadata=m.metadata,
-                )
-            )
+            # Positional: a frozen dataclass takes keywords about 1.5 us slower.
+            append(new(role, m.content, m.tool_calls, m.tool_call_id, m.external_id, m.metadata))
     return out
 
 

@@ -17,7 +17,7 @@ from contextd.domain.errors import (
 )
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.limits import (
-    check_message,
+    check_messages,
     context_key,
     message_bytes,
 )
@@ -59,10 +59,7 @@ class MessageCalls(UseCases):
                 field="messages",
             )
         latest_allowed = self._clock.now_us() + MAX_SOURCE_LEAD_US
-        call_ids = [
-            check_message(m, i, self._limits.max_message_bytes, latest_allowed)
-            for i, m in enumerate(messages)
-        ]
+        call_ids = check_messages(messages, self._limits.max_message_bytes, latest_allowed)
         if isinstance(self, ToolOutputCalls):  # large tool results go aside (tool_outputs.py)
             messages = self.keep_tool_results_aside(key, messages)
         model = self._model_of(tenant, key.agent)

@@ -420,6 +420,9 @@ class DuckDBBase:
     _stop_purging: threading.Event
     _purger: threading.Thread | None
     _flush_failed: bool
+    _wal_path: Path | None
+    _last_group_at: float
+    _next_checkpoint_at: float
     _local: threading.local
     _cursors: list[duckdb.DuckDBPyConnection]
     _cursors_lock: threading.Lock

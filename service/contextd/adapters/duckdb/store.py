@@ -16,6 +16,7 @@ Why this shape:
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from contextd.adapters.duckdb.base import (
     _first,
     log,
 )
+from contextd.adapters.duckdb.checkpoints import DEFAULT_CHECKPOINT_THRESHOLD, wal_path
 from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotMixin, LoadStats
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
@@ -117,6 +119,11 @@ class Store(
         self._stop_purging = threading.Event()
         self._purger: threading.Thread | None = None
         self._flush_failed = False
+        # The WAL the writer checkpoints when idle (None: never; checkpoints.py), and the
+        # monotonic times of the writer's last group and of its next allowed attempt.
+        self._wal_path: Path | None = None
+        self._last_group_at = time.monotonic()
+        self._next_checkpoint_at = 0.0
         self._local = threading.local()
         self._cursors: list[duckdb.DuckDBPyConnection] = []
         self._cursors_lock = threading.Lock()
@@ -178,6 +185,7 @@ class Store(
         clock: MonotonicClock | None = None,
         write_timeout_s: float = 30.0,
         memory_limit: str = DEFAULT_MEMORY_LIMIT,
+        checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD,
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
     ) -> Store:
@@ -186,12 +194,16 @@ class Store(
         Raises StoreLocked when another process holds the file, so the caller can say so
         in one line instead of a stack trace. `memory_limit` is DuckDB's (DEFAULT_MEMORY_LIMIT
         unless given; "" for DuckDB's own default); a call that needs more memory is
-        answered StoreExhausted.
+        answered StoreExhausted. `checkpoint_threshold` is the WAL size at which a commit
+        checkpoints ("" for DuckDB's own); the writer checkpoints sooner when idle
+        (checkpoints.py).
         """
         path.parent.mkdir(parents=True, exist_ok=True)
         config: dict[str, str | bool | int | float | list[str]] = {}
         if memory_limit:
             config["memory_limit"] = memory_limit
+        if checkpoint_threshold:
+            config["checkpoint_threshold"] = checkpoint_threshold
         try:
             con = duckdb.connect(str(path), config=config)
         except duckdb.IOException as exc:
@@ -212,6 +224,7 @@ class Store(
             hot_cache_bytes=hot_cache_bytes,
         )
         store._data_dir = path.parent
+        store._wal_path = wal_path(path)
         try:
             store._reconcile_snapshot_files()
             store._reconcile_tool_output_files()

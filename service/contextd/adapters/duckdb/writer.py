@@ -37,6 +37,12 @@ from contextd.adapters.duckdb.base import (
     log,
     store_error,
 )
+from contextd.adapters.duckdb.checkpoints import (
+    IDLE_CHECKPOINT_BYTES,
+    IDLE_CHECKPOINT_S,
+    RETRY_CHECKPOINT_S,
+    wal_bytes,
+)
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -169,11 +175,12 @@ class WriterMixin(DuckDBBase):
                         # After a failed flush (a full disk, say) retry less eagerly.
                         wait = FLUSH_INTERVAL_S if self._flush_failed else IDLE_FLUSH_S
                         flush = len(self._pending) and self._fatal is None
-                        job = self._queue.get(timeout=wait if flush else None)
+                        job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
                         self._flush_counters(writer)
                         self._forget_old_requests(writer)
+                        self._checkpoint_when_idle(writer)
                         self._writer_waiting()
                         continue
                 self._busy_since = time.monotonic()
@@ -201,6 +208,7 @@ class WriterMixin(DuckDBBase):
                         if not future.done():
                             future.set_exception(exc)
                     self._rollback(writer)
+                self._last_group_at = time.monotonic()
                 if stop:
                     self._flush_counters(writer)
                     return
@@ -209,6 +217,42 @@ class WriterMixin(DuckDBBase):
                 self._writer_waiting()
         finally:
             writer.close()
+
+    def _idle_wait(self, flush_wait: float | None) -> float | None:
+        """How long the idle writer waits for work before it acts on its own: the counters'
+        wait (None: none pending), or less if the WAL is due an idle checkpoint."""
+        if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
+            return flush_wait
+        due = max(self._last_group_at + IDLE_CHECKPOINT_S, self._next_checkpoint_at)
+        left = max(0.0, due - time.monotonic())
+        return left if flush_wait is None else min(flush_wait, left)
+
+    def _checkpoint_when_idle(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Checkpoint if the writer has been idle IDLE_CHECKPOINT_S and the WAL is worth
+        it, so that the next appends find a short WAL and no checkpoint in their way
+        (checkpoints.py). A failure is logged and retried later: the WAL keeps every
+        commit, and the next commit past the threshold checkpoints anyway."""
+        now = time.monotonic()
+        if (
+            self._fatal is not None
+            or now < self._last_group_at + IDLE_CHECKPOINT_S
+            or now < self._next_checkpoint_at
+            or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES
+        ):
+            return
+        try:
+            writer.execute("CHECKPOINT")
+        except duckdb.Error as exc:
+            self._next_checkpoint_at = time.monotonic() + RETRY_CHECKPOINT_S
+            if self._failed(exc) is not None:  # logged (and, if fatal, reported) there
+                log.warning("idle checkpoint failed; the WAL keeps every commit")
+            else:
+                log.exception("idle checkpoint failed; the WAL keeps every commit")
+            return
+        # A checkpoint that left the WAL as long (another transaction held it back) is
+        # not retried at once.
+        if wal_bytes(self._wal_path) >= IDLE_CHECKPOINT_BYTES:
+            self._next_checkpoint_at = time.monotonic() + RETRY_CHECKPOINT_S
 
     def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Write the pending thread counters and the id they count through, in one
