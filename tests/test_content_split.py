@@ -39,7 +39,9 @@ LONG = [False, False, True, False, True, True, False]
 def _append(store: Store, texts: list[str]) -> None:
     store.append(
         KEY,
-        prepare_batch([NewMessage(role=Role.USER, content=t) for t in texts], "", [()] * len(texts)),
+        prepare_batch(
+            [NewMessage(role=Role.USER, content=t) for t in texts], "", [()] * len(texts)
+        ),
         AgentSettings(),
     )
 
@@ -69,7 +71,9 @@ def test_long_content_is_stored_apart_and_read_back_whole(tmp_path: Path) -> Non
     stored = _stored(path)
     assert [c for c, _, _ in stored] == TEXTS
     assert [long is not None for _, _, long in stored] == LONG
-    assert all((short == "") == is_long for (_, short, _), is_long in zip(stored, LONG))
+    assert all(
+        (short == "") == is_long for (_, short, _), is_long in zip(stored, LONG, strict=True)
+    )
     # A store opened again (no hot cache) reads the same.
     store = Store.open(path)
     try:
