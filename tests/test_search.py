@@ -185,6 +185,45 @@ def test_a_deleted_agents_messages_never_come_back(client: Client) -> None:
     assert len(search(client, "a1", "fresh").hits) == 1
 
 
+def test_postgresql_ranks_the_newest_matches_only(
+    server: InProcessServer, postgres_dsn: str
+) -> None:
+    """PostgreSQL ranks at most `search_candidates` matching messages, the newest."""
+    client = server.client
+    store: Any = server.running.store
+    client.append("a1", "apple apple apple apple")  # the best match, and the oldest
+    client.append("a1", *[f"apple and a pear number{i}" for i in range(4)])
+    client.append("a1", "nothing here")
+    assert contents(search(client, "a1", "apple"))[0] == "apple apple apple apple"
+    store.search_candidates = 3
+    found = contents(search(client, "a1", "apple"))
+    assert sorted(found) == [f"apple and a pear number{i}" for i in (1, 2, 3)]
+    # An older message is found by a query it is among the newest matches of.
+    assert contents(search(client, "a1", "number0 nothing")) == [
+        "nothing here",
+        "apple and a pear number0",
+    ]
+
+
+def test_postgresql_widens_its_range_until_it_holds_the_newest_matches(
+    server: InProcessServer, postgres_dsn: str
+) -> None:
+    """The candidates are the newest matches of the scope (or thread) even when the
+    tenant's newest messages belong to other scopes or do not match."""
+    client = server.client
+    store: Any = server.running.store
+    store.search_candidates = 2  # the first range: the tenant's 16 newest ids
+    client.append("a1", "kiwi one", "kiwi two kiwi", "kiwi three")
+    client.append("a1", "kiwi elsewhere", thread="t2")
+    client.append("a1", *[f"kiwi filler {i}" for i in range(300)], scope="k1")
+    client.append("a1", *[f"plain filler {i}" for i in range(300)])
+    assert sorted(contents(search(client, "a1", "kiwi"))) == ["kiwi elsewhere", "kiwi three"]
+    assert contents(search(client, "a1", "kiwi", thread="t1")) == ["kiwi two kiwi", "kiwi three"]
+    store.search_candidates = 10
+    assert contents(search(client, "a1", "kiwi", thread="t1"))[0] == "kiwi two kiwi"
+    assert len(search(client, "a1", "kiwi", thread="t1").hits) == 3
+
+
 def test_summaries_are_never_returned(client: Client) -> None:
     client.append("a1", *[f"turn {i} about the kettle" for i in range(12)])
     summary = client.stub.CompactContext(

@@ -309,6 +309,9 @@ DEFAULT_RELEVANT_K = 10
 MAX_RELEVANT_K = 100
 # A selection ranks at most this many outputs of its filter (the newest).
 MAX_RELEVANCE_CANDIDATES = 10_000
+# SearchMessages on PostgreSQL ranks at most this many matching messages (the newest):
+# ranking reads each candidate's whole search vector, so it is bounded, not the matches.
+MAX_SEARCH_CANDIDATES = 4_000
 # What of a result BM25 indexes: its first and last characters.
 INDEX_HEAD_CHARS = 12_000
 INDEX_TAIL_CHARS = 4_000

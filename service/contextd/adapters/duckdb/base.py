@@ -112,7 +112,9 @@ _ARROW_SCHEMA = pa.schema(
         ("scope", pa.string()),
         ("thread", pa.string()),
         ("role", pa.uint8()),
-        ("content", pa.string()),
+        # `content` is virtual: coalesce(content_long, content_short) (schema version 22).
+        ("content_short", pa.string()),
+        ("content_long", pa.string()),
         ("tool_calls", pa.string()),
         ("tool_call_id", pa.string()),
         ("external_id", pa.string()),

@@ -359,7 +359,8 @@ def _messages_of(batch: pa.Table, rows: npt.NDArray[np.intp]) -> list[StoredMess
                 scope=part["scope"][i],
                 thread=part["thread"][i],
                 role=Role(part["role"][i]),
-                content=part["content"][i],
+                # The writer's batch keeps content in two columns (schema version 22).
+                content=part["content_long"][i] or part["content_short"][i],
                 tool_calls=part["tool_calls"][i],
                 tool_call_id=part["tool_call_id"][i],
                 external_id=part["external_id"][i],
@@ -730,7 +731,10 @@ def _batch_arrays(batch: pa.Table) -> dict[str, npt.NDArray[Any]]:
         "gs": gs.astype(np.int64),
         "has_source": has_source,
         "is_summary": np.asarray(col("is_summary").to_numpy(zero_copy_only=False), dtype=bool),
-        "all_chars": lengths("content") + lengths("tool_calls") + lengths("metadata"),
+        "all_chars": lengths("content_short")
+        + np.asarray(pc.utf8_length(col("content_long")).fill_null(0).to_numpy(), dtype=np.int64)
+        + lengths("tool_calls")
+        + lengths("metadata"),
     }
 
 

@@ -24,6 +24,7 @@ from contextd.adapters.duckdb.base import (
     _request_rows,
     window_predicate,
 )
+from contextd.adapters.duckdb.schema import is_long_content
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
 )
@@ -522,11 +523,13 @@ class MessagesMixin(DuckDBBase):
         are listed."""
         found = self._insert_plan
         if found is None:
+            # `content` is virtual (version 22): an INSERT neither names nor fills it.
             names = [
                 str(r[0])
                 for r in writer.execute(
                     "SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' "
-                    "AND table_name = 'messages' ORDER BY column_index"
+                    "AND table_name = 'messages' AND column_name <> 'content' "
+                    "ORDER BY column_index"
                 ).fetchall()
             ]
             if sorted(names) == sorted(_ARROW_SCHEMA.names):
@@ -600,7 +603,13 @@ class MessagesMixin(DuckDBBase):
         columns["scope"].extend([key.scope] * n)
         columns["thread"].extend([key.thread] * n)
         columns["role"].extend([m.role for m in messages])  # IntEnum: Arrow takes the int
-        columns["content"].extend([m.content for m in messages])
+        for m in messages:
+            if is_long_content(m.content):
+                columns["content_short"].append("")
+                columns["content_long"].append(m.content)
+            else:
+                columns["content_short"].append(m.content)
+                columns["content_long"].append(None)
         columns["tool_calls"].extend([m.tool_calls for m in messages])
         columns["tool_call_id"].extend([m.tool_call_id for m in messages])
         columns["external_id"].extend([m.external_id for m in messages])

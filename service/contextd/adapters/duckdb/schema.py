@@ -6,6 +6,10 @@ Never edit a released migration; append a new one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import duckdb
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (
         1,
@@ -371,4 +375,96 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE threads ADD COLUMN outputs_expired_through_us BIGINT NOT NULL DEFAULT 0",
         ],
     ),
+    (
+        22,
+        [
+            # Messages' content in two columns, `content` read from both: see
+            # split_message_content, run after these statements. (Version 21 is another
+            # feature's.)
+        ],
+    ),
 ]
+
+# Content of at most this many bytes (UTF-8) is kept in `content_short`, longer content in
+# `content_long` (version 22).
+SHORT_CONTENT_BYTES = 4096
+
+
+def is_long_content(content: str) -> bool:
+    """Whether content goes to `content_long`: over SHORT_CONTENT_BYTES bytes in UTF-8
+    (text of at most a quarter as many characters is never encoded to tell)."""
+    if len(content) <= SHORT_CONTENT_BYTES // 4:
+        return False
+    return len(content) > SHORT_CONTENT_BYTES or len(content.encode()) > SHORT_CONTENT_BYTES
+
+
+def split_message_content(con: duckdb.DuckDBPyConnection) -> None:
+    """Keep messages' content in two stored columns (version 22): `content_short` (content
+    of at most SHORT_CONTENT_BYTES bytes, else empty) and `content_long` (longer content,
+    else NULL), and `content` as the virtual column `coalesce(content_long,
+    content_short)`, so every read of `content` reads as before.
+
+    Why: DuckDB writes each string over 4 KiB to overflow blocks, and a segment holding
+    one refuses dictionary and FSST compression. With long tool outputs among chat
+    turns the column took about 850 bytes a message of 483 (and most overflow blocks
+    were mostly empty); split, the short column is compressed with FSST (read string by
+    string: a point read costs about 1.5x the CPU, where zstd's whole vectors cost
+    4.6x) and the long one keeps a few full blocks: about 270 bytes a message.
+
+    DuckDB adds neither a generated column nor renames a column of an indexed table, so
+    the table is made again from the catalog's definition (columns other versions added
+    are kept, in their order), its rows copied in their order, and its indexes made again
+    (also from the catalog), in the migration's one transaction. A table already split
+    (a file taken back to an older version) is left as it is.
+    """
+    row = con.execute(
+        "SELECT sql FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = 'messages'"
+    ).fetchone()
+    if row is None:
+        raise RuntimeError("no messages table to split")
+    ddl = str(row[0])
+    if "content_short" in ddl:
+        return
+    plain = '"content" VARCHAR NOT NULL'
+    if ddl.count(plain) != 1 or not ddl.startswith("CREATE TABLE messages("):
+        raise RuntimeError(f"unexpected definition of the messages table: {ddl[:200]}")
+    indexes = [
+        str(r[0])
+        for r in con.execute(
+            "SELECT sql FROM duckdb_indexes() WHERE schema_name = 'main' "
+            "AND table_name = 'messages' ORDER BY index_name"
+        ).fetchall()
+    ]
+    columns = [
+        str(r[0])
+        for r in con.execute(
+            "SELECT column_name FROM duckdb_columns() WHERE schema_name = 'main' "
+            "AND table_name = 'messages' ORDER BY column_index"
+        ).fetchall()
+    ]
+    con.execute(
+        ddl.replace("CREATE TABLE messages(", "CREATE TABLE messages_split(", 1).replace(
+            plain,
+            "content_short VARCHAR NOT NULL, content_long VARCHAR, "
+            '"content" VARCHAR GENERATED ALWAYS AS (coalesce(content_long, content_short))',
+            1,
+        )
+    )
+    kept = [f'"{c}"' for c in columns if c != "content"]
+    long = f"strlen(content) > {SHORT_CONTENT_BYTES}"
+    # Insertion order is kept (DuckDB preserves it by default): no sort of the table.
+    con.execute(
+        f"INSERT INTO messages_split ({', '.join(kept)}, content_short, content_long) "
+        f"SELECT {', '.join(kept)}, CASE WHEN {long} THEN '' ELSE content END, "
+        f"CASE WHEN {long} THEN content END FROM messages"
+    )
+    con.execute("DROP TABLE messages")
+    con.execute("ALTER TABLE messages_split RENAME TO messages")
+    for sql in indexes:
+        con.execute(sql)
+
+
+# Steps in Python a migration runs after its statements, by version.
+MIGRATION_STEPS: dict[int, Callable[[duckdb.DuckDBPyConnection], None]] = {
+    22: split_message_content,
+}

@@ -38,7 +38,7 @@ from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotM
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.retention import RetentionMixin
-from contextd.adapters.duckdb.schema import MIGRATIONS
+from contextd.adapters.duckdb.schema import MIGRATION_STEPS, MIGRATIONS
 from contextd.adapters.duckdb.search import SearchMixin
 from contextd.adapters.duckdb.snapshots import SnapshotsMixin
 from contextd.adapters.duckdb.status import StatusMixin
@@ -293,6 +293,9 @@ class Store(
             try:
                 for statement in statements:
                     con.execute(statement)
+                step = MIGRATION_STEPS.get(version)
+                if step is not None:
+                    step(con)
                 con.execute("INSERT INTO schema_migrations VALUES (?, epoch_us(now()))", [version])
                 con.execute("COMMIT")
             except Exception:
