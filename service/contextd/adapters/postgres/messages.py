@@ -526,7 +526,7 @@ class MessagesMixin(PostgresBase):
         with self._reading() as conn:
             rows = conn.execute(
                 f"SELECT {_SELECT_MESSAGES} FROM threads t JOIN messages m "
-                "ON m.tenant = t.tenant AND m.context_id = t.context_id "
+                "ON m.tenant = t.tenant AND m.context_id + 0 = t.context_id "  # by id alone
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s "
                 "AND m.id = ANY(%s) ORDER BY m.create_time_us, m.id",
                 [key.tenant, key.agent, key.scope, key.thread, list(ids)],
@@ -542,8 +542,10 @@ class MessagesMixin(PostgresBase):
             row = first(
                 conn,
                 f"SELECT t.context_id, t.last_clear_us, t.latest_summary_id, {_SELECT_MESSAGES} "
+                # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
+                # condition): a plan along the thread's primary key scanned all of it.
                 "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
-                "AND m.context_id = t.context_id AND m.id = t.latest_summary_id "
+                "AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id "
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
                 [key.tenant, key.agent, key.scope, key.thread],
             )
@@ -722,7 +724,7 @@ class MessagesMixin(PostgresBase):
                 conn,
                 f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
                 "ON t.tenant = m.tenant AND t.context_id = m.context_id "
-                "WHERE m.tenant = %s AND m.id = %s AND m.context_id = %s",
+                "WHERE m.tenant = %s AND m.id = %s AND m.context_id + 0 = %s",  # by id alone
                 [_tenant(context), context.latest_summary_id, context.context_id],
             )
         return message_from_row(row) if row else None
