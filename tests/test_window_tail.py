@@ -194,9 +194,12 @@ def test_newest_first_builds_what_the_whole_window_builds(
             _same(new, old)
             builds += 1
     assert builds > 40
-    # The newest-first read served builds, and some of them left part of the window
-    # unread (counted, not read); with tool turns throughout, some fell back.
-    assert len(served) > (builds // 2 if tools == 0 else 0)
+    # The newest-first read served most builds, and some of them left part of the window
+    # unread (counted, not read); with tool turns throughout, some of those held tool
+    # rows in the unread part and asked the store for its orphans instead of reading it.
+    assert len(served) > builds // 2
+    if tools:
+        assert service._builder.unread_tool_builds > 0
     assert any(h > 0 for h in served)
     assert found  # some runs of held ids were checked, not read
 
@@ -244,6 +247,11 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
             "ALTER TABLE threads DROP COLUMN ordinal_total, DROP COLUMN tools_total, "
             "DROP COLUMN totals_through, DROP COLUMN outputs_expired_through_us"  # and 12's
         )
+        conn.execute("DROP TABLE tool_open")  # and 13's
+        conn.execute("ALTER TABLE threads DROP COLUMN tool_span")
+        conn.execute("DROP TRIGGER messages_tool_open_insert ON messages")
+        conn.execute("DROP TRIGGER messages_tool_open_delete ON messages")
+        conn.execute("DROP FUNCTION contextd_tool_open_insert, contextd_tool_open_delete")
         conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
     store = PostgresStore.open(postgres_dsn, clock=clock)
     try:

@@ -190,6 +190,28 @@ _PAGE_IDS = (
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
 
+# `window_unread_orphans`: the open tool rows of the range (schema version 13), and the
+# results in it whose call is before its start, which lie within the thread's tool_span
+# rows of that start (none is looked for past MAX_TOOL_SPAN: the build reads it all).
+_UNREAD_ORPHANS = """
+SELECT t.tool_span,
+       (SELECT coalesce(string_agg(int8send(u.id), ''::bytea ORDER BY u.sequence), ''::bytea)
+        FROM (SELECT o.id, o.sequence FROM tool_open o
+              WHERE o.tenant = t.tenant AND o.context_id = t.context_id
+                AND o.sequence >= %(from)s AND o.sequence < %(before)s
+              UNION
+              SELECT m.id, m.sequence FROM messages m
+              WHERE m.tenant = t.tenant AND m.context_id = t.context_id
+                AND m.sequence >= %(from)s AND m.sequence < %(before)s
+                AND m.sequence <= %(from)s + t.tool_span AND t.tool_span <= %(max_span)s
+                AND m.role = 4 AND NOT m.is_summary AND m.group_id >= 0
+                AND m.group_id <> m.id AND m.group_start < %(from)s) u)
+FROM threads t WHERE t.tenant = %(tenant)s AND t.context_id = %(context)s
+"""
+# The farthest a result may lie after its call for `window_unread_orphans` to answer:
+# past it, finding the results whose call is before a range costs a scan of that many rows.
+MAX_TOOL_SPAN = 4_096
+
 _LOCK_AGENT = (
     "SELECT model, last_clear_us, settings_json FROM agents WHERE tenant = %s AND name = %s "
     "FOR KEY SHARE"
@@ -709,6 +731,32 @@ class MessagesMixin(PostgresBase):
         if row is None or row[0] != context.context_id or row[1] is None:
             return None
         return int(row[1])
+
+    def window_unread_orphans(
+        self, context: ContextRef, from_sequence: int, before_sequence: int
+    ) -> list[int] | None:
+        """From `tool_open` and `tool_span` (schema version 13, kept by triggers): a
+        result in the range is an orphan of the part from `from_sequence` when it answers
+        no call (kept in tool_open) or its call is before `from_sequence` (then it lies
+        within tool_span rows of it); a tool-using message when no result of it is stored
+        (in tool_open until one is; results follow their call, so a stored one is in any
+        window part that holds the call). Only for a range of a window `window_bounds`
+        answered: no message deleted inside it."""
+        with self._reading() as conn:
+            row = first(
+                conn,
+                _UNREAD_ORPHANS,
+                {
+                    "tenant": _tenant(context),
+                    "context": context.context_id,
+                    "from": from_sequence,
+                    "before": before_sequence,
+                    "max_span": MAX_TOOL_SPAN,
+                },
+            )
+        if row is None or int(row[0]) > MAX_TOOL_SPAN:
+            return None
+        return [int(i) for i in np.frombuffer(bytes(row[1]), ">i8")]
 
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
