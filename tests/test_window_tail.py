@@ -407,6 +407,18 @@ def test_a_build_on_one_replica_sees_what_another_appended(postgres_dsn: str) ->
             assert last not in after.orphaned_ids  # answered, on the other replica
             assert after.context.history[-2].id == last
             assert after.context.history[-2].tool_calls  # a call again, with its result
+            # An agent changed on one replica: the other's next build uses the change
+            # (its cached agent is checked against the row's version in the build's read).
+            prompt = f"prompt {step}"
+            writer.update_agent(
+                TENANT, AGENT, AgentSettings(system_prompt=prompt), ["system_prompt"]
+            )
+            assert reader.build_context(request).context.system_prompt == prompt
+            assert writer.build_context(request).context.system_prompt == prompt
+        a.delete_agent(TENANT, AGENT)
+        b.create_agent(TENANT, AGENT, AgentSettings(system_prompt="again"))
+        a.append_messages(TENANT, AGENT, "", "r", [NewMessage(role=Role.USER, content="hi")])
+        assert a.build_context(request).context.system_prompt == "again"
     finally:
         one.close()
         two.close()

@@ -118,6 +118,8 @@ class PostgresBase:
     _local: threading.local  # `conn`: the connection of this thread's snapshot, if any
     _pool: psycopg_pool.ConnectionPool[Conn]
     _closed: bool
+    # Agents read by get_agent, by (tenant, name): (row version, agent); see agents.py.
+    _agent_cache: dict[tuple[str, str], tuple[str, Any]]
 
     @contextmanager
     def _reading(self) -> Iterator[Conn]:
@@ -160,6 +162,7 @@ class PostgresBase:
                     finally:
                         self._local.conn = None
                         self._local.summary = None  # read by context_ref in this block
+                        self._local.agent_version = None  # likewise
             finally:
                 conn.isolation_level, conn.read_only = level, read_only
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from contextd.adapters.postgres.agents import INSERT_AGENT
+from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
@@ -559,11 +559,14 @@ class MessagesMixin(PostgresBase):
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
         """The thread's ref, and with it (one round trip, not two) its latest summary,
-        which `latest_summary` then answers from memory inside the same snapshot."""
+        which `latest_summary` then answers from memory inside the same snapshot, and
+        the version of its agent's row, with which `get_agent` may answer from this
+        replica's cache of agents (see agents.py)."""
         with self._reading() as conn:
             row = first(
                 conn,
-                f"SELECT t.context_id, t.last_clear_us, t.latest_summary_id, {_SELECT_MESSAGES} "
+                "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
+                f"({AGENT_VERSION_OF_THREAD}), {_SELECT_MESSAGES} "
                 # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
                 # condition): a plan along the thread's primary key scanned all of it.
                 "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
@@ -574,9 +577,12 @@ class MessagesMixin(PostgresBase):
         if row is None:
             return None
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
-        if getattr(self._local, "conn", None) is not None and ref.latest_summary_id:
-            summary = message_from_row(row[3:]) if row[3] is not None else None
-            self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
+        if getattr(self._local, "conn", None) is not None:
+            if row[3] is not None:  # for get_agent, in this snapshot
+                self._local.agent_version = (key.tenant, key.agent, str(row[3]))
+            if ref.latest_summary_id:
+                summary = message_from_row(row[4:]) if row[4] is not None else None
+                self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:

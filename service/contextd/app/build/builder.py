@@ -404,6 +404,10 @@ class ContextBuilder:
         model: str,
         overrides: BuildOverrides,
     ) -> _Plan:
+        # The thread first: on PostgreSQL its read carries the agent row's version, so
+        # that get_agent may answer from the replica's cache of agents.
+        key = ContextKey(tenant, agent_name, scope, thread)
+        context = self._store.context_ref(key)
         agent = self._store.get_agent(tenant, agent_name)
         chosen = model or agent.model or "default"
         try:
@@ -432,8 +436,6 @@ class ContextBuilder:
                     DEFAULT_SAFETY_MARGIN if merged.safety_margin is None else merged.safety_margin
                 ),
             )
-        key = ContextKey(tenant, agent_name, scope, thread)
-        context = self._store.context_ref(key)
         now = self._store.clock.now_us()
         agent_window = agent.window_at(scope, now)
         window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
