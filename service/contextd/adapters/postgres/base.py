@@ -32,6 +32,7 @@ from contextd.domain.errors import (
     Unavailable,
 )
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
+from contextd.domain.model import Agent
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class PostgresBase:
     _pool: psycopg_pool.ConnectionPool[Conn]
     _closed: bool
     # Agents read by get_agent, by (tenant, name): (row version, agent); see agents.py.
-    _agent_cache: dict[tuple[str, str], tuple[str, Any]]
+    _agent_cache: dict[tuple[str, str], tuple[str, Agent]]
 
     @contextmanager
     def _reading(self) -> Iterator[Conn]:
