@@ -333,6 +333,21 @@ def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
         return window_columns(*args)
 
     monkeypatch.setattr(store, "window_columns", counting)
+    asked, read = [0], [0]  # held ids asked for, and those read from the database
+    page_ids, read_page_ids = store._page_ids, store._read_page_ids
+
+    def asking(*args: Any) -> Any:
+        ids = page_ids(*args)
+        asked[0] += len(ids)
+        return ids
+
+    def reading(*args: Any) -> Any:
+        sequences, ids = read_page_ids(*args)
+        read[0] += len(ids)
+        return sequences, ids
+
+    monkeypatch.setattr(store, "_page_ids", asking)
+    monkeypatch.setattr(store, "_read_page_ids", reading)
     builds = 0
     for round_ in range(8):
         for thread in threads:
@@ -363,6 +378,19 @@ def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
             _same(new, old)
             assert old.orphaned_ids  # the unread part had orphans to list
     assert builds >= 10  # tool rows in the unread part, answered by the store
+    # A hot thread: the ids of its older messages (not contiguous: other threads wrote
+    # between) come from the replica's run of them after a first read, and only those
+    # of what was appended since are read; the build stays the whole read's.
+    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", 200)
+    request = BuildRequest(TENANT, AGENT, "", "w0", overrides=BuildOverrides(budget_tokens=300))
+    service.build_context(request)
+    text = [NewMessage(role=Role.USER, content="word " * 60)] * 2
+    service.append_messages(TENANT, AGENT, "", "w0", text)
+    asked[0] = read[0] = 0
+    new = service.build_context(request)
+    assert asked[0] > 20 and read[0] <= 2
+    monkeypatch.setattr(store, "window_bounds", lambda *a: None)
+    _same(new, service.build_context(request))
 
 
 def test_a_build_on_one_replica_sees_what_another_appended(postgres_dsn: str) -> None:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
@@ -185,7 +186,8 @@ _PAGE = (
 )
 
 _PAGE_IDS = (
-    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea) "
+    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea), "
+    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea) "
     "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
@@ -252,6 +254,8 @@ class MessagesMixin(PostgresBase):
     # Whether appends hand over the search vectors they can make (set when the store
     # opens; see search_vector.py). False: the database computes every one.
     _search_vectors: bool = False
+    # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
+    _id_runs: dict[tuple[str, int], IdRun]
 
     def append(
         self,
@@ -717,14 +721,56 @@ class MessagesMixin(PostgresBase):
     ) -> pa.Table:
         """Newest first by the primary key, at most `limit` rows, encoded as
         `window_columns` encodes them (one row of binary arrays, no object per row)."""
+        if ids_only:
+            ids = self._page_ids(context, from_sequence, before_sequence, limit)
+            return pa.table({"id": pa.array(ids)})
         params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
         with self._reading() as conn:
-            row = first(conn, _PAGE_IDS if ids_only else _PAGE, params)
+            row = first(conn, _PAGE, params)
         assert row is not None
-        if ids_only:
-            ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
-            return pa.table({"id": pa.array(ids)})
         return _page_table(row)
+
+    def _page_ids(
+        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+    ) -> npt.NDArray[np.int64]:
+        """`window_page`'s ids alone (the held ids of what a build leaves out, up to
+        10,000 of them), through this replica's cache of runs of a thread's ids: a run
+        read once (every non-summary message between two sequences) stays true while
+        its messages are stored, and a window `window_bounds` answered has none deleted
+        inside it, so only the part after the run (what was appended since) is read."""
+        if before_sequence >= _OPEN_END:  # no end to the range: nothing to keep
+            return self._read_page_ids(context, from_sequence, before_sequence, limit)[1]
+        key = (_tenant(context), context.context_id)
+        run = self._id_runs.get(key)
+        below = run is not None and run.low > from_sequence
+        if run is not None and below and run.count_in(run.low, before_sequence) < limit:
+            run = None  # the newest `limit` reach below the run
+        if run is not None and before_sequence <= run.high:
+            return run.newest(from_sequence, before_sequence, limit)
+        low = from_sequence if run is None else max(from_sequence, run.high)
+        seqs, ids = self._read_page_ids(context, low, before_sequence, limit)
+        # What was read is every message of [`low`, before) when fewer than `limit`
+        # came, else of [its oldest's sequence, before).
+        covered = low if len(ids) < limit else int(seqs[0])
+        if run is not None and covered <= run.high and len(ids) < limit:
+            run = run.extended(seqs, ids, before_sequence)
+        else:
+            run = IdRun(covered, before_sequence, seqs, ids)
+        if len(self._id_runs) >= ID_RUN_THREADS and key not in self._id_runs:
+            self._id_runs.clear()
+        self._id_runs[key] = run
+        return run.newest(from_sequence, before_sequence, limit)
+
+    def _read_page_ids(
+        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
+        with self._reading() as conn:
+            row = first(conn, _PAGE_IDS, params)
+        assert row is not None
+        ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
+        seqs = np.frombuffer(bytes(row[1]), ">i8")[::-1].astype(np.int64)
+        return seqs, ids
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
         with self._reading() as conn:
@@ -782,6 +828,50 @@ class MessagesMixin(PostgresBase):
                 [_tenant(context), context.latest_summary_id, context.context_id],
             )
         return message_from_row(row) if row else None
+
+
+_OPEN_END = 2**61
+# Threads whose run of ids a replica keeps (each at most about HELD_DROPPED_IDS ids and
+# their sequences, 160 KB); past this many, the cache starts over.
+ID_RUN_THREADS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class IdRun:
+    """Every non-summary message of a thread with `low <= sequence < high`: sequences and
+    ids, ascending (see `MessagesMixin._page_ids`)."""
+
+    low: int
+    high: int
+    sequences: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.int64]
+
+    def count_in(self, low: int, high: int) -> int:
+        a, b = np.searchsorted(self.sequences, [low, high])
+        return int(b - a)
+
+    def newest(self, low: int, high: int, limit: int) -> npt.NDArray[np.int64]:
+        """The ids of the newest `limit` messages with low <= sequence < high (the run
+        must hold them: it covers [low, high), or `limit` of them within it)."""
+        a, b = (int(i) for i in np.searchsorted(self.sequences, [low, high]))
+        return self.ids[max(a, b - limit) : b]
+
+    def extended(
+        self, sequences: npt.NDArray[np.int64], ids: npt.NDArray[np.int64], high: int
+    ) -> IdRun:
+        """This run and every message from its end up to `high` (`sequences`, `ids`),
+        keeping at most the newest ID_RUN_SIZE."""
+        seqs = np.concatenate([self.sequences, sequences])
+        every = np.concatenate([self.ids, ids])
+        if len(seqs) > ID_RUN_SIZE:
+            cut = len(seqs) - ID_RUN_SIZE
+            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:])
+        return IdRun(self.low, high, seqs, every)
+
+
+# The most ids a run holds (a build asks at most HELD_DROPPED_IDS, with some to spare as
+# the thread grows).
+ID_RUN_SIZE = 16_384
 
 
 def _tenant(context: ContextRef) -> str:

@@ -60,6 +60,7 @@ class PostgresStore(
         self._pool = pool
         self._local = threading.local()
         self._agent_cache = {}
+        self._id_runs = {}
         self._closed = False
         self.clock = clock
         self._listeners: list[Callable[[bool], None]] = []
