@@ -144,10 +144,9 @@ class PostgresBase:
 
         The isolation level and read-only mode are set on the connection (client side)
         before the transaction begins, so its BEGIN carries them: one round trip less
-        than a BEGIN followed by SET TRANSACTION, on every build. (No cache of build
-        reads on this engine: other replicas write too, so a cached read would need a
-        version read per build to be validated, and that read costs the round trip it
-        saves; see docs/architecture.md, The hot cache.)"""
+        than a BEGIN followed by SET TRANSACTION, on every build. (No cache of windows
+        on this engine: other replicas write too; the few shortcuts it keeps are
+        validated by reads of the snapshot, see docs/architecture.md, The hot cache.)"""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
