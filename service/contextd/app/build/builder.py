@@ -508,15 +508,17 @@ class ContextBuilder:
         """`_load_history` of a build that does not summarize, reading the window newest
         first in pages, so its cost follows the budget, not the window; None when the
         store cannot count the window without reading it (`ContextReader.window_bounds`)
-        or the older, unread part holds tool rows (their pairs could change what the
-        newest part keeps, or be orphans a build reports): the caller then reads it all.
+        or cannot list the orphans among the unread part's tool rows
+        (`ContextReader.window_unread_orphans`): the caller then reads it all.
 
         It answers exactly what reading the whole window answers: the trimmer walks from
         the newest message and stops at the first that does not fit, so once its walk
-        stops inside the pages read, older messages cannot change where it stops; with no
-        tool row in the unread part, the orphan repair of the pages is the whole window's
-        (a result's call is then in the pages or before the window's part after the
-        summary, and a call's results come after it). Ids of a thread grow with its
+        stops inside the pages read, older messages cannot change where it stops. The
+        read goes on while a result read answers a call in the unread part
+        (`_answers_unread`); then the orphan repair of the pages is the whole window's (a
+        result's call is in the pages or before the window's part after the summary, and
+        a call's results come after it), and the unread part's own orphans, which the
+        build lists, come from the store. Ids of a thread grow with its
         sequence on this path (appends of a thread are serialized), so a stored summary
         covers a prefix of the window. Counts, and the ids dropped runs start and end at,
         come from the running counts; the newest HELD_DROPPED_IDS ids of what is left out
