@@ -773,6 +773,14 @@ class MessagesMixin(PostgresBase):
         return seqs, ids
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """One index lookup, or none when this replica's run of the thread's ids (see
+        `_page_ids`) spans the id and does not hold it: ids grow along a thread, so no
+        message of it can have that id (a thread written in turns with others)."""
+        run = self._id_runs.get((_tenant(context), context.context_id))
+        if run is not None and len(run.ids) and run.ids[0] < message_id < run.ids[-1]:
+            at = int(np.searchsorted(run.ids, message_id))
+            if int(run.ids[at]) != message_id:
+                return None
         with self._reading() as conn:
             row = first(  # by (tenant, id) alone: no plan may look for it along the thread
                 conn,
