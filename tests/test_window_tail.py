@@ -194,9 +194,12 @@ def test_newest_first_builds_what_the_whole_window_builds(
             _same(new, old)
             builds += 1
     assert builds > 40
-    # The newest-first read served builds, and some of them left part of the window
-    # unread (counted, not read); with tool turns throughout, some fell back.
-    assert len(served) > (builds // 2 if tools == 0 else 0)
+    # The newest-first read served most builds, and some of them left part of the window
+    # unread (counted, not read); with tool turns throughout, some of those held tool
+    # rows in the unread part and asked the store for its orphans instead of reading it.
+    assert len(served) > builds // 2
+    if tools:
+        assert service._builder.unread_tool_builds > 0
     assert any(h > 0 for h in served)
     assert found  # some runs of held ids were checked, not read
 
@@ -244,6 +247,11 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
             "ALTER TABLE threads DROP COLUMN ordinal_total, DROP COLUMN tools_total, "
             "DROP COLUMN totals_through, DROP COLUMN outputs_expired_through_us"  # and 12's
         )
+        conn.execute("DROP TABLE tool_open")  # and 13's
+        conn.execute("ALTER TABLE threads DROP COLUMN tool_span")
+        conn.execute("DROP TRIGGER messages_tool_open_insert ON messages")
+        conn.execute("DROP TRIGGER messages_tool_open_delete ON messages")
+        conn.execute("DROP FUNCTION contextd_tool_open_insert, contextd_tool_open_delete")
         conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
     store = PostgresStore.open(postgres_dsn, clock=clock)
     try:
@@ -270,3 +278,175 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
         assert served == len(THREADS)
     finally:
         store.close()
+
+
+def _tool_turns(rng: random.Random, n: int, pending: list[str]) -> list[NewMessage]:
+    """`n` messages of tool-using turns: calls answered at once, later (from `pending`)
+    or never, stray results, and plain text between."""
+    out: list[NewMessage] = []
+    while len(out) < n:
+        roll = rng.random()
+        if roll < 0.3:
+            ids = [f"c{rng.randrange(10**9)}" for _ in range(rng.randint(1, 3))]
+            body = [{"id": c, "name": "grep", "input": {"q": c}} for c in ids]
+            out.append(NewMessage(role=Role.TOOL_USE, content="", tool_calls=json.dumps(body)))
+            for call in ids:
+                if rng.random() < 0.8:
+                    out.append(
+                        NewMessage(
+                            role=Role.TOOL_RESULT,
+                            content="out " * rng.randint(1, 300),
+                            tool_call_id=call,
+                        )
+                    )
+                else:
+                    pending.append(call)
+        elif roll < 0.35 and pending:
+            call = pending.pop(rng.randrange(len(pending)))
+            out.append(NewMessage(role=Role.TOOL_RESULT, content="late", tool_call_id=call))
+        elif roll < 0.37:
+            out.append(NewMessage(role=Role.TOOL_RESULT, content="stray", tool_call_id="x"))
+        else:
+            role = rng.choice([Role.USER, Role.ASSISTANT])
+            out.append(NewMessage(role=role, content="word " * rng.randint(1, 120)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
+    store: PostgresStore, service: ContextService, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """Tool-using threads written in turns with ten others (ids of a thread then jump):
+    every build takes the newest-first read, never the whole window (counted), though
+    the unread part holds tool rows and orphans, and builds what the whole read builds."""
+    monkeypatch.setattr(builder, "FIRST_PAGE", 16)
+    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", 40)
+    rng = random.Random(seed)
+    threads = [f"w{i}" for i in range(12)]
+    pending: dict[str, list[str]] = {t: [] for t in threads}
+    whole_reads = 0
+    window_columns = store.window_columns
+
+    def counting(*args: Any) -> Any:
+        nonlocal whole_reads
+        whole_reads += 1
+        return window_columns(*args)
+
+    monkeypatch.setattr(store, "window_columns", counting)
+    asked, read = [0], [0]  # held ids asked for, and those read from the database
+    page_ids, read_page_ids = store._page_ids, store._read_page_ids
+
+    def asking(*args: Any) -> Any:
+        ids = page_ids(*args)
+        asked[0] += len(ids)
+        return ids
+
+    def reading(*args: Any) -> Any:
+        sequences, ids = read_page_ids(*args)
+        read[0] += len(ids)
+        return sequences, ids
+
+    monkeypatch.setattr(store, "_page_ids", asking)
+    monkeypatch.setattr(store, "_read_page_ids", reading)
+    builds = 0
+    for round_ in range(8):
+        for thread in threads:
+            batch = _tool_turns(rng, rng.randint(5, 40), pending[thread])
+            service.append_messages(TENANT, AGENT, "", thread, batch, create_agent=True)
+        if round_ < 3:
+            continue
+        for thread in threads[:4]:
+            overrides = BuildOverrides(
+                budget_tokens=rng.choice([300, 900, 2_500]),
+                truncate=rng.random() < 0.5,
+                elide_tool_results=rng.random() < 0.5,
+                elide_threshold_chars=200,
+            )
+            request = BuildRequest(
+                TENANT, AGENT, "", thread, overrides=overrides, formats=("anthropic",)
+            )
+            tool_builds = service._builder.unread_tool_builds
+            new = service.build_context(request)
+            assert whole_reads == 0, "a build read the whole window"
+            builds += service._builder.unread_tool_builds > tool_builds
+            monkeypatch.setattr(store, "window_bounds", lambda *a: None)
+            old = service.build_context(request)
+            monkeypatch.setattr(
+                store, "window_bounds", store.__class__.window_bounds.__get__(store)
+            )
+            whole_reads = 0
+            _same(new, old)
+            assert old.orphaned_ids  # the unread part had orphans to list
+    assert builds >= 10  # tool rows in the unread part, answered by the store
+    # A hot thread: the ids of its older messages (not contiguous: other threads wrote
+    # between) come from the replica's run of them after a first read, and only those
+    # of what was appended since are read; the build stays the whole read's.
+    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", 200)
+    request = BuildRequest(TENANT, AGENT, "", "w0", overrides=BuildOverrides(budget_tokens=300))
+    service.build_context(request)
+    text = [NewMessage(role=Role.USER, content="word " * 60)] * 2
+    service.append_messages(TENANT, AGENT, "", "w0", text)
+    asked[0] = read[0] = 0
+    new = service.build_context(request)
+    assert asked[0] > 20 and read[0] <= 2
+    monkeypatch.setattr(store, "window_bounds", lambda *a: None)
+    _same(new, service.build_context(request))
+
+
+def test_a_build_on_one_replica_sees_what_another_appended(postgres_dsn: str) -> None:
+    """Two stores over one database (two replicas): each build reads what the other just
+    appended, a tool result written on one answers a call written on the other, and the
+    newest-first read of either equals the whole read."""
+    clock = ManualClock(1_700_000_000_000_000)
+    one = PostgresStore.open(postgres_dsn, clock=clock)
+    two = PostgresStore.open(postgres_dsn, clock=clock)
+    try:
+        a, b = (
+            ContextService(one, ExtractiveSummarizer()),
+            ContextService(two, ExtractiveSummarizer()),
+        )
+        a.create_agent(TENANT, AGENT, AgentSettings())
+        rng = random.Random(3)
+        request = BuildRequest(TENANT, AGENT, "", "r", overrides=BuildOverrides(budget_tokens=400))
+        a.append_messages(TENANT, AGENT, "", "r", _tool_turns(rng, 200, []))
+        for step in range(6):
+            writer, reader = (a, b) if step % 2 else (b, a)
+            body = [{"id": f"k{step}", "name": "grep", "input": {}}]
+            (call,) = writer.append_messages(
+                TENANT,
+                AGENT,
+                "",
+                "r",
+                [NewMessage(role=Role.TOOL_USE, content="", tool_calls=json.dumps(body))],
+            )
+            before = reader.build_context(request)
+            last = before.context.history[-1].id
+            assert last == call.id  # the call, seen by the other replica's next build
+            assert last in before.orphaned_ids  # not answered yet
+            reader.append_messages(
+                TENANT,
+                AGENT,
+                "",
+                "r",
+                [NewMessage(role=Role.TOOL_RESULT, content=f"r{step}", tool_call_id=f"k{step}")],
+            )
+            after = writer.build_context(request)
+            assert after.context.history[-1].content == f"r{step}"
+            assert last not in after.orphaned_ids  # answered, on the other replica
+            assert after.context.history[-2].id == last
+            assert after.context.history[-2].tool_calls  # a call again, with its result
+            # An agent changed on one replica: the other's next build uses the change
+            # (its cached agent is checked against the row's version in the build's read).
+            prompt = f"prompt {step}"
+            writer.update_agent(
+                TENANT, AGENT, AgentSettings(system_prompt=prompt), ["system_prompt"]
+            )
+            assert reader.build_context(request).context.system_prompt == prompt
+            assert writer.build_context(request).context.system_prompt == prompt
+        a.delete_agent(TENANT, AGENT)
+        b.create_agent(TENANT, AGENT, AgentSettings(system_prompt="again"))
+        a.append_messages(TENANT, AGENT, "", "r", [NewMessage(role=Role.USER, content="hi")])
+        assert a.build_context(request).context.system_prompt == "again"
+    finally:
+        one.close()
+        two.close()

@@ -230,6 +230,16 @@ class ContextReader(Protocol):
         `message_id`, or None when there is none (one index lookup). A build checks
         with it whether a run of the window's ids is contiguous, instead of reading it."""
 
+    def window_unread_orphans(
+        self, context: ContextRef, from_sequence: int, before_sequence: int
+    ) -> list[int] | None:
+        """The ids, in sequence order, of the non-summary messages with `from_sequence <=
+        sequence < before_sequence` that are orphans of a window part starting at
+        `from_sequence` (a tool_result whose call is not before it in that part, a
+        tool-using message none of whose results is stored), at a cost that follows
+        those orphans and not the range; None when this engine cannot say so (the build
+        then reads the whole window). Only valid where `window_page` is."""
+
 
 @dataclass(frozen=True, slots=True)
 class WindowBounds:

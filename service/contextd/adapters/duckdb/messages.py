@@ -212,6 +212,12 @@ class MessagesMixin(DuckDBBase):
         """Never called: `window_bounds` answers None on this engine."""
         raise NotImplementedError("DuckDB builds read window_columns")
 
+    def window_unread_orphans(
+        self, context: ContextRef, from_sequence: int, before_sequence: int
+    ) -> list[int] | None:
+        """Never called: `window_bounds` answers None on this engine."""
+        raise NotImplementedError("DuckDB builds read window_columns")
+
     def window_messages_from(
         self,
         context: ContextRef,

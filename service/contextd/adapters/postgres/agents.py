@@ -18,6 +18,16 @@ from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import Agent, AgentSettings
 
 INSERT_AGENT = f"INSERT INTO agents ({AGENT_COLUMNS}) VALUES ({', '.join(['%s'] * 10)})"
+# The version of an agent's row: the transaction that wrote it and where. Any change of
+# the row (an update, a delete and create again) writes a new version with another.
+AGENT_VERSION = "xmin::text || ':' || ctid::text"
+# ... of the agent of thread row `t` (one index lookup, in a thread's own read).
+AGENT_VERSION_OF_THREAD = (
+    "SELECT a.xmin::text || ':' || a.ctid::text FROM agents a "
+    "WHERE a.tenant = t.tenant AND a.name = t.agent"
+)
+# Agents this replica read, by (tenant, name): (row version, agent). At most this many.
+AGENT_CACHE_SIZE = 4_096
 
 
 def find_agent(conn: Conn, tenant: str, name: str, lock: str = "") -> Agent | None:
@@ -54,8 +64,30 @@ class AgentsMixin(PostgresBase):
         return self._write(create, record)
 
     def get_agent(self, tenant: str, name: str) -> Agent:
+        """The agent. Inside a snapshot in which `context_ref` read the version of this
+        agent's row, from this replica's cache when it holds that very version (an
+        agent's prompt and docs may be MiBs, and a build saves the round trip); the
+        cache is only a shortcut, validated by the version the snapshot read."""
+        cache = self._agent_cache
+        seen = getattr(self._local, "agent_version", None)
+        if seen is not None and seen[:2] == (tenant, name):
+            cached = cache.get((tenant, name))
+            if cached is not None and cached[0] == seen[2]:
+                return cached[1]
         with self._reading() as conn:
-            return require_agent(conn, tenant, name)
+            row = first(
+                conn,
+                f"SELECT {AGENT_COLUMNS}, {AGENT_VERSION} FROM agents "
+                "WHERE tenant = %s AND name = %s",
+                [tenant, name],
+            )
+        if row is None:
+            raise agent_missing(name)
+        agent = agent_from_row(row[:-1])
+        if len(cache) >= AGENT_CACHE_SIZE:
+            cache.clear()
+        cache[(tenant, name)] = (str(row[-1]), agent)
+        return agent
 
     def find_agent(self, tenant: str, name: str) -> Agent | None:
         with self._reading() as conn:

@@ -32,6 +32,7 @@ from contextd.domain.errors import (
     Unavailable,
 )
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
+from contextd.domain.model import Agent
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class PostgresBase:
     _local: threading.local  # `conn`: the connection of this thread's snapshot, if any
     _pool: psycopg_pool.ConnectionPool[Conn]
     _closed: bool
+    # Agents read by get_agent, by (tenant, name): (row version, agent); see agents.py.
+    _agent_cache: dict[tuple[str, str], tuple[str, Agent]]
 
     @contextmanager
     def _reading(self) -> Iterator[Conn]:
@@ -141,10 +144,9 @@ class PostgresBase:
 
         The isolation level and read-only mode are set on the connection (client side)
         before the transaction begins, so its BEGIN carries them: one round trip less
-        than a BEGIN followed by SET TRANSACTION, on every build. (No cache of build
-        reads on this engine: other replicas write too, so a cached read would need a
-        version read per build to be validated, and that read costs the round trip it
-        saves; see docs/architecture.md, The hot cache.)"""
+        than a BEGIN followed by SET TRANSACTION, on every build. (No cache of windows
+        on this engine: other replicas write too; the few shortcuts it keeps are
+        validated by reads of the snapshot, see docs/architecture.md, The hot cache.)"""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
@@ -160,6 +162,7 @@ class PostgresBase:
                     finally:
                         self._local.conn = None
                         self._local.summary = None  # read by context_ref in this block
+                        self._local.agent_version = None  # likewise
             finally:
                 conn.isolation_level, conn.read_only = level, read_only
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
-from contextd.adapters.postgres.agents import INSERT_AGENT
+from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
@@ -185,10 +186,33 @@ _PAGE = (
 )
 
 _PAGE_IDS = (
-    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea) "
+    "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea), "
+    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea) "
     "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
+
+# `window_unread_orphans`: the open tool rows of the range (schema version 13), and the
+# results in it whose call is before its start, which lie within the thread's tool_span
+# rows of that start (none is looked for past MAX_TOOL_SPAN: the build reads it all).
+_UNREAD_ORPHANS = """
+SELECT t.tool_span,
+       (SELECT coalesce(string_agg(int8send(u.id), ''::bytea ORDER BY u.sequence), ''::bytea)
+        FROM (SELECT o.id, o.sequence FROM tool_open o
+              WHERE o.tenant = t.tenant AND o.context_id = t.context_id
+                AND o.sequence >= %(from)s AND o.sequence < %(before)s
+              UNION
+              SELECT m.id, m.sequence FROM messages m
+              WHERE m.tenant = t.tenant AND m.context_id = t.context_id
+                AND m.sequence >= %(from)s AND m.sequence < %(before)s
+                AND m.sequence <= %(from)s + t.tool_span AND t.tool_span <= %(max_span)s
+                AND m.role = 4 AND NOT m.is_summary AND m.group_id >= 0
+                AND m.group_id <> m.id AND m.group_start < %(from)s) u)
+FROM threads t WHERE t.tenant = %(tenant)s AND t.context_id = %(context)s
+"""
+# The farthest a result may lie after its call for `window_unread_orphans` to answer:
+# past it, finding the results whose call is before a range costs a scan of that many rows.
+MAX_TOOL_SPAN = 4_096
 
 _LOCK_AGENT = (
     "SELECT model, last_clear_us, settings_json FROM agents WHERE tenant = %s AND name = %s "
@@ -230,6 +254,8 @@ class MessagesMixin(PostgresBase):
     # Whether appends hand over the search vectors they can make (set when the store
     # opens; see search_vector.py). False: the database computes every one.
     _search_vectors: bool = False
+    # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
+    _id_runs: dict[tuple[str, int], IdRun]
 
     def append(
         self,
@@ -526,7 +552,7 @@ class MessagesMixin(PostgresBase):
         with self._reading() as conn:
             rows = conn.execute(
                 f"SELECT {_SELECT_MESSAGES} FROM threads t JOIN messages m "
-                "ON m.tenant = t.tenant AND m.context_id = t.context_id "
+                "ON m.tenant = t.tenant AND m.context_id + 0 = t.context_id "  # by id alone
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s "
                 "AND m.id = ANY(%s) ORDER BY m.create_time_us, m.id",
                 [key.tenant, key.agent, key.scope, key.thread, list(ids)],
@@ -537,22 +563,30 @@ class MessagesMixin(PostgresBase):
 
     def context_ref(self, key: ContextKey) -> ContextRef | None:
         """The thread's ref, and with it (one round trip, not two) its latest summary,
-        which `latest_summary` then answers from memory inside the same snapshot."""
+        which `latest_summary` then answers from memory inside the same snapshot, and
+        the version of its agent's row, with which `get_agent` may answer from this
+        replica's cache of agents (see agents.py)."""
         with self._reading() as conn:
             row = first(
                 conn,
-                f"SELECT t.context_id, t.last_clear_us, t.latest_summary_id, {_SELECT_MESSAGES} "
+                "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
+                f"({AGENT_VERSION_OF_THREAD}), {_SELECT_MESSAGES} "
+                # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
+                # condition): a plan along the thread's primary key scanned all of it.
                 "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
-                "AND m.context_id = t.context_id AND m.id = t.latest_summary_id "
+                "AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id "
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
                 [key.tenant, key.agent, key.scope, key.thread],
             )
         if row is None:
             return None
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
-        if getattr(self._local, "conn", None) is not None and ref.latest_summary_id:
-            summary = message_from_row(row[3:]) if row[3] is not None else None
-            self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
+        if getattr(self._local, "conn", None) is not None:
+            if row[3] is not None:  # for get_agent, in this snapshot
+                self._local.agent_version = (key.tenant, key.agent, str(row[3]))
+            if ref.latest_summary_id:
+                summary = message_from_row(row[4:]) if row[4] is not None else None
+                self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
@@ -687,16 +721,66 @@ class MessagesMixin(PostgresBase):
     ) -> pa.Table:
         """Newest first by the primary key, at most `limit` rows, encoded as
         `window_columns` encodes them (one row of binary arrays, no object per row)."""
+        if ids_only:
+            ids = self._page_ids(context, from_sequence, before_sequence, limit)
+            return pa.table({"id": pa.array(ids)})
         params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
         with self._reading() as conn:
-            row = first(conn, _PAGE_IDS if ids_only else _PAGE, params)
+            row = first(conn, _PAGE, params)
         assert row is not None
-        if ids_only:
-            ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
-            return pa.table({"id": pa.array(ids)})
         return _page_table(row)
 
+    def _page_ids(
+        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+    ) -> npt.NDArray[np.int64]:
+        """`window_page`'s ids alone (the held ids of what a build leaves out, up to
+        10,000 of them), through this replica's cache of runs of a thread's ids: a run
+        read once (every non-summary message between two sequences) stays true while
+        its messages are stored, and a window `window_bounds` answered has none deleted
+        inside it, so only the part after the run (what was appended since) is read."""
+        if before_sequence >= _OPEN_END:  # no end to the range: nothing to keep
+            return self._read_page_ids(context, from_sequence, before_sequence, limit)[1]
+        key = (_tenant(context), context.context_id)
+        run = self._id_runs.get(key)
+        below = run is not None and run.low > from_sequence
+        if run is not None and below and run.count_in(run.low, before_sequence) < limit:
+            run = None  # the newest `limit` reach below the run
+        if run is not None and before_sequence <= run.high:
+            return run.newest(from_sequence, before_sequence, limit)
+        low = from_sequence if run is None else max(from_sequence, run.high)
+        seqs, ids = self._read_page_ids(context, low, before_sequence, limit)
+        # What was read is every message of [`low`, before) when fewer than `limit`
+        # came, else of [its oldest's sequence, before).
+        covered = low if len(ids) < limit else int(seqs[0])
+        if run is not None and covered <= run.high and len(ids) < limit:
+            run = run.extended(seqs, ids, before_sequence)
+        else:
+            run = IdRun(covered, before_sequence, seqs, ids)
+        if len(self._id_runs) >= ID_RUN_THREADS and key not in self._id_runs:
+            self._id_runs.clear()
+        self._id_runs[key] = run
+        return run.newest(from_sequence, before_sequence, limit)
+
+    def _read_page_ids(
+        self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
+        with self._reading() as conn:
+            row = first(conn, _PAGE_IDS, params)
+        assert row is not None
+        ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
+        seqs = np.frombuffer(bytes(row[1]), ">i8")[::-1].astype(np.int64)
+        return seqs, ids
+
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
+        """One index lookup, or none when this replica's run of the thread's ids (see
+        `_page_ids`) spans the id and does not hold it: ids grow along a thread, so no
+        message of it can have that id (a thread written in turns with others)."""
+        run = self._id_runs.get((_tenant(context), context.context_id))
+        if run is not None and len(run.ids) and run.ids[0] < message_id < run.ids[-1]:
+            at = int(np.searchsorted(run.ids, message_id))
+            if int(run.ids[at]) != message_id:
+                return None
         with self._reading() as conn:
             row = first(  # by (tenant, id) alone: no plan may look for it along the thread
                 conn,
@@ -707,6 +791,32 @@ class MessagesMixin(PostgresBase):
         if row is None or row[0] != context.context_id or row[1] is None:
             return None
         return int(row[1])
+
+    def window_unread_orphans(
+        self, context: ContextRef, from_sequence: int, before_sequence: int
+    ) -> list[int] | None:
+        """From `tool_open` and `tool_span` (schema version 13, kept by triggers): a
+        result in the range is an orphan of the part from `from_sequence` when it answers
+        no call (kept in tool_open) or its call is before `from_sequence` (then it lies
+        within tool_span rows of it); a tool-using message when no result of it is stored
+        (in tool_open until one is; results follow their call, so a stored one is in any
+        window part that holds the call). Only for a range of a window `window_bounds`
+        answered: no message deleted inside it."""
+        with self._reading() as conn:
+            row = first(
+                conn,
+                _UNREAD_ORPHANS,
+                {
+                    "tenant": _tenant(context),
+                    "context": context.context_id,
+                    "from": from_sequence,
+                    "before": before_sequence,
+                    "max_span": MAX_TOOL_SPAN,
+                },
+            )
+        if row is None or int(row[0]) > MAX_TOOL_SPAN:
+            return None
+        return [int(i) for i in np.frombuffer(bytes(row[1]), ">i8")]
 
     def latest_summary(self, context: ContextRef) -> StoredMessage | None:
         if not context.latest_summary_id:
@@ -722,10 +832,54 @@ class MessagesMixin(PostgresBase):
                 conn,
                 f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
                 "ON t.tenant = m.tenant AND t.context_id = m.context_id "
-                "WHERE m.tenant = %s AND m.id = %s AND m.context_id = %s",
+                "WHERE m.tenant = %s AND m.id = %s AND m.context_id + 0 = %s",  # by id alone
                 [_tenant(context), context.latest_summary_id, context.context_id],
             )
         return message_from_row(row) if row else None
+
+
+_OPEN_END = 2**61
+# Threads whose run of ids a replica keeps (each at most about HELD_DROPPED_IDS ids and
+# their sequences, 160 KB); past this many, the cache starts over.
+ID_RUN_THREADS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class IdRun:
+    """Every non-summary message of a thread with `low <= sequence < high`: sequences and
+    ids, ascending (see `MessagesMixin._page_ids`)."""
+
+    low: int
+    high: int
+    sequences: npt.NDArray[np.int64]
+    ids: npt.NDArray[np.int64]
+
+    def count_in(self, low: int, high: int) -> int:
+        a, b = np.searchsorted(self.sequences, [low, high])
+        return int(b - a)
+
+    def newest(self, low: int, high: int, limit: int) -> npt.NDArray[np.int64]:
+        """The ids of the newest `limit` messages with low <= sequence < high (the run
+        must hold them: it covers [low, high), or `limit` of them within it)."""
+        a, b = (int(i) for i in np.searchsorted(self.sequences, [low, high]))
+        return self.ids[max(a, b - limit) : b]
+
+    def extended(
+        self, sequences: npt.NDArray[np.int64], ids: npt.NDArray[np.int64], high: int
+    ) -> IdRun:
+        """This run and every message from its end up to `high` (`sequences`, `ids`),
+        keeping at most the newest ID_RUN_SIZE."""
+        seqs = np.concatenate([self.sequences, sequences])
+        every = np.concatenate([self.ids, ids])
+        if len(seqs) > ID_RUN_SIZE:
+            cut = len(seqs) - ID_RUN_SIZE
+            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:])
+        return IdRun(self.low, high, seqs, every)
+
+
+# The most ids a run holds (a build asks at most HELD_DROPPED_IDS, with some to spare as
+# the thread grows).
+ID_RUN_SIZE = 16_384
 
 
 def _tenant(context: ContextRef) -> str:

@@ -379,6 +379,99 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "ALTER TABLE threads ADD COLUMN outputs_expired_through_us bigint NOT NULL DEFAULT 0",
         ],
     ),
+    (
+        13,
+        [
+            # The tool rows a newest-first build cannot count from `tools_total`: which of
+            # a window's unread rows are orphans (see messages.py `window_unread_orphans`).
+            # tool_open holds each tool-using message none of whose results is stored yet
+            # (kind 'c'; an answer removes it) and each tool_result that answers no
+            # tool-using message of its thread (kind 's'); threads.tool_span is the
+            # farthest any result of the thread lies after the message whose call it
+            # answers, so a result whose call is before a given sequence lies within that
+            # many rows after it. Triggers keep both, whichever replica writes.
+            """
+            CREATE TABLE tool_open (
+                tenant text NOT NULL,
+                context_id bigint NOT NULL,
+                sequence bigint NOT NULL,
+                id bigint NOT NULL,
+                kind "char" NOT NULL,
+                PRIMARY KEY (tenant, context_id, sequence)
+            )
+            """,
+            "ALTER TABLE threads ADD COLUMN tool_span bigint NOT NULL DEFAULT 0",
+            """
+            INSERT INTO tool_open
+            SELECT m.tenant, m.context_id, m.sequence, m.id, 'c' FROM messages m
+            WHERE NOT m.is_summary AND m.role <> 4 AND m.group_id = m.id
+              AND NOT EXISTS (SELECT 1 FROM messages r WHERE r.tenant = m.tenant
+                  AND r.context_id = m.context_id AND r.group_id = m.id AND r.role = 4
+                  AND r.id <> m.id AND NOT r.is_summary)
+            UNION ALL
+            SELECT m.tenant, m.context_id, m.sequence, m.id, 's' FROM messages m
+            WHERE NOT m.is_summary AND m.role = 4
+              AND (m.group_id < 0 OR m.group_id = m.id OR m.group_start IS NULL
+                   OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = m.tenant
+                       AND h.id = m.group_id AND h.role = 4))
+            """,
+            """
+            UPDATE threads t SET tool_span = s.span
+            FROM (SELECT tenant, context_id, max(sequence - group_start) AS span FROM messages
+                  WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
+                    AND group_start IS NOT NULL
+                  GROUP BY tenant, context_id) s
+            WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+            """,
+            """
+            CREATE FUNCTION contextd_tool_open_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO tool_open
+                SELECT n.tenant, n.context_id, n.sequence, n.id,
+                       CASE WHEN n.role = 4 THEN 's' ELSE 'c' END
+                FROM new_rows n
+                WHERE NOT n.is_summary AND (
+                    (n.role <> 4 AND n.group_id = n.id)
+                    OR (n.role = 4 AND (n.group_id < 0 OR n.group_id = n.id
+                        OR n.group_start IS NULL
+                        OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = n.tenant
+                            AND h.id = n.group_id AND h.role = 4))))
+                ON CONFLICT DO NOTHING;
+                DELETE FROM tool_open o USING new_rows n
+                WHERE n.role = 4 AND NOT n.is_summary AND n.group_id >= 0
+                  AND n.group_id <> n.id AND o.kind = 'c' AND o.tenant = n.tenant
+                  AND o.context_id = n.context_id AND o.sequence = n.group_start
+                  AND o.id = n.group_id;
+                UPDATE threads t SET tool_span = s.span
+                FROM (SELECT tenant, context_id, max(sequence - group_start) AS span
+                      FROM new_rows
+                      WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
+                        AND group_start IS NOT NULL
+                      GROUP BY tenant, context_id) s
+                WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+                  AND s.span > t.tool_span;
+                RETURN NULL;
+            END
+            $$
+            """,
+            "CREATE TRIGGER messages_tool_open_insert AFTER INSERT ON messages "
+            "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_tool_open_insert()",
+            """
+            CREATE FUNCTION contextd_tool_open_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                DELETE FROM tool_open o USING old_rows d
+                WHERE o.tenant = d.tenant AND o.context_id = d.context_id
+                  AND o.sequence = d.sequence;
+                RETURN NULL;
+            END
+            $$
+            """,
+            "CREATE TRIGGER messages_tool_open_delete AFTER DELETE ON messages "
+            "REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_tool_open_delete()",
+        ],
+    ),
 ]
 
 

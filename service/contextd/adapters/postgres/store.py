@@ -59,6 +59,8 @@ class PostgresStore(
     def __init__(self, pool: psycopg_pool.ConnectionPool[Conn], clock: MonotonicClock) -> None:
         self._pool = pool
         self._local = threading.local()
+        self._agent_cache = {}
+        self._id_runs = {}
         self._closed = False
         self.clock = clock
         self._listeners: list[Callable[[bool], None]] = []

@@ -85,6 +85,9 @@ ELIDED_COST = 16
 # A newest-first window read (`_load_tail`) reads this many messages' columns first,
 # then four times more per further page, until the trimmer's walk stops inside them.
 FIRST_PAGE = 256
+# ... and this many more when a tool_result read answers a call just before what was read
+# (the rest of a tool turn), so that its pair is read whole.
+STRADDLE_PAGE = 16
 # ... and holds at least this many ids of the messages it leaves out (at least what a
 # response lists: api.convert.MAX_LISTED_DROPPED_IDS); older ones are counted, not read.
 HELD_DROPPED_IDS = 10_000
@@ -207,6 +210,9 @@ class ContextBuilder:
     def __init__(self, store: Store, summarizer: Summarizer) -> None:
         self._store = store
         self._summarizer = summarizer
+        # Newest-first builds whose unread part held tool rows (they asked the store for
+        # its orphans instead of reading the whole window): for tests and probes.
+        self.unread_tool_builds = 0
 
     # ----------------------------------------------------------------- BuildContext
 
@@ -400,6 +406,10 @@ class ContextBuilder:
         model: str,
         overrides: BuildOverrides,
     ) -> _Plan:
+        # The thread first: on PostgreSQL its read carries the agent row's version, so
+        # that get_agent may answer from the replica's cache of agents.
+        key = ContextKey(tenant, agent_name, scope, thread)
+        context = self._store.context_ref(key)
         agent = self._store.get_agent(tenant, agent_name)
         chosen = model or agent.model or "default"
         try:
@@ -428,8 +438,6 @@ class ContextBuilder:
                     DEFAULT_SAFETY_MARGIN if merged.safety_margin is None else merged.safety_margin
                 ),
             )
-        key = ContextKey(tenant, agent_name, scope, thread)
-        context = self._store.context_ref(key)
         now = self._store.clock.now_us()
         agent_window = agent.window_at(scope, now)
         window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
@@ -502,15 +510,17 @@ class ContextBuilder:
         """`_load_history` of a build that does not summarize, reading the window newest
         first in pages, so its cost follows the budget, not the window; None when the
         store cannot count the window without reading it (`ContextReader.window_bounds`)
-        or the older, unread part holds tool rows (their pairs could change what the
-        newest part keeps, or be orphans a build reports): the caller then reads it all.
+        or cannot list the orphans among the unread part's tool rows
+        (`ContextReader.window_unread_orphans`): the caller then reads it all.
 
         It answers exactly what reading the whole window answers: the trimmer walks from
         the newest message and stops at the first that does not fit, so once its walk
-        stops inside the pages read, older messages cannot change where it stops; with no
-        tool row in the unread part, the orphan repair of the pages is the whole window's
-        (a result's call is then in the pages or before the window's part after the
-        summary, and a call's results come after it). Ids of a thread grow with its
+        stops inside the pages read, older messages cannot change where it stops. The
+        read goes on while a result read answers a call in the unread part
+        (`_answers_unread`); then the orphan repair of the pages is the whole window's (a
+        result's call is in the pages or before the window's part after the summary, and
+        a call's results come after it), and the unread part's own orphans, which the
+        build lists, come from the store. Ids of a thread grow with its
         sequence on this path (appends of a thread are serialized), so a stored summary
         covers a prefix of the window. Counts, and the ids dropped runs start and end at,
         come from the running counts; the newest HELD_DROPPED_IDS ids of what is left out
@@ -539,6 +549,8 @@ class ContextBuilder:
         if se:
             edges |= {se - 1: summary_last, se: bounds.after_summary_id}
         region = n - se
+        # The id of the region's first message: ids grow with sequence along the thread.
+        region_first_id = bounds.after_summary_id if se else bounds.first_id
         parts: list[pa.Table] = []
         got, before, page = 0, _NO_SEQUENCE, FIRST_PAGE
         read = _EMPTY_PAGE
@@ -560,10 +572,15 @@ class ContextBuilder:
             roles, groups, orphans = _repair_pair_columns(
                 ids, read.column("role").to_numpy(), read.column("group_id").to_numpy()
             )
-            if got < region and self._walk_stops(plan, read, roles):
+            stops = got < region and self._walk_stops(plan, read, roles)
+            straddle = _answers_unread(read, region_first_id) if stops else 0
+            if stops and not straddle:
                 break
-            page *= 4
+            # A pair across the unread edge: the rest of its turn is a few rows away
+            # (at most `straddle`, the distance in ids to its call).
+            page = min(straddle, STRADDLE_PAGE) if stops else page * 4
         c = n - got  # the window position of the oldest message read
+        unread_orphans: list[int] = []
         if got:
             ordinal, tools = (
                 read.column("ordinal")[0].as_py(),
@@ -575,7 +592,14 @@ class ContextBuilder:
             if ordinal - 1 - bounds.base_ordinal != c or tools < 0:
                 return None  # the counts do not match the rows: read it all
             if got < region and tools - int(oldest_is_tool) != region_tools:
-                return None  # tool rows in the unread part
+                # Tool rows in the unread part: no result read answers a call there
+                # (`_answers_unread`), so they change nothing read; the orphans among
+                # them are listed, as the whole read lists them.
+                found = self._store.window_unread_orphans(plan.context, region_from, before)
+                if found is None:
+                    return None
+                unread_orphans = found
+                self.unread_tool_builds += 1
         start = 0
         if got:
             assert roles is not None and groups is not None
@@ -591,7 +615,15 @@ class ContextBuilder:
         # The ids of the window left out that a response may list, from before the pages.
         need = min(c, HELD_DROPPED_IDS - start) if region else min(n, HELD_DROPPED_IDS)
         older = _NO_IDS
-        if need > 0 and got and len(parts) == 1 and need <= bounds.contiguous_before:
+        # Rows read past the first page (a pair's rest): the run of ids before the first
+        # page's oldest still holds before the oldest read when those rows continue it.
+        extra = got - (bounds.first_page.num_rows if bounds.first_page is not None else got)
+        if (
+            need > 0
+            and got
+            and need <= bounds.contiguous_before - extra
+            and int(read_ids[0]) == int(read_ids[extra]) - extra
+        ):
             older = np.arange(int(read_ids[0]) - need, int(read_ids[0]), dtype=np.int64)
             need = 0
         if need > 0 and got:
@@ -627,7 +659,7 @@ class ContextBuilder:
         assert orphans is not None
         first_sequence = int(read.column("sequence")[start].as_py())
         items, stamps, known, orphaned = self._load_kept(
-            plan, stamps, read_ids, start, first_sequence, orphans, False
+            plan, stamps, read_ids, start, first_sequence, orphans, False, unread_orphans
         )
         return _Window(
             items,
@@ -670,6 +702,7 @@ class ContextBuilder:
         first_sequence: int,
         orphan_at: npt.NDArray[np.intp],
         only_kept_ids: bool,
+        unread_orphans: Sequence[int] = (),
     ) -> tuple[list[HistoryItem], dict[int, MessageStamp], dict[str, int], tuple[int, ...]]:
         """The messages the trimmer may keep (`ids` from position `start` on, the first
         at `first_sequence`), read whole and with their tool pairs repaired: the items,
@@ -677,7 +710,9 @@ class ContextBuilder:
         the orphans (those left unloaded, then what the repair changed among the loaded,
         which includes the loaded orphans and calls of which only some were answered).
         `only_kept_ids` drops loaded messages not among the ids (summarized ones that
-        sit between kept ones). The whole and the newest-first read both end here."""
+        sit between kept ones). `unread_orphans` are the orphans of the window before
+        `ids` (a newest-first read's unread part), listed first. The whole and the
+        newest-first read both end here."""
         assert plan.context is not None
         kept_ids = ids[start:]
         loaded = self._store.window_messages_from(
@@ -692,7 +727,7 @@ class ContextBuilder:
             [item for item, _ in made],
             self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
         )
-        orphaned = ids[orphan_at[orphan_at < start]].tolist() + repaired
+        orphaned = [*unread_orphans, *ids[orphan_at[orphan_at < start]].tolist(), *repaired]
         label = stored_tokenizer(plan.model)
         return (
             items,
@@ -891,6 +926,21 @@ def _covered_positions(n: int, rest: slice | npt.NDArray[np.intp]) -> slice | np
     covered = np.ones(n, dtype=bool)
     covered[rest] = False
     return np.flatnonzero(covered)
+
+
+def _answers_unread(read: pa.Table, region_first_id: int) -> int:
+    """Whether a tool_result of these newest rows answers a call among the region's
+    unread rows (its group, the id of the message that issued the call, lies between the
+    region's first id and the oldest id read: ids grow with sequence along a thread):
+    0 when none does, else how far in ids the oldest such call is from the oldest row
+    read. Its pair would then span the unread edge, so the read goes on."""
+    if read.num_rows == 0:
+        return 0
+    groups = read.column("group_id").to_numpy()
+    results = read.column("role").to_numpy() == int(Role.TOOL_RESULT)
+    oldest = int(read.column("id")[0].as_py())
+    calls = groups[results & (groups >= region_first_id) & (groups < oldest)]
+    return oldest - int(calls.min()) if len(calls) else 0
 
 
 def _repair_pair_columns(
