@@ -256,8 +256,9 @@ def run(sz: Sizes) -> Section:
         f"PostgreSQL keeps its tsvector column and GIN index while inserting (load "
         f"{on_pg['load_s']:.0f} s against DuckDB's {ours['load_s']:.0f} s); a search takes "
         f"p50 {fmt_ms(on_pg['p50_s'])}, p99 {fmt_ms(on_pg['p99_s'])}: ts_rank_cd reads the "
-        "tsvector of every matching row, so frequent words cost more there than in BM25's "
-        "posting lists.",
+        "tsvector of each candidate, so PostgreSQL ranks only the newest 4,000 matches of a "
+        "query (docs/api.md, Candidates) where the embedded engine's BM25 ranks every match "
+        "from its posting lists.",
     ]
     return Section(
         key="search",
