@@ -379,15 +379,9 @@ def rendered_tokens(
             around.append({"role": "user", "content": wire_text(ctx.status)})
         if ctx.new_message:
             around.append({"role": "user", "content": wire_text(ctx.new_message)})
-        return (
-            sum(openai_tokens(around, count))
-            + sum(
-                (item_tokens or (lambda items: openai_item_tokens(items, count)))(
-                    wire_order(ctx.history)
-                )
-            )
-            + OPENAI_REPLY_TOKENS
-        )
+        items = wire_order(ctx.history)
+        per_item = openai_item_tokens(items, count) if item_tokens is None else item_tokens(items)
+        return sum(openai_tokens(around, count)) + sum(per_item) + OPENAI_REPLY_TOKENS
     return count([render(fmt, ctx)])[0]
 
 
