@@ -5,7 +5,11 @@ thread of 10,000 messages whose appends were interleaved with those of 100 other
 of the same agent are stored in one DuckDB file, one PostgreSQL database and one SQLite
 file. Each is built with an 8,000-token budget, the thread hot (a first build of each is
 discarded), then every path is called once per round, in turns, so a slow spell of the
-shared machine falls on all; the table gives each path's median and minimum.
+shared machine falls on all; the table gives each path's median and minimum. Every round
+(the discarded one too) begins, untimed, with one message appended to a further thread
+of 10,000 messages in every store (its own agent): that thread's row is an agent's
+pattern, where each build follows an append, and no build of any thread can be answered
+from an earlier round's.
 
 - contextd in process: ``ContextService.build_context`` over the engine's store (offline
   extractive summarizer, no truncation), what a BuildContext call costs the server
@@ -78,13 +82,14 @@ TENANT = "default"
 MODEL = "gpt-4o"
 THREAD = "main"
 MIXED = "mixed"
+LIVE = "live"  # a 10,000-message thread that gets one message before each timed round
 ENGINES = ("duckdb", "postgresql")
 ENGINE_NAMES = {"duckdb": "DuckDB", "postgresql": "PostgreSQL"}
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    key: str  # the thread's length, or MIXED
+    key: str  # the thread's length, MIXED or LIVE
     agent: str
     length: int  # messages in the built thread
     label: str
@@ -113,7 +118,11 @@ def _plan(mode: str) -> tuple[list[Case], list[Append], int]:
             f"{OTHER_THREADS * each:,} messages)",
         )
     )
+    cases.append(
+        Case(LIVE, "hist-live", MIXED_MAIN, f"{MIXED_MAIN:,}, one message appended per round")
+    )
     appends = [Append(f"hist-{n}", THREAD, 0, n) for n in sorted(sizes, reverse=True)]
+    appends.append(Append("hist-live", THREAD, 0, MIXED_MAIN))
     rounds = MIXED_ROUNDS[mode]
     step_main, step_other = MIXED_MAIN // rounds, each // rounds
     for r in range(rounds):
@@ -121,6 +130,8 @@ def _plan(mode: str) -> tuple[list[Case], list[Append], int]:
         for k in range(OTHER_THREADS):
             lo = MIXED_MAIN + k * each + r * step_other
             appends.append(Append("hist-mixed", f"other-{k:02d}", lo, lo + step_other))
+    # The live thread's later messages are the corpus's from MIXED_MAIN on (the other
+    # threads' messages: stored, so their counts are known).
     return cases, appends, max(max(sizes), MIXED_MAIN + OTHER_THREADS * each)
 
 
@@ -235,7 +246,7 @@ def _fill_postgres(
 ) -> dict[str, Any]:
     """Every case but the largest, then the largest unless the rate so far projects it
     over PG_FILL_LIMIT_S. Returns the fill seconds and what was left out."""
-    largest = max((c for c in cases if c.key != MIXED), key=lambda c: c.length)
+    largest = max((c for c in cases if c.key not in (MIXED, LIVE)), key=lambda c: c.length)
     sized = {c.agent for c in cases if c is not largest and c.key != MIXED}
     progress("build scale: writing the smaller threads into PostgreSQL (in process)")
     start = time.perf_counter()
@@ -286,15 +297,22 @@ def _insert_sqlite(
 
 
 def _rounds(
-    fns: dict[str, Callable[[], object]], rounds: int, limits: dict[str, int]
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    limits: dict[str, int],
+    before_round: Callable[[], object] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of each of ``fns`` over ``rounds`` rounds calling each once in turn, after
     one discarded round (the hot-thread warm-up); a name in ``limits`` is called only in
-    that many rounds."""
+    that many rounds; ``before_round``, untimed, starts every round (the warm-up's too)."""
+    if before_round is not None:
+        before_round()
     for fn in fns.values():
         fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
+        if before_round is not None:
+            before_round()
         for name, fn in fns.items():
             if r >= limits.get(name, rounds):
                 continue
@@ -475,7 +493,7 @@ def run(sz: Sizes) -> list[Section]:
         stack.callback(echo.stop)
         rpc, shapes = _rpc_phase(
             {"duckdb": duck.address, "postgresql": pg_server.address, "echo": echo.address},
-            cases,
+            [c for c in cases if c.key != LIVE],  # gRPC rounds append nothing
             {c.key for c in pg_cases},
             RPC_ROUNDS[mode],
         )
@@ -544,7 +562,51 @@ def run(sz: Sizes) -> list[Section]:
                     )
             raw["cases"][case.key]["kept"] = len(reference)
         progress("build scale: timing in-process builds and the SQLite peer, in turns")
-        local = _rounds(fns, ROUNDS[mode], limits)
+        live = next(c for c in cases if c.key == LIVE)
+        live_engines = [e for e in services if e == "duckdb" or live in pg_cases]
+        next_live = [MIXED_MAIN]
+
+        def append_live() -> None:
+            """One message more on the live thread of every store: an agent's pattern,
+            where each build follows an append (no build answers from a previous one)."""
+            from contextd.domain.model import NewMessage, Role
+
+            i = next_live[0]
+            next_live[0] += 1
+            m = history[i]
+            for engine in live_engines:
+                services[engine].append_messages(
+                    TENANT,
+                    live.agent,
+                    "",
+                    THREAD,
+                    [NewMessage(role=Role(m.role), content=m.content)],
+                )
+            _insert_sqlite(peer, history, [Append(live.agent, THREAD, i, i + 1)], counts)
+
+        local = _rounds(fns, ROUNDS[mode], limits, append_live)
+        live_request = BuildRequest(
+            TENANT,
+            live.agent,
+            "",
+            THREAD,
+            overrides=BuildOverrides(budget_tokens=budget, truncate=False),
+        )
+        live_kept = {
+            engine: [
+                m.content for m in services[engine].build_context(live_request).context.history
+            ]
+            for engine in live_engines
+        }
+        live_kept["sqlite newest-first"] = [
+            c for _, c in peer.newest_first(live.agent, THREAD, budget)
+        ]
+        if any(kept != live_kept["duckdb"] for kept in live_kept.values()):
+            raise AssertionError(
+                "build paths disagree on the live thread after its appends: "
+                + ", ".join(f"{k} kept {len(v)}" for k, v in live_kept.items())
+            )
+        raw["cases"][LIVE]["appended"] = next_live[0] - MIXED_MAIN
         raw["footprint"] = _footprint(FOOTPRINT_N[mode], history, counts, tmp)
     samples = {**local, **{f"rpc_{k}": v for k, v in rpc.items()}}
     raw["samples"] = samples
@@ -559,7 +621,7 @@ def _flat_why(
     p50: dict[str, float],
 ) -> str:
     """What the measurements say about a missed p50/flatness target."""
-    sized = sorted((c for c in measured if c.key != MIXED), key=lambda c: c.length)
+    sized = sorted((c for c in measured if c.key not in (MIXED, LIVE)), key=lambda c: c.length)
     low, high = sized[0], sized[-1]
     peer = [_p50(s, f"sqlite_nf/{c.key}") for c in sized]
     loaded = raw["cases"][high.key].get(f"loaded_{engine}", 0)
@@ -569,6 +631,15 @@ def _flat_why(
         f"of only {loaded:,} messages there; the SQLite peer's newest-first read stays "
         f"within {fmt_ms(min(peer))}-{fmt_ms(max(peer))}."
     )
+
+
+def _short(case: Case) -> str:
+    """A case's name in a target's listing."""
+    if case.key == MIXED:
+        return "interleaved"
+    if case.key == LIVE:
+        return "after an append"
+    return f"{case.length:,}"
 
 
 def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section:
@@ -590,10 +661,10 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
                 _cell(s.get(f"rpc_duckdb/{k}", [])),
                 _cell(s.get(f"rpc_postgresql/{k}", [])),
                 _cell(s.get(f"rpc_echo/{k}", [])),
-                f"{raw['shapes'][k]['bytes'] / 1e3:,.0f}",
+                f"{raw['shapes'][k]['bytes'] / 1e3:,.0f}" if k in raw["shapes"] else "-",
             ]
         )
-    sized = [c for c in cases if c.key != MIXED]
+    sized = [c for c in cases if c.key not in (MIXED, LIVE)]
     targets: list[Target] = []
     bars: list[Bar] = []
     findings: list[str] = []
@@ -604,10 +675,7 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
         p50 = {c.key: _p50(s, f"{engine}/{c.key}") for c in measured}
         spread = ratio(max(p50.values()), min(p50.values()))
         worst = max(p50.values())
-        listing = "; ".join(
-            f"{'interleaved' if c.key == MIXED else f'{c.length:,}'}: {fmt_ms(p50[c.key])}"
-            for c in measured
-        )
+        listing = "; ".join(f"{_short(c)}: {fmt_ms(p50[c.key])}" for c in measured)
         left_out = [c.label for c in cases if c not in measured]
         note = (
             f" ({', '.join(left_out)} not stored on this engine: its fill was projected at "
@@ -702,6 +770,13 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
         "naming the agent's other threads, which takes part of the budget, so it kept "
         f"{raw['cases'][MIXED].get('peer_extra', 0)} message(s) fewer than the SQLite peer "
         "(the newest ones of the peer's, checked).",
+        f"With one message appended before each round (an agent's pattern: no build can "
+        f"answer from an earlier one) the {MIXED_MAIN:,}-message thread builds in "
+        f"{fmt_ms(_p50(s, f'duckdb/{LIVE}'))} on DuckDB and "
+        f"{fmt_ms(_p50(s, f'postgresql/{LIVE}'))} on PostgreSQL, against "
+        f"{fmt_ms(_p50(s, f'sqlite_nf/{LIVE}'))} for the SQLite peer's newest-first read; "
+        f"after the {raw['cases'][LIVE].get('appended', 0)} appends every path kept the same "
+        "messages (checked).",
         f"(Writing: {imp['import_n']:,} messages over gRPC into DuckDB in batches of "
         f"{IMPORT_BATCH:,} took {imp['import_s']:.1f} s, the other threads "
         f"{imp['rest_s']:.1f} s; PostgreSQL in process took {fill['small_s']:.1f} s for "
