@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
+from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
@@ -55,6 +56,29 @@ _SELECT_MESSAGES = (
     _M_COLUMNS.replace("m.agent", "t.agent")
     .replace("m.scope", "t.scope")
     .replace("m.thread", "t.thread")
+)
+
+
+# MESSAGE_COLUMNS without agent, scope and thread (positions 2 to 4), which a read of
+# one thread's messages takes from its key.
+_KEYLESS_MESSAGES = ", ".join(
+    c for c in _M_COLUMNS.split(", ") if c not in ("m.agent", "m.scope", "m.thread")
+)
+
+
+# `window_messages_from`: every row's tag, whether the replica sent it (it holds that
+# message at that version), and the columns of the others. The subquery (kept apart by
+# OFFSET 0) computes each row's tag once; `m.*` there instead cost four times the time.
+_WINDOW_MESSAGES = (
+    "SELECT q.tag, q.held, "
+    + ", ".join(
+        f"CASE WHEN q.held THEN NULL ELSE q.{c[2:]} END" for c in _KEYLESS_MESSAGES.split(", ")
+    )
+    + f" FROM (SELECT {_KEYLESS_MESSAGES}, {MESSAGE_TAG} AS tag, "
+    f"{MESSAGE_TAG} = ANY(%s::text[]) AS held "
+    "FROM messages m WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
+    "AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
+    "ORDER BY m.sequence OFFSET 0) q ORDER BY q.sequence"
 )
 
 
@@ -187,8 +211,10 @@ _PAGE = (
 
 _PAGE_IDS = (
     "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea), "
-    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea) "
-    "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
+    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea), "
+    "coalesce(string_agg(int8send(coalesce(ordinal, -1)), ''::bytea ORDER BY sequence DESC), "
+    "''::bytea) "
+    "FROM (SELECT id, sequence, ordinal FROM messages WHERE tenant = %s AND context_id = %s "
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
 
@@ -256,6 +282,7 @@ class MessagesMixin(PostgresBase):
     _search_vectors: bool = False
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
+    _messages: MessageCache  # messages builds loaded, by thread (message_cache.py)
 
     def append(
         self,
@@ -628,15 +655,21 @@ class MessagesMixin(PostgresBase):
         from_sequence: int,
         id_range: tuple[int, int],
     ) -> list[StoredMessage]:
+        """The window's messages from `from_sequence` on with ids in `id_range`, whole.
+        Read from the messages alone, along the primary key: the thread's names come
+        from the ref's key (a join to threads had PostgreSQL look the thread's row up
+        once per message, by a scan of the tenant's threads). Messages this replica
+        holds in its cache at the version the snapshot reads come from there, the
+        others' columns are read (see message_cache.py)."""
+        key = context.key
+        assert key is not None, "a PostgreSQL ContextRef carries its key"
+        held = self._messages.held(key, context.context_id, id_range[0], id_range[1])
         predicate, params = window_predicate(window, None)
         with self._reading() as conn:
             rows = conn.execute(
-                f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
-                "ON t.tenant = m.tenant AND t.context_id = m.context_id "
-                "WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
-                f"AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
-                "ORDER BY m.sequence",
+                _WINDOW_MESSAGES.format(predicate=predicate),
                 [
+                    list(held),
                     _tenant(context),
                     context.context_id,
                     from_sequence,
@@ -645,7 +678,19 @@ class MessagesMixin(PostgresBase):
                     *params,
                 ],
             ).fetchall()
-        return [message_from_row(r) for r in rows]
+        names = (key.agent, key.scope, key.thread)
+        out: list[StoredMessage] = []
+        read: list[tuple[str, StoredMessage]] = []
+        for row in rows:
+            tag = row[0]
+            message = held.get(tag) if row[1] else None
+            if message is None:
+                r = row[2:]
+                message = message_from_row((*r[:2], *names, *r[2:]))
+                read.append((tag, message))
+            out.append(message)
+        self._messages.put(key, context.context_id, read)
+        return out
 
     def window_bounds(
         self,
@@ -748,14 +793,14 @@ class MessagesMixin(PostgresBase):
         if run is not None and before_sequence <= run.high:
             return run.newest(from_sequence, before_sequence, limit)
         low = from_sequence if run is None else max(from_sequence, run.high)
-        seqs, ids = self._read_page_ids(context, low, before_sequence, limit)
+        seqs, ids, ordinals = self._read_page_ids(context, low, before_sequence, limit)
         # What was read is every message of [`low`, before) when fewer than `limit`
         # came, else of [its oldest's sequence, before).
         covered = low if len(ids) < limit else int(seqs[0])
         if run is not None and covered <= run.high and len(ids) < limit:
-            run = run.extended(seqs, ids, before_sequence)
+            run = run.extended(seqs, ids, ordinals, before_sequence)
         else:
-            run = IdRun(covered, before_sequence, seqs, ids)
+            run = IdRun(covered, before_sequence, seqs, ids, ordinals)
         if len(self._id_runs) >= ID_RUN_THREADS and key not in self._id_runs:
             self._id_runs.clear()
         self._id_runs[key] = run
@@ -763,24 +808,31 @@ class MessagesMixin(PostgresBase):
 
     def _read_page_ids(
         self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Sequences, ids and ordinals (-1: none stored) of the newest `limit` messages of
+        the range, ascending."""
         params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
         with self._reading() as conn:
             row = first(conn, _PAGE_IDS, params)
         assert row is not None
-        ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
-        seqs = np.frombuffer(bytes(row[1]), ">i8")[::-1].astype(np.int64)
-        return seqs, ids
+        ids, seqs, ordinals = (
+            np.frombuffer(bytes(v), ">i8")[::-1].astype(np.int64) for v in row[:3]
+        )
+        return seqs, ids, ordinals
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
         """One index lookup, or none when this replica's run of the thread's ids (see
-        `_page_ids`) spans the id and does not hold it: ids grow along a thread, so no
-        message of it can have that id (a thread written in turns with others)."""
+        `_page_ids`) spans the id: ids grow along a thread, so when the run does not
+        hold it, no message of it has that id (a thread written in turns with others);
+        when it does, the run holds its ordinal too (written with the message, never
+        changed after: only the migration that added the column filled it in)."""
         run = self._id_runs.get((_tenant(context), context.context_id))
-        if run is not None and len(run.ids) and run.ids[0] < message_id < run.ids[-1]:
+        if run is not None and len(run.ids) and run.ids[0] <= message_id <= run.ids[-1]:
             at = int(np.searchsorted(run.ids, message_id))
             if int(run.ids[at]) != message_id:
                 return None
+            if int(run.ordinals[at]) >= 0:
+                return int(run.ordinals[at])
         with self._reading() as conn:
             row = first(  # by (tenant, id) alone: no plan may look for it along the thread
                 conn,
@@ -846,13 +898,15 @@ ID_RUN_THREADS = 256
 
 @dataclass(frozen=True, slots=True)
 class IdRun:
-    """Every non-summary message of a thread with `low <= sequence < high`: sequences and
-    ids, ascending (see `MessagesMixin._page_ids`)."""
+    """Every non-summary message of a thread with `low <= sequence < high`: sequences,
+    ids and ordinals (-1 where none is stored), ascending (see
+    `MessagesMixin._page_ids`)."""
 
     low: int
     high: int
     sequences: npt.NDArray[np.int64]
     ids: npt.NDArray[np.int64]
+    ordinals: npt.NDArray[np.int64]
 
     def count_in(self, low: int, high: int) -> int:
         a, b = np.searchsorted(self.sequences, [low, high])
@@ -865,16 +919,21 @@ class IdRun:
         return self.ids[max(a, b - limit) : b]
 
     def extended(
-        self, sequences: npt.NDArray[np.int64], ids: npt.NDArray[np.int64], high: int
+        self,
+        sequences: npt.NDArray[np.int64],
+        ids: npt.NDArray[np.int64],
+        ordinals: npt.NDArray[np.int64],
+        high: int,
     ) -> IdRun:
-        """This run and every message from its end up to `high` (`sequences`, `ids`),
-        keeping at most the newest ID_RUN_SIZE."""
+        """This run and every message from its end up to `high` (`sequences`, `ids`,
+        `ordinals`), keeping at most the newest ID_RUN_SIZE."""
         seqs = np.concatenate([self.sequences, sequences])
         every = np.concatenate([self.ids, ids])
+        ordinals = np.concatenate([self.ordinals, ordinals])
         if len(seqs) > ID_RUN_SIZE:
             cut = len(seqs) - ID_RUN_SIZE
-            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:])
-        return IdRun(self.low, high, seqs, every)
+            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:], ordinals[cut:])
+        return IdRun(self.low, high, seqs, every, ordinals)
 
 
 # The most ids a run holds (a build asks at most HELD_DROPPED_IDS, with some to spare as

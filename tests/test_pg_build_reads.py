@@ -1,0 +1,126 @@
+"""What a hot build costs the PostgreSQL store, counted on the wire, and the replica's
+cache of loaded messages, which never answers with a row the build's snapshot does not
+hold.
+
+Round trips are counted by libpq itself: the pool's one connection traces the protocol
+messages it sends (`PGconn.trace`), and every round trip ends with a Sync (a statement)
+or is a Query (BEGIN, COMMIT).
+
+PostgreSQL only: the embedded engine reads in process.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import pq
+
+from contextd.adapters.postgres.store import PostgresStore
+from contextd.app.build.builder import BuildRequest
+from contextd.app.build.summarizer import ExtractiveSummarizer
+from contextd.app.service import ContextService
+from contextd.domain.clock import ManualClock
+from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, NewMessage, Role
+from contextd.domain.window import WindowSpec
+
+TENANT, AGENT = "default", "a1"
+# A hot build: BEGIN, the thread (with its summary and agent's version), the window's
+# bounds with its newest page, the kept messages, the status block, COMMIT.
+HOT_BUILD_ROUND_TRIPS = 6
+
+
+@pytest.fixture
+def store(postgres_dsn: str) -> Iterator[PostgresStore]:
+    store = PostgresStore.open(postgres_dsn, clock=ManualClock(1_700_000_000_000_000), pool_size=1)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def service(store: PostgresStore) -> ContextService:
+    service = ContextService(store, ExtractiveSummarizer())
+    service.create_agent(TENANT, AGENT, AgentSettings())
+    return service
+
+
+def _turns(prefix: str, n: int) -> list[NewMessage]:
+    return [
+        NewMessage(role=(Role.USER, Role.ASSISTANT)[i % 2], content=f"{prefix} {i} " + "w " * 40)
+        for i in range(n)
+    ]
+
+
+def _round_trips(store: PostgresStore, call: object) -> int:
+    """Round trips the pool's one connection makes while `call()` runs."""
+    assert callable(call)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace"
+        with path.open("wb") as out:
+            with store._pool.connection() as conn:
+                conn.pgconn.trace(out.fileno())
+                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+            try:
+                call()
+            finally:
+                with store._pool.connection() as conn:
+                    conn.pgconn.untrace()
+        sent = [line.split("\t") for line in path.read_text(errors="replace").splitlines()]
+    return sum(1 for f in sent if len(f) > 2 and f[0] == "F" and f[2] in ("Sync", "Query"))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
+def test_a_hot_build_makes_six_round_trips(
+    store: PostgresStore, service: ContextService, interleaved: bool
+) -> None:
+    """Whether the thread was written alone or in turns with others (its ids then jump:
+    the ids it leaves out come from the replica's run of them, with their ordinals),
+    a hot build makes the same six round trips, and they do not grow with the thread."""
+    for step in range(6):
+        service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
+        if interleaved:
+            for other in range(3):
+                service.append_messages(TENANT, AGENT, "", f"o{other}", _turns("other", 7))
+    request = BuildRequest(TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000))
+    for _ in range(2):
+        first = service.build_context(request)
+    assert first.context.stats.dropped_ids  # a window longer than the budget
+    assert _round_trips(store, lambda: service.build_context(request)) == HOT_BUILD_ROUND_TRIPS
+    service.append_messages(TENANT, AGENT, "", "main", _turns("later", 300))
+    service.build_context(request)
+    assert _round_trips(store, lambda: service.build_context(request)) == HOT_BUILD_ROUND_TRIPS
+
+
+def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(
+    store: PostgresStore, service: ContextService, postgres_dsn: str
+) -> None:
+    """The second read of the same messages answers with the objects the first made
+    (nothing decoded again); a row rewritten since (by anyone: another replica, an
+    operator) comes back as stored now, and a deleted one not at all."""
+    service.append_messages(TENANT, AGENT, "", "t", _turns("m", 12))
+    thread = ContextKey(TENANT, AGENT, "", "t")
+    ref = store.context_ref(thread)
+    assert ref is not None
+    everything = WindowSpec(0, 0)
+
+    def read() -> list[str]:
+        return [m.content for m in store.window_messages_from(ref, everything, 1, (1, 2**62))]
+
+    first = store.window_messages_from(ref, everything, 1, (1, 2**62))
+    again = store.window_messages_from(ref, everything, 1, (1, 2**62))
+    assert len(first) == 12 and all(a is b for a, b in zip(first, again, strict=True))
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE messages SET content = 'rewritten' WHERE id = %s", [first[5].id])
+        conn.execute("DELETE FROM messages WHERE id = %s", [first[7].id])
+    now = store.window_messages_from(ref, everything, 1, (1, 2**62))
+    assert [m.id for m in now] == [m.id for i, m in enumerate(first) if i != 7]
+    assert now[5].content == "rewritten" and now[5] is not first[5]
+    assert all(a is b for a, b in zip(now[:5], first[:5], strict=True))
+    assert read()[5] == "rewritten"
+    # Only what the range asks: a narrower id range answers from the same objects.
+    part = store.window_messages_from(ref, everything, 1, (first[2].id, first[4].id))
+    assert [m.id for m in part] == [m.id for m in first[2:5]]
+    assert all(a is b for a, b in zip(part, first[2:5], strict=True))
