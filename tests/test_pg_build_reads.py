@@ -29,8 +29,8 @@ from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 # A hot build: BEGIN, the thread (with its summary and agent's version), the window's
-# bounds with its newest page, the kept messages, the status block, COMMIT.
-HOT_BUILD_ROUND_TRIPS = 6
+# bounds with its newest page (and the kept messages among them), the status block, COMMIT.
+HOT_BUILD_ROUND_TRIPS = 5
 
 
 @pytest.fixture
@@ -73,12 +73,12 @@ def _round_trips(store: PostgresStore, call: object) -> int:
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
-def test_a_hot_build_makes_six_round_trips(
+def test_a_hot_build_makes_five_round_trips(
     store: PostgresStore, service: ContextService, interleaved: bool
 ) -> None:
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
-    a hot build makes the same six round trips, and they do not grow with the thread."""
+    a hot build makes the same five round trips, and they do not grow with the thread."""
     for step in range(6):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
         if interleaved:
@@ -124,3 +124,30 @@ def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(
     part = store.window_messages_from(ref, everything, 1, (first[2].id, first[4].id))
     assert [m.id for m in part] == [m.id for m in first[2:5]]
     assert all(a is b for a, b in zip(part, first[2:5], strict=True))
+
+
+def test_a_build_uses_a_kept_message_as_stored_now(
+    store: PostgresStore, service: ContextService, postgres_dsn: str
+) -> None:
+    """A hot build takes the messages of its newest page from the replica's cache; one
+    rewritten in the database since (by anyone) is built as it is stored now, one deleted
+    is gone, and another replica's appends are read whole."""
+    service.append_messages(TENANT, AGENT, "", "main", _turns("m", 300))
+    request = BuildRequest(TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000))
+    before = service.build_context(request)
+    kept = [item.id for item in before.context.history]
+    assert len(kept) > 3
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE messages SET content = 'rewritten' WHERE id = %s", [kept[-2]])
+    after = service.build_context(request)
+    assert [item.id for item in after.context.history][-3:] == kept[-3:]
+    assert after.context.history[-2].content == "rewritten"
+    assert after.context.history[-1].content == before.context.history[-1].content
+    other = PostgresStore.open(postgres_dsn, clock=store.clock)
+    try:
+        ContextService(other, ExtractiveSummarizer()).append_messages(
+            TENANT, AGENT, "", "main", [NewMessage(role=Role.USER, content="from the other")]
+        )
+    finally:
+        other.close()
+    assert service.build_context(request).context.history[-1].content == "from the other"

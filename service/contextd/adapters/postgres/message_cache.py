@@ -21,7 +21,9 @@ import threading
 
 from contextd.domain.model import ContextKey, StoredMessage
 
-# A row's tag: its id and version, as the window read computes it (alias m).
+# A row's tag: its id and version, as the window read computes it (alias m). Tags hold no
+# space: a read sends those it holds as one string, separated by spaces (one text
+# parameter: a list of strings is adapted element by element, in Python).
 MESSAGE_TAG = "m.id::text || '/' || m.xmin::text || ':' || m.ctid::text"
 THREAD_MESSAGES = 4_096
 CACHE_MESSAGES = 65_536
@@ -47,6 +49,17 @@ class MessageCache:
         if found is None or found[0] != key:
             return {}
         return {tag: m for i, (tag, m) in list(found[1].items()) if low <= i <= high}
+
+    def newest(self, key: ContextKey, context_id: int, n: int) -> dict[str, StoredMessage]:
+        """The thread's `n` messages held with the highest ids (its newest: ids grow
+        along a thread), by tag."""
+        found = self._threads.get((key.tenant, context_id))
+        if found is None or found[0] != key or n <= 0:
+            return {}
+        entries = list(found[1].items())
+        if len(entries) > n:
+            entries = sorted(entries)[-n:]
+        return {tag: m for _, (tag, m) in entries}
 
     def put(self, key: ContextKey, context_id: int, read: list[tuple[str, StoredMessage]]) -> None:
         """Keep messages just read of the thread, with their tags."""

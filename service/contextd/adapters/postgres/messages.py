@@ -11,6 +11,7 @@ in the process: any replica can append to any thread.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -75,7 +76,7 @@ _WINDOW_MESSAGES = (
         f"CASE WHEN q.held THEN NULL ELSE q.{c[2:]} END" for c in _KEYLESS_MESSAGES.split(", ")
     )
     + f" FROM (SELECT {_KEYLESS_MESSAGES}, {MESSAGE_TAG} AS tag, "
-    f"{MESSAGE_TAG} = ANY(%s::text[]) AS held "
+    f"{MESSAGE_TAG} = ANY(string_to_array(%s, ' ')) AS held "
     "FROM messages m WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
     "AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
     "ORDER BY m.sequence OFFSET 0) q ORDER BY q.sequence"
@@ -142,7 +143,7 @@ SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us 
          ORDER BY x.sequence DESC LIMIT 1),
        s.sequence, s.ordinal, s.tools_total, a.id, a.sequence,
        g.context_id, g.ordinal, p.oldest_ordinal, p.ids, p.roles, p.tokens, p.chars, p.groups,
-       p.sequences, p.ordinals, p.tools
+       p.sequences, p.ordinals, p.tools, p.tags, p.fresh
 FROM threads t
 LEFT JOIN LATERAL (
     SELECT m.sequence, m.id, m.ordinal, m.tools_total,
@@ -158,7 +159,8 @@ LEFT JOIN LATERAL (
       AND m.sequence > s.sequence AND NOT m.is_summary
     ORDER BY m.sequence LIMIT 1) a ON true
 LEFT JOIN LATERAL (
-    -- the first page: the newest rows of the window after the summary
+    -- the first page: the newest rows of the window after the summary; with each row's
+    -- tag, and the columns of those whose tag the replica did not send (message_cache.py)
     SELECT min(q.id) AS oldest_id, min(q.ordinal) AS oldest_ordinal, """
     + ", ".join(
         f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), "
@@ -174,9 +176,18 @@ LEFT JOIN LATERAL (
             ("int8send", "coalesce(tools_total, -1)", "tools"),
         )
     )
-    + """
-    FROM (SELECT m.id, m.role, m.token_count, m.chars, m.group_id, m.sequence, m.ordinal,
-                 m.tools_total
+    + """,
+           array_agg(q.tag ORDER BY q.sequence DESC) AS tags,
+           json_agg(json_build_array(q.tag, """
+    + ", ".join("q." + c[2:] for c in _KEYLESS_MESSAGES.split(", "))
+    + """) ORDER BY q.sequence DESC) FILTER (WHERE NOT q.held) AS fresh
+    FROM (SELECT """
+    + _KEYLESS_MESSAGES
+    + """, m.chars, m.ordinal, m.tools_total, """
+    + MESSAGE_TAG
+    + " AS tag, "
+    + MESSAGE_TAG
+    + """ IN (SELECT unnest(string_to_array(%s, ' '))) AS held
           FROM messages m
           WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
             AND m.sequence >= CASE WHEN s.sequence >= f.sequence
@@ -191,6 +202,10 @@ LEFT JOIN LATERAL (
 WHERE t.tenant = %s AND t.context_id = %s
 """
 )
+
+# Sent without its comments and runs of blanks: psycopg keeps its conversion of a query
+# of at most 4,096 characters (this one is longer as written), and the server parses less.
+_BOUNDS = " ".join(re.sub(r"--[^\n]*", "", _BOUNDS).split())
 
 # `window_page`: the narrow columns and running counts of the newest rows of a range,
 # newest first (see `_page_table`).
@@ -663,13 +678,23 @@ class MessagesMixin(PostgresBase):
         others' columns are read (see message_cache.py)."""
         key = context.key
         assert key is not None, "a PostgreSQL ContextRef carries its key"
+        page = getattr(self._local, "page", None)
+        if page is not None and getattr(self._local, "conn", None) is not None:
+            context_id, page_window, whole = page
+            if (context_id, page_window) == (context.context_id, window) and (
+                whole and whole[0].sequence <= from_sequence
+            ):
+                # What `window_bounds` read of this snapshot's newest window messages
+                # holds every one from `from_sequence` on.
+                low, high = id_range
+                return [m for m in whole if m.sequence >= from_sequence and low <= m.id <= high]
         held = self._messages.held(key, context.context_id, id_range[0], id_range[1])
         predicate, params = window_predicate(window, None)
         with self._reading() as conn:
             rows = conn.execute(
                 _WINDOW_MESSAGES.format(predicate=predicate),
                 [
-                    list(held),
+                    " ".join(held),
                     _tenant(context),
                     context.context_id,
                     from_sequence,
@@ -714,13 +739,26 @@ class MessagesMixin(PostgresBase):
         if window.retains:
             return None
         tenant = _tenant(context)
+        key = context.key
+        assert key is not None, "a PostgreSQL ContextRef carries its key"
         after_us = max(window.clear_after_us, window.age_after_us)
+        cached = self._messages.newest(key, context.context_id, first_page)
         with self._reading() as conn:
             row = first(
                 conn,
                 _BOUNDS,
-                [tenant, summary_last_id, after_us, first_page, held, tenant, context.context_id],
+                [
+                    tenant,
+                    summary_last_id,
+                    after_us,
+                    " ".join(cached),
+                    first_page,
+                    held,
+                    tenant,
+                    context.context_id,
+                ],
             )
+        self._local.page = None
         if row is None:
             return None
         (last_sequence, through, count, no_source, first_sequence) = row[:5]
@@ -738,6 +776,10 @@ class MessagesMixin(PostgresBase):
         s_sequence, s_ordinal, s_tools, a_id, a_sequence = row[10:15]
         g_context, g_ordinal, oldest_ordinal = row[15:18]
         page = _page_table(row[18:26]) if first_page else None
+        if page is not None and page.num_rows and getattr(self._local, "conn", None) is not None:
+            # The page's messages, whole, for `window_messages_from` in this snapshot.
+            whole = self._page_messages(key, context.context_id, row[26], row[27], cached)
+            self._local.page = (context.context_id, window, whole)
         if page is not None and page.num_rows and oldest_ordinal is not None:
             c = int(oldest_ordinal) - base - 1
             k = min(held, c)
@@ -755,6 +797,27 @@ class MessagesMixin(PostgresBase):
             after_summary_id=int(a_id or 0),
             after_summary_sequence=int(a_sequence or 0),
         )
+
+    def _page_messages(
+        self,
+        key: ContextKey,
+        context_id: int,
+        tags: Sequence[str] | None,
+        fresh: Sequence[Sequence[Any]] | None,
+        cached: dict[str, StoredMessage],
+    ) -> list[StoredMessage]:
+        """The first page's messages, oldest first: those the replica sent the tags of
+        from its cache, the others from their columns (`fresh`, as JSON arrays: the tag,
+        then `_KEYLESS_MESSAGES`), which the cache then keeps."""
+        names = (key.agent, key.scope, key.thread)
+        read: dict[str, StoredMessage] = {}
+        for r in fresh or ():
+            message = message_from_row((*r[1:3], *names, *r[3:]))
+            read[r[0]] = message
+        self._messages.put(key, context_id, list(read.items()))
+        whole = [cached.get(tag) or read[tag] for tag in tags or ()]
+        whole.reverse()
+        return whole
 
     def window_page(
         self,
