@@ -14,6 +14,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -151,3 +152,44 @@ def test_a_build_uses_a_kept_message_as_stored_now(
     finally:
         other.close()
     assert service.build_context(request).context.history[-1].content == "from the other"
+
+
+def test_a_read_of_ids_further_back_than_the_run_reads_only_what_it_lacks(
+    store: PostgresStore, service: ContextService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ids a build lists of what it leaves out come from the replica's run of them;
+    a later build that needs older ones too (a smaller budget) reads only those, and the
+    run grows down to hold them."""
+    service.append_messages(TENANT, AGENT, "", "t", _turns("m", 100))
+    ref = store.context_ref(ContextKey(TENANT, AGENT, "", "t"))
+    assert ref is not None
+    every = [m.id for m in store.window_messages_from(ref, WindowSpec(0, 0), 1, (1, 2**62))]
+    read: list[int] = []
+    read_page_ids = store._read_page_ids
+
+    def reading(*args: Any) -> Any:
+        sequences, ids, ordinals = read_page_ids(*args)
+        read.append(len(ids))
+        return sequences, ids, ordinals
+
+    monkeypatch.setattr(store, "_read_page_ids", reading)
+
+    def ids(limit: int) -> list[int]:
+        page = store.window_page(ref, 1, 101, limit, ids_only=True)
+        return [int(i) for i in page.column("id").to_numpy()]
+
+    assert ids(10) == every[-10:] and read == [10]
+    assert ids(30) == every[-30:] and read == [10, 20]  # the 20 below the run, only
+    assert ids(25) == every[-25:] and read == [10, 20]  # held
+    assert ids(200) == every and read == [10, 20, 70]  # all there is
+    assert ids(100) == every and read == [10, 20, 70]
+    assert ids(5) == every[-5:] and read == [10, 20, 70]
+    # A range that ends below a thread's run is read as it is.
+    service.append_messages(TENANT, AGENT, "", "u", _turns("u", 100))
+    other = store.context_ref(ContextKey(TENANT, AGENT, "", "u"))
+    assert other is not None
+    every = [m.id for m in store.window_messages_from(other, WindowSpec(0, 0), 1, (1, 2**62))]
+    newest = store.window_page(other, 1, 101, 10, ids_only=True).column("id").to_numpy()
+    assert [int(i) for i in newest] == every[-10:]
+    older = store.window_page(other, 1, 50, 10, ids_only=True).column("id").to_numpy()
+    assert [int(i) for i in older] == every[39:49]

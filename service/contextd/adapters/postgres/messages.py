@@ -851,6 +851,11 @@ class MessagesMixin(PostgresBase):
         key = (_tenant(context), context.context_id)
         run = self._id_runs.get(key)
         below = run is not None and run.low > from_sequence
+        if run is not None and below and run.low <= before_sequence <= run.high:
+            have = run.count_in(run.low, before_sequence)
+            if have < limit:  # the newest `limit` reach below the run: read only those
+                older = self._extend_run_down(context, key, run, from_sequence, limit - have)
+                return np.concatenate([older, run.newest(run.low, before_sequence, have)])
         if run is not None and below and run.count_in(run.low, before_sequence) < limit:
             run = None  # the newest `limit` reach below the run
         if run is not None and before_sequence <= run.high:
@@ -868,6 +873,29 @@ class MessagesMixin(PostgresBase):
             self._id_runs.clear()
         self._id_runs[key] = run
         return run.newest(from_sequence, before_sequence, limit)
+
+    def _extend_run_down(
+        self,
+        context: ContextRef,
+        key: tuple[str, int],
+        run: IdRun,
+        from_sequence: int,
+        missing: int,
+    ) -> npt.NDArray[np.int64]:
+        """The newest `missing` ids of [`from_sequence`, the run's start), read: the run
+        grows down by them (unless that would pass ID_RUN_SIZE: then it is left as it
+        was), instead of being read again whole."""
+        seqs, ids, ordinals = self._read_page_ids(context, from_sequence, run.low, missing)
+        covered = from_sequence if len(ids) < missing else int(seqs[0])
+        if len(ids) + len(run.ids) <= ID_RUN_SIZE:
+            self._id_runs[key] = IdRun(
+                covered,
+                run.high,
+                np.concatenate([seqs, run.sequences]),
+                np.concatenate([ids, run.ids]),
+                np.concatenate([ordinals, run.ordinals]),
+            )
+        return ids
 
     def _read_page_ids(
         self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
