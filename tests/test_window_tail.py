@@ -342,9 +342,9 @@ def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
         return ids
 
     def reading(*args: Any) -> Any:
-        sequences, ids = read_page_ids(*args)
+        sequences, ids, ordinals = read_page_ids(*args)
         read[0] += len(ids)
-        return sequences, ids
+        return sequences, ids, ordinals
 
     monkeypatch.setattr(store, "_page_ids", asking)
     monkeypatch.setattr(store, "_read_page_ids", reading)

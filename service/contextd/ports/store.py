@@ -66,6 +66,31 @@ def read_consistently(store: ContextReader, block: Callable[[], T]) -> T:
             return block()
 
 
+def status_and_activity(
+    store: Store,
+    tenant: str,
+    agent: str,
+    scope: str,
+    live_at_us: int,
+    entries: int,
+    window: WindowSpec,
+    threads: int,
+) -> tuple[list[StatusEntry], list[ThreadActivity]]:
+    """What a build's status block reads: the first `entries` status entries live at
+    `live_at_us` (`list_status`) and the `threads` most recently active threads
+    (`thread_activity`), in one read where the store offers one (`status_and_activity`,
+    PostgreSQL: one round trip), else in two. Either way the same lists."""
+    both = getattr(store, "status_and_activity", None)
+    if both is not None:
+        found: tuple[list[StatusEntry], list[ThreadActivity]]
+        found = both(tenant, agent, scope, live_at_us, entries, window, threads)
+        return found
+    return (
+        store.list_status(tenant, agent, scope, None, entries, live_at_us),
+        store.thread_activity(tenant, agent, scope, window, threads),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ThreadFilter:
     """Which messages of an agent in a scope a read covers."""

@@ -163,6 +163,7 @@ class PostgresBase:
                         self._local.conn = None
                         self._local.summary = None  # read by context_ref in this block
                         self._local.agent_version = None  # likewise
+                        self._local.page = None  # read by window_bounds in this block
             finally:
                 conn.isolation_level, conn.read_only = level, read_only
 

@@ -11,6 +11,7 @@ in the process: any replica can append to any thread.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,6 +22,7 @@ import pyarrow as pa
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
+from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
@@ -55,6 +57,29 @@ _SELECT_MESSAGES = (
     _M_COLUMNS.replace("m.agent", "t.agent")
     .replace("m.scope", "t.scope")
     .replace("m.thread", "t.thread")
+)
+
+
+# MESSAGE_COLUMNS without agent, scope and thread (positions 2 to 4), which a read of
+# one thread's messages takes from its key.
+_KEYLESS_MESSAGES = ", ".join(
+    c for c in _M_COLUMNS.split(", ") if c not in ("m.agent", "m.scope", "m.thread")
+)
+
+
+# `window_messages_from`: every row's tag, whether the replica sent it (it holds that
+# message at that version), and the columns of the others. The subquery (kept apart by
+# OFFSET 0) computes each row's tag once; `m.*` there instead cost four times the time.
+_WINDOW_MESSAGES = (
+    "SELECT q.tag, q.held, "
+    + ", ".join(
+        f"CASE WHEN q.held THEN NULL ELSE q.{c[2:]} END" for c in _KEYLESS_MESSAGES.split(", ")
+    )
+    + f" FROM (SELECT {_KEYLESS_MESSAGES}, {MESSAGE_TAG} AS tag, "
+    f"{MESSAGE_TAG} = ANY(string_to_array(%s, ' ')) AS held "
+    "FROM messages m WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
+    "AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
+    "ORDER BY m.sequence OFFSET 0) q ORDER BY q.sequence"
 )
 
 
@@ -118,7 +143,7 @@ SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us 
          ORDER BY x.sequence DESC LIMIT 1),
        s.sequence, s.ordinal, s.tools_total, a.id, a.sequence,
        g.context_id, g.ordinal, p.oldest_ordinal, p.ids, p.roles, p.tokens, p.chars, p.groups,
-       p.sequences, p.ordinals, p.tools
+       p.sequences, p.ordinals, p.tools, p.tags, p.fresh
 FROM threads t
 LEFT JOIN LATERAL (
     SELECT m.sequence, m.id, m.ordinal, m.tools_total,
@@ -134,7 +159,8 @@ LEFT JOIN LATERAL (
       AND m.sequence > s.sequence AND NOT m.is_summary
     ORDER BY m.sequence LIMIT 1) a ON true
 LEFT JOIN LATERAL (
-    -- the first page: the newest rows of the window after the summary
+    -- the first page: the newest rows of the window after the summary; with each row's
+    -- tag, and the columns of those whose tag the replica did not send (message_cache.py)
     SELECT min(q.id) AS oldest_id, min(q.ordinal) AS oldest_ordinal, """
     + ", ".join(
         f"coalesce(string_agg({send}({column}), ''::bytea ORDER BY sequence DESC), "
@@ -150,9 +176,18 @@ LEFT JOIN LATERAL (
             ("int8send", "coalesce(tools_total, -1)", "tools"),
         )
     )
-    + """
-    FROM (SELECT m.id, m.role, m.token_count, m.chars, m.group_id, m.sequence, m.ordinal,
-                 m.tools_total
+    + """,
+           array_agg(q.tag ORDER BY q.sequence DESC) AS tags,
+           json_agg(json_build_array(q.tag, """
+    + ", ".join("q." + c[2:] for c in _KEYLESS_MESSAGES.split(", "))
+    + """) ORDER BY q.sequence DESC) FILTER (WHERE NOT q.held) AS fresh
+    FROM (SELECT """
+    + _KEYLESS_MESSAGES
+    + """, m.chars, m.ordinal, m.tools_total, """
+    + MESSAGE_TAG
+    + " AS tag, "
+    + MESSAGE_TAG
+    + """ IN (SELECT unnest(string_to_array(%s, ' '))) AS held
           FROM messages m
           WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
             AND m.sequence >= CASE WHEN s.sequence >= f.sequence
@@ -167,6 +202,10 @@ LEFT JOIN LATERAL (
 WHERE t.tenant = %s AND t.context_id = %s
 """
 )
+
+# Sent without its comments and runs of blanks: psycopg keeps its conversion of a query
+# of at most 4,096 characters (this one is longer as written), and the server parses less.
+_BOUNDS = " ".join(re.sub(r"--[^\n]*", "", _BOUNDS).split())
 
 # `window_page`: the narrow columns and running counts of the newest rows of a range,
 # newest first (see `_page_table`).
@@ -187,8 +226,10 @@ _PAGE = (
 
 _PAGE_IDS = (
     "SELECT coalesce(string_agg(int8send(id), ''::bytea ORDER BY sequence DESC), ''::bytea), "
-    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea) "
-    "FROM (SELECT id, sequence FROM messages WHERE tenant = %s AND context_id = %s "
+    "coalesce(string_agg(int8send(sequence), ''::bytea ORDER BY sequence DESC), ''::bytea), "
+    "coalesce(string_agg(int8send(coalesce(ordinal, -1)), ''::bytea ORDER BY sequence DESC), "
+    "''::bytea) "
+    "FROM (SELECT id, sequence, ordinal FROM messages WHERE tenant = %s AND context_id = %s "
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
 
@@ -256,6 +297,7 @@ class MessagesMixin(PostgresBase):
     _search_vectors: bool = False
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
+    _messages: MessageCache  # messages builds loaded, by thread (message_cache.py)
 
     def append(
         self,
@@ -628,15 +670,31 @@ class MessagesMixin(PostgresBase):
         from_sequence: int,
         id_range: tuple[int, int],
     ) -> list[StoredMessage]:
+        """The window's messages from `from_sequence` on with ids in `id_range`, whole.
+        Read from the messages alone, along the primary key: the thread's names come
+        from the ref's key (a join to threads had PostgreSQL look the thread's row up
+        once per message, by a scan of the tenant's threads). Messages this replica
+        holds in its cache at the version the snapshot reads come from there, the
+        others' columns are read (see message_cache.py)."""
+        key = context.key
+        assert key is not None, "a PostgreSQL ContextRef carries its key"
+        page = getattr(self._local, "page", None)
+        if page is not None and getattr(self._local, "conn", None) is not None:
+            context_id, page_window, whole = page
+            if (context_id, page_window) == (context.context_id, window) and (
+                whole and whole[0].sequence <= from_sequence
+            ):
+                # What `window_bounds` read of this snapshot's newest window messages
+                # holds every one from `from_sequence` on.
+                low, high = id_range
+                return [m for m in whole if m.sequence >= from_sequence and low <= m.id <= high]
+        held = self._messages.held(key, context.context_id, id_range[0], id_range[1])
         predicate, params = window_predicate(window, None)
         with self._reading() as conn:
             rows = conn.execute(
-                f"SELECT {_SELECT_MESSAGES} FROM messages m JOIN threads t "
-                "ON t.tenant = m.tenant AND t.context_id = m.context_id "
-                "WHERE m.tenant = %s AND m.context_id = %s AND m.sequence >= %s "
-                f"AND m.id BETWEEN %s AND %s AND {predicate} AND NOT m.is_summary "
-                "ORDER BY m.sequence",
+                _WINDOW_MESSAGES.format(predicate=predicate),
                 [
+                    " ".join(held),
                     _tenant(context),
                     context.context_id,
                     from_sequence,
@@ -645,7 +703,19 @@ class MessagesMixin(PostgresBase):
                     *params,
                 ],
             ).fetchall()
-        return [message_from_row(r) for r in rows]
+        names = (key.agent, key.scope, key.thread)
+        out: list[StoredMessage] = []
+        read: list[tuple[str, StoredMessage]] = []
+        for row in rows:
+            tag = row[0]
+            message = held.get(tag) if row[1] else None
+            if message is None:
+                r = row[2:]
+                message = message_from_row((*r[:2], *names, *r[2:]))
+                read.append((tag, message))
+            out.append(message)
+        self._messages.put(key, context.context_id, read)
+        return out
 
     def window_bounds(
         self,
@@ -669,13 +739,26 @@ class MessagesMixin(PostgresBase):
         if window.retains:
             return None
         tenant = _tenant(context)
+        key = context.key
+        assert key is not None, "a PostgreSQL ContextRef carries its key"
         after_us = max(window.clear_after_us, window.age_after_us)
+        cached = self._messages.newest(key, context.context_id, first_page)
         with self._reading() as conn:
             row = first(
                 conn,
                 _BOUNDS,
-                [tenant, summary_last_id, after_us, first_page, held, tenant, context.context_id],
+                [
+                    tenant,
+                    summary_last_id,
+                    after_us,
+                    " ".join(cached),
+                    first_page,
+                    held,
+                    tenant,
+                    context.context_id,
+                ],
             )
+        self._local.page = None
         if row is None:
             return None
         (last_sequence, through, count, no_source, first_sequence) = row[:5]
@@ -693,6 +776,10 @@ class MessagesMixin(PostgresBase):
         s_sequence, s_ordinal, s_tools, a_id, a_sequence = row[10:15]
         g_context, g_ordinal, oldest_ordinal = row[15:18]
         page = _page_table(row[18:26]) if first_page else None
+        if page is not None and page.num_rows and getattr(self._local, "conn", None) is not None:
+            # The page's messages, whole, for `window_messages_from` in this snapshot.
+            whole = self._page_messages(key, context.context_id, row[26], row[27], cached)
+            self._local.page = (context.context_id, window, whole)
         if page is not None and page.num_rows and oldest_ordinal is not None:
             c = int(oldest_ordinal) - base - 1
             k = min(held, c)
@@ -710,6 +797,27 @@ class MessagesMixin(PostgresBase):
             after_summary_id=int(a_id or 0),
             after_summary_sequence=int(a_sequence or 0),
         )
+
+    def _page_messages(
+        self,
+        key: ContextKey,
+        context_id: int,
+        tags: Sequence[str] | None,
+        fresh: Sequence[Sequence[Any]] | None,
+        cached: dict[str, StoredMessage],
+    ) -> list[StoredMessage]:
+        """The first page's messages, oldest first: those the replica sent the tags of
+        from its cache, the others from their columns (`fresh`, as JSON arrays: the tag,
+        then `_KEYLESS_MESSAGES`), which the cache then keeps."""
+        names = (key.agent, key.scope, key.thread)
+        read: dict[str, StoredMessage] = {}
+        for r in fresh or ():
+            message = message_from_row((*r[1:3], *names, *r[3:]))
+            read[r[0]] = message
+        self._messages.put(key, context_id, list(read.items()))
+        whole = [cached.get(tag) or read[tag] for tag in tags or ()]
+        whole.reverse()
+        return whole
 
     def window_page(
         self,
@@ -743,44 +851,79 @@ class MessagesMixin(PostgresBase):
         key = (_tenant(context), context.context_id)
         run = self._id_runs.get(key)
         below = run is not None and run.low > from_sequence
+        if run is not None and below and run.low <= before_sequence <= run.high:
+            have = run.count_in(run.low, before_sequence)
+            if have < limit:  # the newest `limit` reach below the run: read only those
+                older = self._extend_run_down(context, key, run, from_sequence, limit - have)
+                return np.concatenate([older, run.newest(run.low, before_sequence, have)])
         if run is not None and below and run.count_in(run.low, before_sequence) < limit:
             run = None  # the newest `limit` reach below the run
         if run is not None and before_sequence <= run.high:
             return run.newest(from_sequence, before_sequence, limit)
         low = from_sequence if run is None else max(from_sequence, run.high)
-        seqs, ids = self._read_page_ids(context, low, before_sequence, limit)
+        seqs, ids, ordinals = self._read_page_ids(context, low, before_sequence, limit)
         # What was read is every message of [`low`, before) when fewer than `limit`
         # came, else of [its oldest's sequence, before).
         covered = low if len(ids) < limit else int(seqs[0])
         if run is not None and covered <= run.high and len(ids) < limit:
-            run = run.extended(seqs, ids, before_sequence)
+            run = run.extended(seqs, ids, ordinals, before_sequence)
         else:
-            run = IdRun(covered, before_sequence, seqs, ids)
+            run = IdRun(covered, before_sequence, seqs, ids, ordinals)
         if len(self._id_runs) >= ID_RUN_THREADS and key not in self._id_runs:
             self._id_runs.clear()
         self._id_runs[key] = run
         return run.newest(from_sequence, before_sequence, limit)
 
+    def _extend_run_down(
+        self,
+        context: ContextRef,
+        key: tuple[str, int],
+        run: IdRun,
+        from_sequence: int,
+        missing: int,
+    ) -> npt.NDArray[np.int64]:
+        """The newest `missing` ids of [`from_sequence`, the run's start), read: the run
+        grows down by them (unless that would pass ID_RUN_SIZE: then it is left as it
+        was), instead of being read again whole."""
+        seqs, ids, ordinals = self._read_page_ids(context, from_sequence, run.low, missing)
+        covered = from_sequence if len(ids) < missing else int(seqs[0])
+        if len(ids) + len(run.ids) <= ID_RUN_SIZE:
+            self._id_runs[key] = IdRun(
+                covered,
+                run.high,
+                np.concatenate([seqs, run.sequences]),
+                np.concatenate([ids, run.ids]),
+                np.concatenate([ordinals, run.ordinals]),
+            )
+        return ids
+
     def _read_page_ids(
         self, context: ContextRef, from_sequence: int, before_sequence: int, limit: int
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Sequences, ids and ordinals (-1: none stored) of the newest `limit` messages of
+        the range, ascending."""
         params = [_tenant(context), context.context_id, from_sequence, before_sequence, limit]
         with self._reading() as conn:
             row = first(conn, _PAGE_IDS, params)
         assert row is not None
-        ids = np.frombuffer(bytes(row[0]), ">i8")[::-1].astype(np.int64)
-        seqs = np.frombuffer(bytes(row[1]), ">i8")[::-1].astype(np.int64)
-        return seqs, ids
+        ids, seqs, ordinals = (
+            np.frombuffer(bytes(v), ">i8")[::-1].astype(np.int64) for v in row[:3]
+        )
+        return seqs, ids, ordinals
 
     def window_ordinal(self, context: ContextRef, message_id: int) -> int | None:
         """One index lookup, or none when this replica's run of the thread's ids (see
-        `_page_ids`) spans the id and does not hold it: ids grow along a thread, so no
-        message of it can have that id (a thread written in turns with others)."""
+        `_page_ids`) spans the id: ids grow along a thread, so when the run does not
+        hold it, no message of it has that id (a thread written in turns with others);
+        when it does, the run holds its ordinal too (written with the message, never
+        changed after: only the migration that added the column filled it in)."""
         run = self._id_runs.get((_tenant(context), context.context_id))
-        if run is not None and len(run.ids) and run.ids[0] < message_id < run.ids[-1]:
+        if run is not None and len(run.ids) and run.ids[0] <= message_id <= run.ids[-1]:
             at = int(np.searchsorted(run.ids, message_id))
             if int(run.ids[at]) != message_id:
                 return None
+            if int(run.ordinals[at]) >= 0:
+                return int(run.ordinals[at])
         with self._reading() as conn:
             row = first(  # by (tenant, id) alone: no plan may look for it along the thread
                 conn,
@@ -846,13 +989,15 @@ ID_RUN_THREADS = 256
 
 @dataclass(frozen=True, slots=True)
 class IdRun:
-    """Every non-summary message of a thread with `low <= sequence < high`: sequences and
-    ids, ascending (see `MessagesMixin._page_ids`)."""
+    """Every non-summary message of a thread with `low <= sequence < high`: sequences,
+    ids and ordinals (-1 where none is stored), ascending (see
+    `MessagesMixin._page_ids`)."""
 
     low: int
     high: int
     sequences: npt.NDArray[np.int64]
     ids: npt.NDArray[np.int64]
+    ordinals: npt.NDArray[np.int64]
 
     def count_in(self, low: int, high: int) -> int:
         a, b = np.searchsorted(self.sequences, [low, high])
@@ -865,16 +1010,21 @@ class IdRun:
         return self.ids[max(a, b - limit) : b]
 
     def extended(
-        self, sequences: npt.NDArray[np.int64], ids: npt.NDArray[np.int64], high: int
+        self,
+        sequences: npt.NDArray[np.int64],
+        ids: npt.NDArray[np.int64],
+        ordinals: npt.NDArray[np.int64],
+        high: int,
     ) -> IdRun:
-        """This run and every message from its end up to `high` (`sequences`, `ids`),
-        keeping at most the newest ID_RUN_SIZE."""
+        """This run and every message from its end up to `high` (`sequences`, `ids`,
+        `ordinals`), keeping at most the newest ID_RUN_SIZE."""
         seqs = np.concatenate([self.sequences, sequences])
         every = np.concatenate([self.ids, ids])
+        ordinals = np.concatenate([self.ordinals, ordinals])
         if len(seqs) > ID_RUN_SIZE:
             cut = len(seqs) - ID_RUN_SIZE
-            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:])
-        return IdRun(self.low, high, seqs, every)
+            return IdRun(int(seqs[cut]), high, seqs[cut:], every[cut:], ordinals[cut:])
+        return IdRun(self.low, high, seqs, every, ordinals)
 
 
 # The most ids a run holds (a build asks at most HELD_DROPPED_IDS, with some to spare as

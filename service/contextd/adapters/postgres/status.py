@@ -8,13 +8,22 @@ from typing import Any
 
 from contextd.adapters.postgres.agents import require_agent
 from contextd.adapters.postgres.base import Conn, PostgresBase, first, thread_gone
+from contextd.adapters.postgres.threads import activity_query
 from contextd.adapters.rows import status_from_row, status_kind_code
-from contextd.domain.context import StatusEntry
+from contextd.domain.context import StatusEntry, ThreadActivity
 from contextd.domain.errors import NotFound
 from contextd.domain.idempotency import RequestRecord
 from contextd.domain.model import ContextKey, Event
 from contextd.domain.validation import quote
+from contextd.domain.window import WindowSpec
 from contextd.ports.store import ThreadFilter
+
+_LIST_STATUS = (
+    "SELECT key, kind, state, summary, update_time_us, expire_time_us "
+    "FROM status_entries WHERE tenant = %(tenant)s AND agent = %(agent)s "
+    "AND scope = %(scope)s AND key > %(after)s AND (%(live_at)s::bigint IS NULL "
+    "OR expire_time_us IS NULL OR expire_time_us > %(live_at)s) ORDER BY key LIMIT %(limit)s"
+)
 
 
 class StatusMixin(PostgresBase):
@@ -60,15 +69,47 @@ class StatusMixin(PostgresBase):
         limit: int,
         live_at_us: int | None,
     ) -> list[StatusEntry]:
+        params = {
+            "tenant": tenant,
+            "agent": agent,
+            "scope": scope,
+            "after": after_key or "",
+            "live_at": live_at_us,
+            "limit": limit,
+        }
         with self._reading() as conn:
-            rows = conn.execute(
-                "SELECT key, kind, state, summary, update_time_us, expire_time_us "
-                "FROM status_entries WHERE tenant = %s AND agent = %s AND scope = %s "
-                "AND key > %s AND (%s::bigint IS NULL OR expire_time_us IS NULL "
-                "OR expire_time_us > %s) ORDER BY key LIMIT %s",
-                [tenant, agent, scope, after_key or "", live_at_us, live_at_us, limit],
-            ).fetchall()
+            rows = conn.execute(_LIST_STATUS, params).fetchall()
         return [status_from_row(r) for r in rows]
+
+    def status_and_activity(
+        self,
+        tenant: str,
+        agent: str,
+        scope: str,
+        live_at_us: int,
+        entries: int,
+        window: WindowSpec,
+        threads: int,
+    ) -> tuple[list[StatusEntry], list[ThreadActivity]]:
+        """`list_status` (from the first key) and `thread_activity` in one statement,
+        one round trip: what a build's status block reads."""
+        activity, params = activity_query(tenant, agent, scope, window, threads)
+        params |= {"after": "", "live_at": live_at_us, "entries": entries}
+        sql = (
+            "SELECT * FROM (SELECT 0, row_number() OVER (ORDER BY key), key, kind, state, "
+            "summary, update_time_us, expire_time_us FROM ("
+            + _LIST_STATUS.replace("%(limit)s", "%(entries)s")
+            + ") s) s UNION ALL SELECT * FROM (SELECT 1, row_number() OVER "
+            "(ORDER BY a.last_message_time_us DESC, a.thread), a.thread, NULL::smallint, "
+            "NULL, NULL, a.last_message_time_us, a.count FROM ("
+            + activity
+            + ") a(thread, last_message_time_us, count)) a ORDER BY 1, 2"
+        )
+        with self._reading() as conn:
+            rows = conn.execute(sql, params).fetchall()
+        status = [status_from_row(r[2:]) for r in rows if r[0] == 0]
+        found = [ThreadActivity(r[2], r[6], int(r[7])) for r in rows if r[0] == 1]
+        return status, [a for a in found if a.window_message_count > 0]
 
     def clear_status(
         self,

@@ -18,6 +18,7 @@ import psycopg_pool
 from contextd.adapters.postgres.access import AccessMixin
 from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
+from contextd.adapters.postgres.message_cache import MessageCache
 from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.retention import RetentionMixin
 from contextd.adapters.postgres.schema import migrate
@@ -61,6 +62,7 @@ class PostgresStore(
         self._local = threading.local()
         self._agent_cache = {}
         self._id_runs = {}
+        self._messages = MessageCache()
         self._closed = False
         self.clock = clock
         self._listeners: list[Callable[[bool], None]] = []

@@ -22,6 +22,51 @@ from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 from contextd.ports.store import ThreadFilter
 
 
+def activity_query(
+    tenant: str, agent: str, scope: str, window: WindowSpec, limit: int
+) -> tuple[str, dict[str, Any]]:
+    """`thread_activity`'s statement (thread, newest message time, messages in the
+    window; most recently active first) and its named parameters."""
+    clear = "greatest(%(clear)s::bigint, coalesce(t.last_clear_us, %(clear)s::bigint))"
+    sql = f"""
+        SELECT t.thread, t.last_message_time_us,
+          CASE WHEN NOT %(retains)s AND t.create_time_us > {clear}
+                AND least(t.create_time_us, coalesce(t.min_source_time_us, t.create_time_us))
+                    > %(age)s
+            THEN t.message_count
+            ELSE (SELECT count(*) FROM messages m
+                  WHERE m.tenant = t.tenant AND m.context_id = t.context_id
+                    AND m.create_time_us > {clear}
+                    AND coalesce(m.source_time_us, m.create_time_us) > %(age)s
+                    AND (%(expire)s::bigint IS NULL
+                         OR t.last_message_time_us > %(expire)s::bigint)
+                    AND (%(cap)s::bigint = 0
+                         OR coalesce(m.group_start, m.sequence)
+                            > t.last_sequence - %(cap)s::bigint))
+          END
+        FROM threads t
+        WHERE t.tenant = %(tenant)s AND t.agent = %(agent)s AND t.scope = %(scope)s
+          AND t.last_message_time_us > {clear} AND t.last_message_time_us > %(oldest)s
+        ORDER BY t.last_message_time_us DESC, t.thread
+        LIMIT %(limit)s
+    """
+    params: dict[str, Any] = {
+        "clear": window.clear_after_us,
+        "age": window.age_after_us,
+        "tenant": tenant,
+        "agent": agent,
+        "scope": scope,
+        # A message's own time is at most MAX_SOURCE_LEAD_US after its commit.
+        "oldest": window.age_after_us - MAX_SOURCE_LEAD_US,
+        "limit": limit,
+        # Retention (see window_predicate): no thread counts from its row then.
+        "retains": window.retains,
+        "expire": window.expire_after_us,
+        "cap": window.max_messages,
+    }
+    return sql, params
+
+
 class ThreadsMixin(PostgresBase):
     def get_thread(self, key: ContextKey) -> Thread | None:
         with self._reading() as conn:
@@ -49,43 +94,7 @@ class ThreadsMixin(PostgresBase):
     ) -> list[ThreadActivity]:
         """As the embedded engine: a thread wholly inside its window counts from its row;
         the others count their messages with the window's own predicate."""
-        clear = "greatest(%(clear)s::bigint, coalesce(t.last_clear_us, %(clear)s::bigint))"
-        sql = f"""
-            SELECT t.thread, t.last_message_time_us,
-              CASE WHEN NOT %(retains)s AND t.create_time_us > {clear}
-                    AND least(t.create_time_us, coalesce(t.min_source_time_us, t.create_time_us))
-                        > %(age)s
-                THEN t.message_count
-                ELSE (SELECT count(*) FROM messages m
-                      WHERE m.tenant = t.tenant AND m.context_id = t.context_id
-                        AND m.create_time_us > {clear}
-                        AND coalesce(m.source_time_us, m.create_time_us) > %(age)s
-                        AND (%(expire)s::bigint IS NULL
-                             OR t.last_message_time_us > %(expire)s::bigint)
-                        AND (%(cap)s::bigint = 0
-                             OR coalesce(m.group_start, m.sequence)
-                                > t.last_sequence - %(cap)s::bigint))
-              END
-            FROM threads t
-            WHERE t.tenant = %(tenant)s AND t.agent = %(agent)s AND t.scope = %(scope)s
-              AND t.last_message_time_us > {clear} AND t.last_message_time_us > %(oldest)s
-            ORDER BY t.last_message_time_us DESC, t.thread
-            LIMIT %(limit)s
-        """
-        params: dict[str, Any] = {
-            "clear": window.clear_after_us,
-            "age": window.age_after_us,
-            "tenant": tenant,
-            "agent": agent,
-            "scope": scope,
-            # A message's own time is at most MAX_SOURCE_LEAD_US after its commit.
-            "oldest": window.age_after_us - MAX_SOURCE_LEAD_US,
-            "limit": limit,
-            # Retention (see window_predicate): no thread counts from its row then.
-            "retains": window.retains,
-            "expire": window.expire_after_us,
-            "cap": window.max_messages,
-        }
+        sql, params = activity_query(tenant, agent, scope, window, limit)
         with self._reading() as conn:
             rows = conn.execute(sql, params).fetchall()
         return [ThreadActivity(r[0], r[1], int(r[2])) for r in rows if int(r[2]) > 0]

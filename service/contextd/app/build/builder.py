@@ -64,7 +64,7 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, Store, read_consistently
+from contextd.ports.store import ContextRef, Store, read_consistently, status_and_activity
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
@@ -303,25 +303,17 @@ class ContextBuilder:
             request.overrides,
         )
         window = self._load_history(plan)
-        status = status_preamble(
-            self._store.list_status(
-                plan.key.tenant,
-                plan.key.agent,
-                plan.key.scope,
-                None,
-                STATUS_ENTRIES,
-                plan.now_us,
-            ),
-            self._store.thread_activity(
-                plan.key.tenant,
-                plan.key.agent,
-                plan.key.scope,
-                plan.agent_window,
-                STATUS_THREADS,
-            ),
+        entries, activity = status_and_activity(
+            self._store,
+            plan.key.tenant,
+            plan.key.agent,
+            plan.key.scope,
             plan.now_us,
-            plan.key.thread,
+            STATUS_ENTRIES,
+            plan.agent_window,
+            STATUS_THREADS,
         )
+        status = status_preamble(entries, activity, plan.now_us, plan.key.thread)
         return plan, window, status
 
     # ----------------------------------------------------------------- CompactContext
