@@ -238,8 +238,7 @@ RECORD_VALUES = (
 )
 # The request record of an id: method, fingerprint, payload.
 REMEMBERED = (
-    "SELECT method, fingerprint, payload FROM request_records "
-    "WHERE tenant = %s AND request_id = %s"
+    "SELECT method, fingerprint, payload FROM request_records WHERE tenant = %s AND request_id = %s"
 )
 
 

@@ -21,9 +21,9 @@ import pyarrow as pa
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import (
+    RECORD_VALUES,
     Conn,
     PostgresBase,
-    RECORD_VALUES,
     agent_missing,
     check_remembered,
     first,
