@@ -29,6 +29,7 @@ from contextd.adapters.postgres.base import (
     first,
     thread_gone,
 )
+from contextd.adapters.postgres.pending_list import PendingListMerger
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
@@ -248,7 +249,8 @@ _LOCK_THREAD = (
 # `records_itself`), the agent's row locked FOR KEY SHARE, the thread's
 # row locked FOR UPDATE (in that order, as everywhere), and, when the thread exists, the
 # append's message ids, taken after its lock (ids grow along a thread) by a subquery
-# evaluated per output row. The CTEs are materialized so each runs once, as written.
+# evaluated per output row. The CTEs are materialized so each runs once, as written. It
+# also sets this transaction's gin_pending_list_limit (see pending_list.py).
 _BEGIN_APPEND = """
 WITH r AS MATERIALIZED (
     SELECT method, fingerprint, payload FROM request_records
@@ -267,7 +269,10 @@ SELECT r.method, r.fingerprint, r.payload, a.model, a.last_clear_us, a.settings_
        t.context_id, t.last_sequence, t.last_message_time_us, t.last_clear_us,
        t.ordinal_total, t.tools_total, t.totals_through,
        ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %(n)s)
-             WHERE t.context_id IS NOT NULL)
+             WHERE t.context_id IS NOT NULL),
+       set_config('gin_pending_list_limit',
+                  coalesce(%(pending_kb)s::text, current_setting('gin_pending_list_limit')),
+                  true)
 FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
 """
 
@@ -280,6 +285,8 @@ class MessagesMixin(PostgresBase):
     # Whether appends hand over the search vectors they can make (set when the store
     # opens; see search_vector.py). False: the database computes every one.
     _search_vectors: bool = False
+    # Merges the search index's pending list off the append path (pending_list.py).
+    _pending: PendingListMerger
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
 
@@ -292,11 +299,13 @@ class MessagesMixin(PostgresBase):
     ) -> list[MessageReceipt]:
         # The append reads the request id's record in its first statement and writes it
         # in its last: a one-message append is BEGIN, two statements and COMMIT.
-        return self._write(
+        receipts = self._write(
             lambda conn: self._append(conn, key, batch, default_settings, record),
             record,
             records_itself=True,
         )
+        self._pending.appended(len(receipts))
+        return receipts
 
     def append_many(
         self,
@@ -311,7 +320,9 @@ class MessagesMixin(PostgresBase):
 
         if not parts:
             return []
-        return self._write(run, record)
+        receipts = self._write(run, record)
+        self._pending.appended(len(receipts))
+        return receipts
 
     def _append(
         self,
@@ -337,6 +348,7 @@ class MessagesMixin(PostgresBase):
                 "scope": key.scope,
                 "thread": key.thread,
                 "n": n,
+                "pending_kb": self._pending.limit_kb,
             },
         )
         check_remembered(record, begun[0:3])
