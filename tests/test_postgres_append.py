@@ -94,7 +94,9 @@ def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: 
 
 def test_one_message_append_is_two_statements(postgres_dsn: str, tmp_path: Path) -> None:
     """Read from libpq's trace of the store's one connection: the messages the client
-    sent that make the server answer (a simple Query, or Sync after extended ones)."""
+    sent that make the server answer (a simple Query, or Sync after extended ones).
+    Before, an append to an existing thread was six (BEGIN, the agent's lock, the
+    thread's lock, the row, the counters, COMMIT), eight with a request id."""
     store = PostgresStore.open(postgres_dsn, pool_size=1)
     try:
         service = ContextService(store, ExtractiveSummarizer())
