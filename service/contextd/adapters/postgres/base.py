@@ -170,7 +170,24 @@ class PostgresBase:
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""
 
-    def _write(self, fn: Callable[[Conn], T], record: RequestRecord | None = None) -> T:
+    def _record_values(self, record: RequestRecord, value: Any) -> list[Any]:
+        """The parameters of `RECORD_VALUES` for `record` and the result it remembers."""
+        return [
+            record.tenant,
+            record.request_id,
+            record.method,
+            record.fingerprint,
+            record.encode(value),
+            self.clock.tick(),
+        ]
+
+    def _write(
+        self,
+        fn: Callable[[Conn], T],
+        record: RequestRecord | None = None,
+        *,
+        records_itself: bool = False,
+    ) -> T:
         """Run `fn` in one transaction and return its result; run it again from the
         start when PostgreSQL aborts it for a conflict.
 
@@ -178,6 +195,10 @@ class PostgresBase:
         the first payload, or REQUEST_ID_REUSED) and records the result before it
         commits; a concurrent duplicate that commits first makes this one conflict on the
         record's key, and the rerun finds that record and replays it.
+
+        `records_itself`: `fn` does both with statements of its own (a small write's
+        time goes mostly to round trips, so it reads the record beside its first reads,
+        `check_remembered`, and writes it with its last write, `RECORD_VALUES`).
         """
         if self._closed:
             raise Unavailable(
@@ -187,24 +208,15 @@ class PostgresBase:
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
                 with self._pool.connection() as conn, conn.transaction():
-                    if record is not None:
+                    if record is not None and not records_itself:
                         found = _remembered(conn, record.tenant, record.request_id)
                         if found is not None:
                             raise AlreadyDone(replay(record, found))
                     value = fn(conn)
-                    if record is not None:
+                    if record is not None and not records_itself:
                         conn.execute(
-                            "INSERT INTO request_records (tenant, request_id, method, "
-                            "fingerprint, payload, create_time_us) "
-                            "VALUES (%s, %s, %s, %s, %s, %s)",
-                            [
-                                record.tenant,
-                                record.request_id,
-                                record.method,
-                                record.fingerprint,
-                                record.encode(value),
-                                self.clock.tick(),
-                            ],
+                            f"INSERT INTO request_records {RECORD_VALUES}",
+                            self._record_values(record, value),
                         )
                 return value
             except (
@@ -220,12 +232,26 @@ class PostgresBase:
         raise AssertionError("unreachable")
 
 
+# The columns and values of a request record (`PostgresBase._record_values`).
+RECORD_VALUES = (
+    "(tenant, request_id, method, fingerprint, payload, create_time_us) "
+    "VALUES (%s, %s, %s, %s, %s, %s)"
+)
+# The request record of an id: method, fingerprint, payload.
+REMEMBERED = (
+    "SELECT method, fingerprint, payload FROM request_records WHERE tenant = %s AND request_id = %s"
+)
+
+
+def check_remembered(record: RequestRecord | None, found: Any) -> None:
+    """Raise AlreadyDone (or REQUEST_ID_REUSED) when `found`, the (method, fingerprint,
+    payload) a write that `records_itself` read for `record`, holds a request record."""
+    if record is not None and found is not None and found[0] is not None:
+        raise AlreadyDone(replay(record, Remembered(found[0], found[1], bytes(found[2]))))
+
+
 def _remembered(conn: Conn, tenant: str, request_id: str) -> Remembered | None:
-    row = conn.execute(
-        "SELECT method, fingerprint, payload FROM request_records "
-        "WHERE tenant = %s AND request_id = %s",
-        [tenant, request_id],
-    ).fetchone()
+    row = conn.execute(REMEMBERED, [tenant, request_id]).fetchone()
     return Remembered(row[0], row[1], bytes(row[2])) if row else None
 
 

@@ -21,8 +21,17 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
-from contextd.adapters.postgres.base import Conn, PostgresBase, agent_missing, first, thread_gone
+from contextd.adapters.postgres.base import (
+    RECORD_VALUES,
+    Conn,
+    PostgresBase,
+    agent_missing,
+    check_remembered,
+    first,
+    thread_gone,
+)
 from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
+from contextd.adapters.postgres.pending_list import PendingListMerger
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
 from contextd.domain.batches import stored_tokenizer
@@ -275,16 +284,38 @@ _LOCK_THREAD = (
     "tools_total, totals_through FROM threads "
     "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
 )
-# The same lock, also taking the append's message ids: one round trip instead of two for
-# an append to an existing thread (a small append's time goes mostly to round trips).
-# Ids are unique whatever happens to the transaction; one re-taken when the row is
-# re-checked under a concurrent update leaves only a gap, as a rollback does.
-_LOCK_THREAD_TAKING_IDS = (
-    "SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total, "
-    "tools_total, totals_through, "
-    "ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %s)) FROM threads "
-    "WHERE tenant = %s AND agent = %s AND scope = %s AND thread = %s FOR UPDATE"
+
+
+# The first statement of an append: the request id's record (see `PostgresBase._write`,
+# `records_itself`), the agent's row locked FOR KEY SHARE, the thread's
+# row locked FOR UPDATE (in that order, as everywhere), and, when the thread exists, the
+# append's message ids, taken after its lock (ids grow along a thread) by a subquery
+# evaluated per output row. The CTEs are materialized so each runs once, as written. It
+# also sets this transaction's gin_pending_list_limit (see pending_list.py).
+_BEGIN_APPEND = """
+WITH r AS MATERIALIZED (
+    SELECT method, fingerprint, payload FROM request_records
+    WHERE tenant = %(tenant)s AND request_id = %(request_id)s
+), a AS MATERIALIZED (
+    SELECT model, last_clear_us, settings_json FROM agents
+    WHERE tenant = %(tenant)s AND name = %(agent)s FOR KEY SHARE
+), t AS MATERIALIZED (
+    SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total,
+           tools_total, totals_through FROM threads
+    WHERE tenant = %(tenant)s AND agent = %(agent)s AND scope = %(scope)s
+      AND thread = %(thread)s
+    FOR UPDATE
 )
+SELECT r.method, r.fingerprint, r.payload, a.model, a.last_clear_us, a.settings_json,
+       t.context_id, t.last_sequence, t.last_message_time_us, t.last_clear_us,
+       t.ordinal_total, t.tools_total, t.totals_through,
+       ARRAY(SELECT nextval('message_ids') FROM generate_series(1, %(n)s)
+             WHERE t.context_id IS NOT NULL),
+       set_config('gin_pending_list_limit',
+                  coalesce(%(pending_kb)s::text, current_setting('gin_pending_list_limit')),
+                  true)
+FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
+"""
 
 
 def _model_label(model: str) -> str:
@@ -295,6 +326,8 @@ class MessagesMixin(PostgresBase):
     # Whether appends hand over the search vectors they can make (set when the store
     # opens; see search_vector.py). False: the database computes every one.
     _search_vectors: bool = False
+    # Merges the search index's pending list off the append path (pending_list.py).
+    _pending: PendingListMerger
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
     _messages: MessageCache  # messages builds loaded, by thread (message_cache.py)
@@ -306,7 +339,15 @@ class MessagesMixin(PostgresBase):
         default_settings: AgentSettings | None,
         record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
-        return self._write(lambda conn: self._append(conn, key, batch, default_settings), record)
+        # The append reads the request id's record in its first statement and writes it
+        # in its last: a one-message append is BEGIN, two statements and COMMIT.
+        receipts = self._write(
+            lambda conn: self._append(conn, key, batch, default_settings, record),
+            record,
+            records_itself=True,
+        )
+        self._pending.appended(len(receipts))
+        return receipts
 
     def append_many(
         self,
@@ -321,7 +362,9 @@ class MessagesMixin(PostgresBase):
 
         if not parts:
             return []
-        return self._write(run, record)
+        receipts = self._write(run, record)
+        self._pending.appended(len(receipts))
+        return receipts
 
     def _append(
         self,
@@ -329,11 +372,30 @@ class MessagesMixin(PostgresBase):
         key: ContextKey,
         batch: MessageBatch,
         default_settings: AgentSettings | None,
+        record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
+        """Append one batch in `conn`'s transaction. With `record`, its request id is
+        looked up in the first statement (AlreadyDone) and recorded in the last."""
         tenant = key.tenant
+        n = len(batch)
         # Only what the append needs of the agent (not its prompt and docs, up to MiBs),
         # locked FOR KEY SHARE: a delete of the agent waits for this append.
-        agent = first(conn, _LOCK_AGENT, [tenant, key.agent])
+        begun = first(
+            conn,
+            _BEGIN_APPEND,
+            {
+                "tenant": tenant,
+                "request_id": record.request_id if record is not None else None,
+                "agent": key.agent,
+                "scope": key.scope,
+                "thread": key.thread,
+                "n": n,
+                "pending_kb": self._pending.limit_kb,
+            },
+        )
+        check_remembered(record, begun[0:3])
+        agent = begun[3:6] if begun[3] is not None else None
+        locked = begun[6:] if begun[6] is not None else None
         if agent is None:
             if default_settings is None:
                 raise agent_missing(key.agent)
@@ -348,8 +410,6 @@ class MessagesMixin(PostgresBase):
         ttl_us = _ttl_of(str(agent[2]), key.scope)
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
-        n = len(batch)
-        locked = first(conn, _LOCK_THREAD_TAKING_IDS, [n, tenant, key.agent, key.scope, key.thread])
         row, ids = (tuple(locked[:7]), [int(i) for i in locked[7]]) if locked else (None, [])
         commit_time = 0  # stamped below, or here when this append creates the thread
         if row is None:
@@ -449,17 +509,31 @@ class MessagesMixin(PostgresBase):
             )
             for i, message in enumerate(batch.messages)
         ]
-        if n == 1:
-            # One message: one INSERT is one round trip, where COPY takes two (its start
-            # and its end); the row is the same either way.
-            conn.execute(_INSERT_MESSAGE, rows[0])
-        else:
+        if n > 1:
             with conn.cursor().copy(f"COPY messages ({_COPY_COLUMNS}) FROM STDIN") as copy:
                 for values in rows:
                     copy.write_row(values)
+        receipts = [
+            MessageReceipt(i, commit_time, e, c, q)
+            for i, e, c, q in zip(
+                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+            )
+        ]
         sources = [m.source_time_us for m in batch.messages if m.source_time_us is not None]
+        # The thread's counters, in one statement with what else remains: the row of a
+        # one-message append (one INSERT, where COPY takes two round trips) and the
+        # request record.
+        ctes: list[str] = []
+        params: list[Any] = []
+        if n == 1:
+            ctes.append(f"m AS ({_INSERT_MESSAGE})")
+            params += rows[0]
+        if record is not None:
+            ctes.append(f"r AS (INSERT INTO request_records {RECORD_VALUES})")
+            params += self._record_values(record, receipts)
         conn.execute(
-            "UPDATE threads SET last_sequence = last_sequence + %s, "
+            ("WITH " + ", ".join(ctes) + " " if ctes else "")
+            + "UPDATE threads SET last_sequence = last_sequence + %s, "
             "message_count = message_count + %s, token_estimate = token_estimate + %s, "
             "last_message_time_us = %s, "
             "min_source_time_us = least(min_source_time_us, %s::bigint), "
@@ -469,6 +543,7 @@ class MessagesMixin(PostgresBase):
             "totals_through = CASE WHEN %s THEN %s ELSE totals_through END "
             "WHERE tenant = %s AND context_id = %s",
             [
+                *params,
                 n,
                 n,
                 sum(batch.token_estimates),
@@ -485,12 +560,7 @@ class MessagesMixin(PostgresBase):
                 context_id,
             ],
         )
-        return [
-            MessageReceipt(i, commit_time, e, c, q)
-            for i, e, c, q in zip(
-                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
-            )
-        ]
+        return receipts
 
     @staticmethod
     def _groups(

@@ -20,6 +20,7 @@ from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
 from contextd.adapters.postgres.message_cache import MessageCache
 from contextd.adapters.postgres.messages import MessagesMixin
+from contextd.adapters.postgres.pending_list import PendingListMerger
 from contextd.adapters.postgres.retention import RetentionMixin
 from contextd.adapters.postgres.schema import migrate
 from contextd.adapters.postgres.search import SearchMixin
@@ -74,6 +75,8 @@ class PostgresStore(
             # only when this database's own expression agrees with them.
             self._search_vectors = matches_database(conn)
             self.clock.advance_to(_newest_time_us(conn))
+        self._pending = PendingListMerger(pool)
+        self._pending.start()
 
     @classmethod
     def open(
@@ -119,10 +122,13 @@ class PostgresStore(
         if self._closed:
             return
         self._closed = True
+        self._pending.stop()
         self._pool.close()
 
     def stop_background_work(self) -> None:
-        """Nothing runs in the background: deletes are one transaction each."""
+        """Stop merging the search index's pending list (pending_list.py); deletes are
+        one transaction each."""
+        self._pending.stop()
 
     def schema_version(self) -> int:
         return self._schema_version

@@ -1,0 +1,117 @@
+"""The search index's pending list, merged into the index off the append path.
+
+The GIN index on messages (search.py) takes new rows into its pending list (`fastupdate`,
+on by default): cheap at insert, scanned by every search until merged. PostgreSQL merges
+it inside the insert that finds it past `gin_pending_list_limit` (4 MB by default): that
+one append, whichever caller's it is, then waits for the merge of every row the others
+added (measured: most 1,000-message appends ~0.3 s, one in a hundred 1.5-12 s, with four
+callers). So appends of this store raise the limit for their own transactions
+(PENDING_LIMIT, a backstop should the merging stop) and a thread of the store merges the
+list (`gin_clean_pending_list`) after every CLEAN_EVERY_ROWS rows this replica appended:
+the same work, in no caller's transaction. Searches still see every committed row at
+once (a GIN scan reads the pending list too).
+
+Each replica runs its own; two merges at once wait on the index's cleanup lock, and the
+second finds little left. A database where the store's role may not merge the index
+(it needs ownership or MAINTAIN) keeps PostgreSQL's own behaviour: the store logs it once
+and leaves the limit alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import psycopg
+import psycopg_pool
+
+log = logging.getLogger(__name__)
+
+# The limit (kB) of an append's own transaction while the merging thread runs: past it,
+# the append merges the list itself, as PostgreSQL does by default past 4 MB.
+PENDING_LIMIT_KB = 65_536
+# Rows appended by this replica between two merges (about the rows a 4 MB list holds).
+CLEAN_EVERY_ROWS = 2_000
+
+# Every GIN index on messages (whatever its name or expression), merged.
+_CLEAN = """
+SELECT coalesce(sum(gin_clean_pending_list(i.indexrelid)), 0)
+FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_am am ON am.oid = c.relam
+WHERE i.indrelid = 'messages'::regclass AND am.amname = 'gin'
+"""
+
+
+class PendingListMerger:
+    """The thread that merges the pending list; `appended` after every committed append."""
+
+    def __init__(
+        self, pool: psycopg_pool.ConnectionPool[Any], every_rows: int = CLEAN_EVERY_ROWS
+    ) -> None:
+        self._pool = pool
+        self._every = every_rows
+        self._lock = threading.Lock()
+        self._rows = 0
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.enabled = False
+
+    def start(self) -> None:
+        """Merge once now: the role may merge, or the store keeps PostgreSQL's default."""
+        try:
+            self.merge()
+        except psycopg.errors.InsufficientPrivilege:
+            log.warning(
+                "this role may not merge the search index's pending list; appends keep "
+                "PostgreSQL's own gin_pending_list_limit"
+            )
+            return
+        self.enabled = True
+        self._thread = threading.Thread(target=self._run, name="contextd-pending-list", daemon=True)
+        self._thread.start()
+
+    @property
+    def limit_kb(self) -> int | None:
+        """The gin_pending_list_limit of an append's transaction (None: leave it)."""
+        return PENDING_LIMIT_KB if self.enabled else None
+
+    def appended(self, rows: int) -> None:
+        """Count committed rows; wake the thread every `every_rows` of them."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._rows += rows
+            if self._rows < self._every:
+                return
+            self._rows = 0
+        self._wake.set()
+
+    def merge(self) -> int:
+        """Merge the pending list of every GIN index on messages now; pages merged."""
+        with self._pool.connection() as conn, conn.transaction():
+            row = conn.execute(_CLEAN).fetchone()
+        return int(row[0]) if row else 0
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                self.merge()
+            except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
+                # The next wake tries again; meanwhile appends merge past the backstop.
+                if self._stopping:
+                    return
+                log.warning(
+                    "merging the search index's pending list failed",
+                    extra={"error": type(exc).__name__, "detail": str(exc)[:300]},
+                )
