@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -149,3 +150,79 @@ def test_kill9_during_a_burst_past_the_old_threshold_loses_nothing_acknowledged(
         assert counts.get(f"t{k}", 0) in (500 * acked, 500 * (acked + 1)), (k, acked, counts)
     newest = client.list_messages("a1", thread="t0")[-1].content
     assert newest.endswith(TEXT)
+
+
+def _burst_past_the_idle_size(service: ContextService, path: Path) -> int:
+    """Append batches back to back until the WAL is worth an idle checkpoint."""
+    batch = [NewMessage(role=Role.USER, content=f"{i} {TEXT}") for i in range(1_000)]
+    n = 0
+    while wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES:
+        service.append_messages("default", "bot", "", "t", batch, create_agent=True)
+        n += len(batch)
+        assert n <= 50_000, "the WAL never grew past the idle checkpoint's size"
+    return n
+
+
+def test_a_read_running_after_a_burst_does_not_hold_off_the_idle_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A search streaming its index build right after a burst: the idle writer's flush of
+    the thread counters (an UPDATE) used to commit during that read, and DuckDB then
+    refused every checkpoint until the read ended. The checkpoint now comes first."""
+    path = tmp_path / "x.duckdb"
+    store = Store.open(path)
+    service = ContextService(store, ExtractiveSummarizer())
+    n = _burst_past_the_idle_size(service, path)
+    reading = store._con.cursor()
+    try:
+        reader = reading.sql("SELECT id, content FROM messages").to_arrow_reader(100)
+        first = reader.read_next_batch()  # the read is running, paused mid-stream
+        assert first.num_rows == 100
+        assert _wait_for(lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES, 30.0)
+        rest = sum(b.num_rows for b in reader)
+        assert first.num_rows + rest == n  # the read saw its snapshot whole
+        # The counters were flushed after the checkpoint.
+        assert _wait_for(lambda: not len(store._pending), 10.0)
+    finally:
+        reading.close()
+        store.close()
+
+
+def test_a_checkpoint_refused_for_running_reads_logs_one_line_and_succeeds_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An update committed while a read runs makes DuckDB refuse checkpoints until the
+    read ends: an expected refusal, logged in one line without a traceback, and retried
+    soon enough that the checkpoint follows the read's end."""
+    caplog.set_level(logging.INFO, logger="contextd")
+    path = tmp_path / "x.duckdb"
+    store = Store.open(path)
+    service = ContextService(store, ExtractiveSummarizer())
+    reading = store._con.cursor()
+    try:
+        _burst_past_the_idle_size(service, path)
+        # Keep the writer from checkpointing until the read runs and the update is in.
+        store._next_checkpoint_at = time.monotonic() + 3600
+        reader = reading.sql("SELECT id, content FROM messages").to_arrow_reader(100)
+        reader.read_next_batch()
+        store._write(
+            lambda cur: cur.execute(
+                "UPDATE store_state SET value = value WHERE key = 'thread_counters_through_id'"
+            )
+        )
+        store._next_checkpoint_at = 0.0
+
+        def deferred() -> bool:
+            return any("idle checkpoint deferred" in r.getMessage() for r in caplog.records)
+
+        assert _wait_for(deferred, 10.0), [r.getMessage() for r in caplog.records]
+        assert wal_bytes(wal_path(path)) >= IDLE_CHECKPOINT_BYTES  # refused, as expected
+        for _ in reader:  # the read ends
+            pass
+        reader.close()
+        assert _wait_for(lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES, 30.0)
+        failures = [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+        assert not failures, [(r.getMessage(), r.exc_info) for r in failures]
+    finally:
+        reading.close()
+        store.close()

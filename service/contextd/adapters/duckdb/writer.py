@@ -40,7 +40,9 @@ from contextd.adapters.duckdb.base import (
 from contextd.adapters.duckdb.checkpoints import (
     IDLE_CHECKPOINT_BYTES,
     IDLE_CHECKPOINT_S,
+    RETRY_BUSY_CHECKPOINT_S,
     RETRY_CHECKPOINT_S,
+    refused_for_readers,
     wal_bytes,
 )
 from contextd.adapters.duckdb.thread_counters import (
@@ -178,7 +180,10 @@ class WriterMixin(DuckDBBase):
                         job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
-                        self._flush_counters(writer)
+                        # Not while a checkpoint is about due: the counters' update would
+                        # make DuckDB refuse it for as long as reads run (checkpoints.py).
+                        if not self._checkpoint_due():
+                            self._flush_counters(writer)
                         self._forget_old_requests(writer)
                         self._checkpoint_when_idle(writer)
                         self._writer_waiting()
@@ -227,6 +232,15 @@ class WriterMixin(DuckDBBase):
         left = max(0.0, due - time.monotonic())
         return left if flush_wait is None else min(flush_wait, left)
 
+    def _checkpoint_due(self) -> bool:
+        """Whether the idle writer is to checkpoint at its next turn (or this one): the WAL
+        is worth it and no failed attempt is waiting out its retry delay."""
+        return (
+            self._fatal is None
+            and time.monotonic() >= self._next_checkpoint_at
+            and wal_bytes(self._wal_path) >= IDLE_CHECKPOINT_BYTES
+        )
+
     def _checkpoint_when_idle(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Checkpoint if the writer has been idle IDLE_CHECKPOINT_S and the WAL is worth
         it, so that the next appends find a short WAL and no checkpoint in their way
@@ -243,6 +257,10 @@ class WriterMixin(DuckDBBase):
         try:
             writer.execute("CHECKPOINT")
         except duckdb.Error as exc:
+            if refused_for_readers(exc):  # expected and brief: one line, an early retry
+                self._next_checkpoint_at = time.monotonic() + RETRY_BUSY_CHECKPOINT_S
+                log.info("idle checkpoint deferred: running reads hold back a committed update")
+                return
             self._next_checkpoint_at = time.monotonic() + RETRY_CHECKPOINT_S
             if self._failed(exc) is not None:  # logged (and, if fatal, reported) there
                 log.warning("idle checkpoint failed; the WAL keeps every commit")
