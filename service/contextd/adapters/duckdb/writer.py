@@ -29,6 +29,7 @@ from contextd.adapters.duckdb.base import (
     T,
     Touches,
     _AppendJob,
+    _ApplyJob,
     _CallJob,
     _first,
     _remembered,
@@ -43,6 +44,13 @@ from contextd.adapters.duckdb.checkpoints import (
     RETRY_CHECKPOINT_S,
     wal_bytes,
 )
+from contextd.adapters.duckdb.journal import (
+    APPLY_BYTES,
+    APPLY_IDLE_S,
+    APPLY_ROWS,
+    DIRECT_ROWS,
+    GroupWrite,
+)
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -51,6 +59,7 @@ from contextd.domain.errors import (
     ContextdError,
     InvalidArgument,
     StoreBusy,
+    StoreUnavailable,
     Unavailable,
 )
 from contextd.domain.idempotency import (
@@ -66,7 +75,7 @@ from contextd.domain.idempotency import (
 
 
 class WriterMixin(DuckDBBase):
-    def _submit(self, job: _AppendJob | _CallJob) -> Any:
+    def _submit(self, job: _AppendJob | _CallJob | _ApplyJob) -> Any:
         """Queue `job` for the writer and wait for its result, at most the write timeout.
 
         A caller must never hang on a stuck writer. When the wait times out, a job the
@@ -178,6 +187,7 @@ class WriterMixin(DuckDBBase):
                         job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
+                        self._apply_journal_quietly(writer)
                         self._flush_counters(writer)
                         self._forget_old_requests(writer)
                         self._checkpoint_when_idle(writer)
@@ -185,19 +195,20 @@ class WriterMixin(DuckDBBase):
                         continue
                 self._busy_since = time.monotonic()
                 if job is _STOP:
+                    self._apply_journal_quietly(writer)
                     self._flush_counters(writer)
                     return
                 # Before the group, so a write answered after the clock passed a due
                 # pass was preceded by it (also on a writer that is never idle).
                 self._forget_old_requests(writer)
                 appends: list[_AppendJob] = []
-                calls: list[_CallJob] = []
+                calls: list[_CallJob | _ApplyJob] = []
                 stop = self._gather(job, appends, calls)
                 try:
                     if appends:
                         self._commit_appends(writer, appends)
-                    for call in calls:
-                        self._run_call(writer, call)
+                    if calls:
+                        self._run_calls(writer, calls)
                 except BaseException as exc:
                     # The writer must outlive any failure, or every later caller would
                     # wait forever: fail what is unanswered and go on.
@@ -209,7 +220,12 @@ class WriterMixin(DuckDBBase):
                             future.set_exception(exc)
                     self._rollback(writer)
                 self._last_group_at = time.monotonic()
+                if self._journal_rows >= APPLY_ROWS or (
+                    self._journal is not None and self._journal.size >= APPLY_BYTES
+                ):
+                    self._apply_journal_quietly(writer)  # its callers are answered
                 if stop:
+                    self._apply_journal_quietly(writer)
                     self._flush_counters(writer)
                     return
                 if self._pending.flush_due():
@@ -220,7 +236,11 @@ class WriterMixin(DuckDBBase):
 
     def _idle_wait(self, flush_wait: float | None) -> float | None:
         """How long the idle writer waits for work before it acts on its own: the counters'
-        wait (None: none pending), or less if the WAL is due an idle checkpoint."""
+        wait (None: none pending), or less if the journal is due its idle apply or the WAL
+        an idle checkpoint."""
+        if self._journal_pending:
+            left = max(0.0, self._last_group_at + APPLY_IDLE_S - time.monotonic())
+            flush_wait = left if flush_wait is None else min(flush_wait, left)
         if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
             return flush_wait
         due = max(self._last_group_at + IDLE_CHECKPOINT_S, self._next_checkpoint_at)
@@ -259,6 +279,11 @@ class WriterMixin(DuckDBBase):
         transaction; on failure they stay pending and the next flush retries."""
         if self._fatal is not None:
             return  # DuckDB refuses every statement now; the next start recounts
+        # The counters count journaled messages too, and `through_id` must name only
+        # messages in the table: apply first.
+        if self._journal_pending and not self._apply_journal_quietly(writer):
+            self._flush_failed = True
+            return
         through_id = self._next_message_id - 1  # every id below it is committed
         try:
             with self._pending.flushing() as contextd_flush:  # noqa: F841 - scanned by the script
@@ -298,7 +323,9 @@ class WriterMixin(DuckDBBase):
             "COMMIT"
         )
 
-    def _gather(self, first: Any, appends: list[_AppendJob], calls: list[_CallJob]) -> bool:
+    def _gather(
+        self, first: Any, appends: list[_AppendJob], calls: list[_CallJob | _ApplyJob]
+    ) -> bool:
         """Take `first` and whatever of the same kind is queued right behind it, up to the
         group limit: a run of appends (committed together) or a run of calls.
 
@@ -316,7 +343,7 @@ class WriterMixin(DuckDBBase):
                 if job.future.set_running_or_notify_cancel():
                     appends.append(job)
                     rows += job.rows
-            elif isinstance(job, _CallJob) and not appends:
+            elif isinstance(job, _CallJob | _ApplyJob) and not appends:
                 if job.future.set_running_or_notify_cancel():
                     calls.append(job)
             else:
@@ -328,6 +355,24 @@ class WriterMixin(DuckDBBase):
                 job = self._queue.get_nowait()
             except Empty:
                 return False
+
+    def _run_calls(
+        self, writer: duckdb.DuckDBPyConnection, calls: list[_CallJob | _ApplyJob]
+    ) -> None:
+        """Run a group of calls, each in its own transaction, after applying the journal:
+        calls read what appends wrote, and a read's barrier (`_ApplyJob`) asks for just
+        that. If the journal cannot be applied, every call of the group gets the error."""
+        try:
+            self._apply_journal(writer)
+        except ContextdError as exc:
+            for call in calls:
+                call.future.set_exception(exc)
+            return
+        for call in calls:
+            if isinstance(call, _ApplyJob):
+                call.future.set_result(None)
+            else:
+                self._run_call(writer, call)
 
     def _run_call(self, writer: duckdb.DuckDBPyConnection, call: _CallJob) -> None:
         began = False
@@ -364,7 +409,12 @@ class WriterMixin(DuckDBBase):
         keep: list[_AppendJob] = []
         repeats: list[tuple[_AppendJob, _AppendJob]] = []
         first_of: dict[str, _AppendJob] = {}
-        stored = _remembered_keys(writer, [j.record.key for j in recorded if j.record])
+        # Records of journaled appends are not in the table yet: answered from memory.
+        pending = self._journal_requests
+        stored = {k: pending[k] for j in recorded if j.record and (k := j.record.key) in pending}
+        unknown = [j.record.key for j in recorded if j.record and j.record.key not in stored]
+        if unknown:
+            stored.update(_remembered_keys(writer, unknown))
         for job in jobs:
             record = job.record
             if record is None:
@@ -414,12 +464,28 @@ class WriterMixin(DuckDBBase):
     def _commit_new_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
     ) -> None:
+        # Journaled (journal.py) when small and every agent named is known (creating one
+        # reads and writes the agents table); otherwise committed directly, after what
+        # is journaled, so that writes reach the tables in the order they were answered.
+        journal = (
+            self._journal is not None
+            and self._fatal is None
+            and sum(job.rows for job in jobs) < DIRECT_ROWS
+            and all((job.key.tenant, job.key.agent) in self._known_agents for job in jobs)
+        )
+        if not journal:
+            try:
+                self._apply_journal(writer)
+            except ContextdError as exc:
+                for job in jobs:
+                    job.future.set_exception(exc)
+                return
         # New context ids enter the cache only after their commit, so it needs no restore.
         saved = (self._next_message_id, self._next_context_id)
         self._hot_appended = None
         self._hot.begin_commit()
         try:
-            receipts, counted = self._insert_appends(writer, jobs)  # commits
+            receipts, counted = self._insert_appends(writer, jobs, journal)  # commits
         except BaseException as exc:
             self._hot.end_commit(EVERYTHING)
             self._rollback(writer)
@@ -441,6 +507,84 @@ class WriterMixin(DuckDBBase):
         self._hot_appended = None
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
+
+    # ----------------------------------------------------------------- the journal
+
+    def _journal_append(self, group: GroupWrite) -> None:
+        """Make `group` durable in the journal (one write, one fdatasync); on return its
+        callers may be answered. A failed write is cut back out of the file, so it is
+        never replayed; if it cannot be, the store stops serving (a restart reads the
+        file and keeps only whole records)."""
+        journal = self._journal
+        assert journal is not None
+        number = self._journal_group + 1
+        try:
+            journal.append(number, group.encode())
+        except OSError as exc:
+            if not getattr(exc, "cut_back", False):
+                with self._health_lock:
+                    log.error("the append journal could not be written nor cut back")
+                    self._update_health(fatal=f"append journal: {exc}")
+            else:
+                log.error("writing the append journal failed", extra={"detail": str(exc)})
+            raise StoreUnavailable(
+                "the store could not write this append to disk (I/O error); nothing of it "
+                "was saved; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            ) from exc
+        self._journal_pending.append(group)
+        self._journal_rows += group.rows
+        self._journal_group = number  # before any caller is answered: reads' barrier
+
+    def _apply_journal(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Write every journaled group to the tables in one transaction that also records
+        the last group's number, then empty the journal. On failure nothing is dropped:
+        the groups stay pending (and in the file), and StoreUnavailable is raised to
+        whoever needed them applied (a read, a write, a large append)."""
+        if not self._journal_pending:
+            return
+        last = self._journal_group
+        try:
+            self._apply_group(writer, GroupWrite.merged(self._journal_pending), applied_group=last)
+        except Exception as exc:
+            self._rollback(writer)
+            # Reads served from memory would answer while those by SQL cannot: drop the
+            # hot cache, so that every read waits for the journal alike.
+            self._hot.begin_commit()
+            self._hot.end_commit(EVERYTHING)
+            error = self._failed(exc) if isinstance(exc, duckdb.Error) else None
+            if error is not None and self._fatal is not None:
+                # DuckDB must be reopened (no retry helps); the journal is kept for it.
+                raise error from exc
+            log.exception(
+                "applying the append journal to the tables failed; it is kept, and reads "
+                "are answered UNAVAILABLE until it applies",
+                extra={"groups": len(self._journal_pending), "rows": self._journal_rows},
+            )
+            raise StoreUnavailable(
+                "the store could not apply acknowledged appends to its tables; they are "
+                "kept in its journal (nothing is lost), but it cannot answer this call "
+                "until they are applied; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            ) from exc
+        self._journal_pending = []
+        self._journal_rows = 0
+        self._journal_requests.clear()
+        self._journal_applied = last
+        assert self._journal is not None
+        try:
+            self._journal.truncate()
+        except OSError:  # its records are skipped by number at the next start
+            log.exception("emptying the append journal failed")
+
+    def _apply_journal_quietly(self, writer: duckdb.DuckDBPyConnection) -> bool:
+        """`_apply_journal` on the writer's own account (idle, past its bounds, at stop):
+        a failure is logged there and retried at the next occasion. True: all applied."""
+        try:
+            self._apply_journal(writer)
+        except ContextdError:
+            return False
+        return True
 
     # ----------------------------------------------------------------- health
 
