@@ -461,6 +461,7 @@ class DuckDBBase:
     _journal_pending: list[GroupWrite]
     _journal_rows: int
     _journal_requests: dict[str, Remembered]
+    _journal_idle_s: float
     _writer_ident: int | None
 
     def _cursor(self, live: bool = False) -> duckdb.DuckDBPyConnection:

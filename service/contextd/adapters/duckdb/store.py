@@ -35,7 +35,7 @@ from contextd.adapters.duckdb.base import (
 )
 from contextd.adapters.duckdb.checkpoints import DEFAULT_CHECKPOINT_THRESHOLD, wal_path
 from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotMixin, LoadStats
-from contextd.adapters.duckdb.journal import GroupWrite, JournalFile, journal_path
+from contextd.adapters.duckdb.journal import APPLY_IDLE_S, GroupWrite, JournalFile, journal_path
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.retention import RetentionMixin
@@ -100,6 +100,7 @@ class Store(
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
         journal: Path | None = None,
+        journal_idle_s: float = APPLY_IDLE_S,
     ) -> None:
         self._con = con
         # What builds read, kept coherent by the writer (hot.py); 0 bytes: off.
@@ -135,6 +136,7 @@ class Store(
         self._journal_pending = []
         self._journal_rows = 0
         self._journal_requests = {}
+        self._journal_idle_s = journal_idle_s
         self._writer_ident = None
         self._migrate()
         if journal is not None:
@@ -201,6 +203,7 @@ class Store(
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
         journal: bool = True,
+        journal_idle_s: float = APPLY_IDLE_S,
     ) -> Store:
         """Open (creating if needed) the DuckDB file and migrate it to the current schema.
 
@@ -210,7 +213,9 @@ class Store(
         answered StoreExhausted. `checkpoint_threshold` is the WAL size at which a commit
         checkpoints ("" for DuckDB's own); the writer checkpoints sooner when idle
         (checkpoints.py). `journal` False commits every append group to DuckDB directly
-        (no append journal, journal.py).
+        (no append journal, journal.py); `journal_idle_s` is how long the writer stays
+        idle before it applies the journal on its own (tests make it long, so that only
+        their reads and writes apply it).
         """
         path.parent.mkdir(parents=True, exist_ok=True)
         config: dict[str, str | bool | int | float | list[str]] = {}
@@ -237,6 +242,7 @@ class Store(
             delete_chunk_rows=delete_chunk_rows,
             hot_cache_bytes=hot_cache_bytes,
             journal=journal_path(path) if journal else None,
+            journal_idle_s=journal_idle_s,
         )
         store._data_dir = path.parent
         store._wal_path = wal_path(path)

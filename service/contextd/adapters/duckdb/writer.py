@@ -46,7 +46,6 @@ from contextd.adapters.duckdb.checkpoints import (
 )
 from contextd.adapters.duckdb.journal import (
     APPLY_BYTES,
-    APPLY_IDLE_S,
     APPLY_ROWS,
     DIRECT_ROWS,
     GroupWrite,
@@ -187,7 +186,8 @@ class WriterMixin(DuckDBBase):
                         job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
-                        self._apply_journal_quietly(writer)
+                        if time.monotonic() >= self._last_group_at + self._journal_idle_s:
+                            self._apply_journal_quietly(writer)
                         self._flush_counters(writer)
                         self._forget_old_requests(writer)
                         self._checkpoint_when_idle(writer)
@@ -195,8 +195,7 @@ class WriterMixin(DuckDBBase):
                         continue
                 self._busy_since = time.monotonic()
                 if job is _STOP:
-                    self._apply_journal_quietly(writer)
-                    self._flush_counters(writer)
+                    self._flush_counters(writer, journal=True)
                     return
                 # Before the group, so a write answered after the clock passed a due
                 # pass was preceded by it (also on a writer that is never idle).
@@ -225,8 +224,7 @@ class WriterMixin(DuckDBBase):
                 ):
                     self._apply_journal_quietly(writer)  # its callers are answered
                 if stop:
-                    self._apply_journal_quietly(writer)
-                    self._flush_counters(writer)
+                    self._flush_counters(writer, journal=True)
                     return
                 if self._pending.flush_due():
                     self._flush_counters(writer)
@@ -239,7 +237,7 @@ class WriterMixin(DuckDBBase):
         wait (None: none pending), or less if the journal is due its idle apply or the WAL
         an idle checkpoint."""
         if self._journal_pending:
-            left = max(0.0, self._last_group_at + APPLY_IDLE_S - time.monotonic())
+            left = max(0.0, self._last_group_at + self._journal_idle_s - time.monotonic())
             flush_wait = left if flush_wait is None else min(flush_wait, left)
         if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
             return flush_wait
@@ -274,15 +272,16 @@ class WriterMixin(DuckDBBase):
         if wal_bytes(self._wal_path) >= IDLE_CHECKPOINT_BYTES:
             self._next_checkpoint_at = time.monotonic() + RETRY_CHECKPOINT_S
 
-    def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None:
+    def _flush_counters(self, writer: duckdb.DuckDBPyConnection, journal: bool = False) -> None:
         """Write the pending thread counters and the id they count through, in one
-        transaction; on failure they stay pending and the next flush retries."""
+        transaction; on failure they stay pending and the next flush retries.
+
+        The counters count journaled messages too, and the id they count through must
+        name only messages in the table: while the journal holds appends the flush waits
+        for its apply, or with `journal` (at stop) applies it first."""
         if self._fatal is not None:
             return  # DuckDB refuses every statement now; the next start recounts
-        # The counters count journaled messages too, and `through_id` must name only
-        # messages in the table: apply first.
-        if self._journal_pending and not self._apply_journal_quietly(writer):
-            self._flush_failed = True
+        if self._journal_pending and not (journal and self._apply_journal_quietly(writer)):
             return
         through_id = self._next_message_id - 1  # every id below it is committed
         try:
