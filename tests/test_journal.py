@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+import duckdb
 import grpc
 import pytest
 
@@ -288,3 +289,31 @@ def test_kill9_during_single_appends_keeps_every_acknowledged_message_once(
         assert len(set(stored)) == len(stored)
     if proc.extra_env.get("CONTEXTD_STORE") is None:
         assert os.path.getsize(proc.data_dir / "contextd.duckdb.journal") == 0
+
+
+def test_a_start_whose_journal_cannot_be_applied_stops_and_keeps_it(tmp_path: Path) -> None:
+    """The journal holds acknowledged appends: a start that cannot apply it fails with a
+    clear error and leaves the file; once the obstacle is gone the next start applies it."""
+    path = tmp_path / "db.duckdb"
+    _crash_after(
+        path,
+        """
+store.append(key, batch("m0"), AgentSettings())
+store.append(key, batch("m1"), None)  # journaled as sequence 2
+store._con.cursor().execute(
+    "INSERT INTO messages BY NAME SELECT * EXCLUDE (content) "
+    "REPLACE (id + 1000 AS id, 2 AS sequence) FROM messages"
+)
+""",
+    )
+    with pytest.raises(StoreUnavailable, match=r"journal .* could not be applied"):
+        _open(path)
+    assert len(JournalFile(journal_path(path)).records()) == 1
+    con = duckdb.connect(str(path))  # the failed start let go of the file
+    con.execute("DELETE FROM messages WHERE id > 1000")
+    con.close()
+    store = _open(path)
+    try:
+        assert _contents(store) == [("m0", 1), ("m1", 2)]
+    finally:
+        store.close()

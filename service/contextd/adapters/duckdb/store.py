@@ -53,6 +53,7 @@ from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
     StoreLocked,
+    StoreUnavailable,
 )
 from contextd.domain.model import (
     ContextKey,
@@ -234,16 +235,20 @@ class Store(
                     f"{text.splitlines()[0]}"
                 ) from exc
             raise
-        store = cls(
-            con,
-            max_group_rows,
-            clock,
-            write_timeout_s=write_timeout_s,
-            delete_chunk_rows=delete_chunk_rows,
-            hot_cache_bytes=hot_cache_bytes,
-            journal=journal_path(path) if journal else None,
-            journal_idle_s=journal_idle_s,
-        )
+        try:
+            store = cls(
+                con,
+                max_group_rows,
+                clock,
+                write_timeout_s=write_timeout_s,
+                delete_chunk_rows=delete_chunk_rows,
+                hot_cache_bytes=hot_cache_bytes,
+                journal=journal_path(path) if journal else None,
+                journal_idle_s=journal_idle_s,
+            )
+        except BaseException:
+            con.close()  # e.g. a journal that cannot be applied: free the file's lock
+            raise
         store._data_dir = path.parent
         store._wal_path = wal_path(path)
         try:
@@ -349,8 +354,13 @@ class Store(
                 )
             if journal.size:
                 journal.truncate()
-        except BaseException:
+        except BaseException as exc:
             journal.close()
+            if isinstance(exc, Exception):
+                raise StoreUnavailable(
+                    f"the append journal {path} could not be applied ({type(exc).__name__}: "
+                    f"{str(exc)[:300]}); it holds acknowledged appends and was left as it is"
+                ) from exc
             raise
         self._journal = journal
         self._journal_group = self._journal_applied = applied
