@@ -56,9 +56,13 @@ def journal_path(database: Path) -> Path:
     return database.with_name(database.name + ".journal")
 
 
+# Made once: `pa.ipc.new_stream` reads environment variables on every call.
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()
+
+
 def _ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as stream:
+    with pa.ipc.RecordBatchStreamWriter(sink, table.schema, options=_IPC_OPTIONS) as stream:
         stream.write_table(table)
     return bytes(sink.getvalue())
 
