@@ -479,7 +479,10 @@ class DuckDBBase:
             and not self._in_read_transaction()
         ):
             self._submit(_ApplyJob(future=Future()))
-        name = "live_cursor" if live else "cursor"
+        return self._thread_cursor("live_cursor" if live else "cursor")
+
+    def _thread_cursor(self, name: str) -> duckdb.DuckDBPyConnection:
+        """This thread's cursor of that name, without the read barrier."""
         cur: duckdb.DuckDBPyConnection | None = getattr(self._local, name, None)
         if cur is None:
             if self._closed:

@@ -69,6 +69,7 @@ from contextd.domain.idempotency import (
     AlreadyDone,
     Remembered,
     RequestRecord,
+    record_key,
     replay,
 )
 
@@ -144,8 +145,19 @@ class WriterMixin(DuckDBBase):
         return recorded_result
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
-        """The recorded request of this id, if any (a read: the fast path of retries)."""
-        return _remembered(self._cursor(), tenant, request_id)
+        """The recorded request of this id, if any (a read: the fast path of retries).
+
+        Without the read barrier (every write with a request id asks this first, and
+        waiting for the journal's apply on each would undo it): a record is in the
+        journal's pending records until the apply's commit and in the table from then
+        on (the writer forgets it only after that commit), so looking there first and
+        then in the table finds every record acknowledged before the call. A miss is
+        only a fast path missed: the writer checks again before writing."""
+        key = record_key(tenant, request_id)
+        pending = self._journal_requests.get(key)
+        if pending is not None:
+            return pending
+        return _remembered_keys(self._thread_cursor("live_cursor"), [key]).get(key)
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass
@@ -154,6 +166,10 @@ class WriterMixin(DuckDBBase):
         any pass holding the writer for long."""
         now = self.clock.now_us()
         if now < self._next_request_cleanup_us:
+            return
+        # Records of journaled appends are not in the table yet: apply them first (a
+        # pass removes records by age, whichever way they were written).
+        if self._journal_pending and not self._apply_journal_quietly(writer):
             return
         self._next_request_cleanup_us = now + CLEANUP_EVERY_US
         try:
