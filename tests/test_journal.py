@@ -232,8 +232,16 @@ def test_a_failed_apply_keeps_the_journal_and_reads_fail_unavailable(tmp_path: P
         with pytest.raises(StoreUnavailable, match="journal"):
             store.get_agent("default", "a1")  # no answer from memory either
         assert len(JournalFile(journal_path(path)).records()) == 1
+        # The journal stays bounded: once full, appends fail too instead of piling up.
+        for i in range(8):  # 8 x 255 messages, each group journaled
+            store.append(KEY, _batch(*[f"b{i}-{j}" for j in range(255)]), None)
+        with pytest.raises(StoreUnavailable, match="journal"):
+            store.append(KEY, _batch("past the bound"), None)
+        assert len(JournalFile(journal_path(path)).records()) == 9
         store._con.cursor().execute("DELETE FROM messages WHERE id > 1000")
-        assert _contents(store) == [("m0", 1), ("m1", 2)]
+        rows = store.list_messages(WHERE, None, None, 5_000)
+        assert [m.sequence for m in rows] == list(range(1, 2 + 8 * 255 + 1))
+        assert [m.content for m in rows[:3]] == ["m0", "m1", "b0-0"]
         assert journal_path(path).stat().st_size == 0
     finally:
         store.close()

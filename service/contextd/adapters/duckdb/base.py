@@ -462,6 +462,7 @@ class DuckDBBase:
     _journal_rows: int
     _journal_requests: dict[str, Remembered]
     _journal_idle_s: float
+    _journal_retry_at: float  # monotonic: no apply of the writer's own before it
     _writer_ident: int | None
 
     def _cursor(self, live: bool = False) -> duckdb.DuckDBPyConnection:

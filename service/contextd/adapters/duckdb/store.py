@@ -138,6 +138,7 @@ class Store(
         self._journal_rows = 0
         self._journal_requests = {}
         self._journal_idle_s = journal_idle_s
+        self._journal_retry_at = 0.0
         self._writer_ident = None
         self._migrate()
         if journal is not None:

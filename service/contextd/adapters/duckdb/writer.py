@@ -202,7 +202,7 @@ class WriterMixin(DuckDBBase):
                         job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
-                        if time.monotonic() >= self._last_group_at + self._journal_idle_s:
+                        if time.monotonic() >= self._journal_due_at():
                             self._apply_journal_quietly(writer)
                         self._flush_counters(writer)
                         self._forget_old_requests(writer)
@@ -235,9 +235,7 @@ class WriterMixin(DuckDBBase):
                             future.set_exception(exc)
                     self._rollback(writer)
                 self._last_group_at = time.monotonic()
-                if self._journal_rows >= APPLY_ROWS or (
-                    self._journal is not None and self._journal.size >= APPLY_BYTES
-                ):
+                if self._journal_full() and time.monotonic() >= self._journal_retry_at:
                     self._apply_journal_quietly(writer)  # its callers are answered
                 if stop:
                     self._flush_counters(writer, journal=True)
@@ -253,7 +251,7 @@ class WriterMixin(DuckDBBase):
         wait (None: none pending), or less if the journal is due its idle apply or the WAL
         an idle checkpoint."""
         if self._journal_pending:
-            left = max(0.0, self._last_group_at + self._journal_idle_s - time.monotonic())
+            left = max(0.0, self._journal_due_at() - time.monotonic())
             flush_wait = left if flush_wait is None else min(flush_wait, left)
         if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
             return flush_wait
@@ -485,6 +483,7 @@ class WriterMixin(DuckDBBase):
         journal = (
             self._journal is not None
             and self._fatal is None
+            and not self._journal_full()  # only if an apply failed: then appends fail
             and sum(job.rows for job in jobs) < DIRECT_ROWS
             and all((job.key.tenant, job.key.agent) in self._known_agents for job in jobs)
         )
@@ -594,12 +593,25 @@ class WriterMixin(DuckDBBase):
 
     def _apply_journal_quietly(self, writer: duckdb.DuckDBPyConnection) -> bool:
         """`_apply_journal` on the writer's own account (idle, past its bounds, at stop):
-        a failure is logged there and retried at the next occasion. True: all applied."""
+        a failure is logged there; the writer tries again on its own only a second later
+        (reads and writes that need it try at once). True: all applied."""
         try:
             self._apply_journal(writer)
         except ContextdError:
+            self._journal_retry_at = time.monotonic() + RETRY_AFTER_S
             return False
         return True
+
+    def _journal_full(self) -> bool:
+        """Whether the journal holds as much as it may (journal.py's bounds)."""
+        journal = self._journal
+        return self._journal_rows >= APPLY_ROWS or (
+            journal is not None and journal.size >= APPLY_BYTES
+        )
+
+    def _journal_due_at(self) -> float:
+        """When the idle writer applies the journal (monotonic seconds)."""
+        return max(self._last_group_at + self._journal_idle_s, self._journal_retry_at)
 
     # ----------------------------------------------------------------- health
 
