@@ -1,5 +1,5 @@
 """The hot cache takes a small append's rows through Python lists (hot.py,
-`_small_batch_arrays`): the arrays must be those of the Arrow path, nulls, long content
+`_list_arrays`): the arrays must be those of the Arrow path, nulls, long content
 and multi-byte text included."""
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ def _batch(rows: int) -> pa.Table:
 def test_small_batches_give_the_arrays_of_the_arrow_path() -> None:
     for rows in (1, 2, 7, hot._SMALL_BATCH):
         batch = _batch(rows)
-        small = hot._small_batch_arrays(batch)
+        small = hot._list_arrays(batch.to_pydict())
+        via_arrow = hot._batch_arrays(batch)  # small: through Python lists too
         large = hot._arrow_batch_arrays(batch)
-        assert small.keys() == large.keys()
+        assert small.keys() == large.keys() == via_arrow.keys()
         for name, array in small.items():
             assert array.dtype == large[name].dtype, name
             assert np.array_equal(array, large[name]), (rows, name)
+            assert np.array_equal(via_arrow[name], large[name]), (rows, name)

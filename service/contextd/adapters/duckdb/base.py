@@ -529,7 +529,7 @@ class DuckDBBase:
             self._local.in_snapshot = False
 
     _hot: HotCache
-    _hot_appended: tuple[pa.Table, tuple[int, ...]] | None
+    _hot_appended: tuple[pa.Table | dict[str, list[Any]], tuple[int, ...]] | None
 
     if TYPE_CHECKING:  # defined by the mixins, called across them
 

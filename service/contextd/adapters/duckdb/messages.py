@@ -21,10 +21,9 @@ from contextd.adapters.duckdb.base import (
     _context_row,
     _first,
     _in_sequence_order,
-    _request_rows,
     window_predicate,
 )
-from contextd.adapters.duckdb.journal import DIRECT_BYTES, GroupWrite
+from contextd.adapters.duckdb.journal import DIRECT_CHARS, Columns, GroupWrite
 from contextd.adapters.duckdb.schema import is_long_content
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
@@ -447,7 +446,6 @@ class MessagesMixin(DuckDBBase):
                     expiries,
                 )
 
-        schema, _ = self._message_insert(writer)
         high_water = self._id_high_water
         if self._next_message_id - 1 > high_water:
             # Reserve the next block of ids with this group: no id it commits is ever
@@ -462,30 +460,29 @@ class MessagesMixin(DuckDBBase):
             for job, receipts in zip(jobs, all_receipts, strict=True)
             if job.record is not None
         ]
+        request_rows = [
+            (r.key, r.tenant, r.request_id, r.method, r.fingerprint, payload, now_us)
+            for r, payload in requests
+        ]
         # New threads start with zero counters: like every other append, theirs are
         # added by the next counter flush (or by the recount after a crash), so no
         # message is ever counted twice.
         group = GroupWrite(
-            batch=pa.table(columns, schema=schema),
-            new_threads=pa.table(
-                {
-                    "context_id": pa.array(list(new_contexts.values()), pa.int64()),
-                    "first_us": pa.array([thread_deltas[k][2] for k in new_contexts], pa.int64()),
-                    "last_us": pa.array([thread_deltas[k][3] for k in new_contexts], pa.int64()),
-                }
-            )
-            if new_contexts
-            else None,
+            columns=columns,
+            new_threads=[
+                (c, thread_deltas[k][2], thread_deltas[k][3]) for k, c in new_contexts.items()
+            ],
             summaries=summaries,
             expiries=expiries,
-            requests=_request_rows(requests, now_us) if requests else None,
+            requests=request_rows,
             high_water=high_water if high_water != self._id_high_water else None,
         )
-        if journal and group.batch.nbytes >= DIRECT_BYTES:
+        if journal and group.text_chars() >= DIRECT_CHARS:
             # Large: committed directly (no transaction is open: its agents are known),
             # after what is journaled, in order.
             self._apply_journal(writer)
             journal = False
+        rows: pa.Table | Columns = columns
         if journal:
             self._journal_append(group)  # durable once it returns
             for record, payload in requests:
@@ -493,8 +490,8 @@ class MessagesMixin(DuckDBBase):
                     record.method, record.fingerprint, payload
                 )
         else:
-            self._apply_group(writer, group, in_transaction)
-        self._hot_appended = (group.batch, tuple(expiries))  # for the hot cache (hot.py)
+            rows = self._apply_group(writer, group, in_transaction)
+        self._hot_appended = (rows, tuple(expiries))  # for the hot cache (hot.py)
         self._context_ids.update(new_contexts)
         self._last_sequence.update(numbered)
         self._id_high_water = high_water
@@ -506,7 +503,7 @@ class MessagesMixin(DuckDBBase):
         group: GroupWrite,
         in_transaction: bool = False,
         applied_group: int | None = None,
-    ) -> None:
+    ) -> pa.Table:
         """Write `group` to the tables and commit: a group committed directly, or the
         journal's pending groups merged into one (then `applied_group` is the number of
         the last of them, recorded in the same transaction; journal.py).
@@ -516,12 +513,10 @@ class MessagesMixin(DuckDBBase):
         win it back, and with dozens of handler threads waiting that costs more than the
         statements themselves, so a group makes one call. The scripts read their rows
         from the Arrow tables below through DuckDB's replacement scans (the names of this
-        frame's local variables); they carry no parameters.
+        frame's local variables); they carry no parameters. Returns the messages' table.
         """
         schema, insert = self._message_insert(writer)
-        contextd_batch = group.batch  # scanned by the script
-        if contextd_batch.schema.names != schema.names:  # a journal of another version
-            contextd_batch = contextd_batch.select(schema.names).cast(schema)
+        contextd_batch = group.table(schema)  # scanned by the script
         script = [] if in_transaction else ["BEGIN TRANSACTION"]
         script.append(insert)
         if group.high_water is not None:
@@ -529,8 +524,8 @@ class MessagesMixin(DuckDBBase):
                 f"UPDATE store_state SET value = greatest(value, {int(group.high_water)}) "
                 "WHERE key = 'message_id_high_water'"
             )
-        if group.new_threads is not None:
-            contextd_new_threads = group.new_threads  # noqa: F841 - scanned by the script
+        if group.new_threads:
+            contextd_new_threads = group.threads_table()  # noqa: F841 - scanned by the script
             script.append(
                 "INSERT INTO threads (context_id, tenant, agent, scope, thread, create_time_us, "
                 "last_message_time_us, message_count, token_estimate) "
@@ -559,8 +554,8 @@ class MessagesMixin(DuckDBBase):
                 f"outputs_expired_through_us, {int(outputs_through)}) "
                 f"WHERE context_id = {int(context_id)}"
             )
-        if group.requests is not None:
-            contextd_requests = group.requests  # noqa: F841 - scanned by the script
+        if group.requests:
+            contextd_requests = group.requests_table()  # noqa: F841 - scanned by the script
             script.append(_INSERT_REQUESTS)
         if applied_group is not None:
             script.append(
@@ -569,6 +564,7 @@ class MessagesMixin(DuckDBBase):
             )
         script.append("COMMIT")
         writer.execute(";\n".join(script))
+        return contextd_batch
 
     def _message_insert(self, writer: duckdb.DuckDBPyConnection) -> tuple[pa.Schema, str]:
         """The batch's Arrow schema and its INSERT, found once per store.
@@ -659,7 +655,7 @@ class MessagesMixin(DuckDBBase):
         columns["agent"].extend([key.agent] * n)
         columns["scope"].extend([key.scope] * n)
         columns["thread"].extend([key.thread] * n)
-        columns["role"].extend([m.role for m in messages])  # IntEnum: Arrow takes the int
+        columns["role"].extend([int(m.role) for m in messages])
         for m in messages:
             if is_long_content(m.content):
                 columns["content_short"].append("")
