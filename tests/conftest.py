@@ -152,6 +152,7 @@ def db_rows(store: Any, sql: str) -> list[tuple[Any, ...]]:
     if hasattr(store, "_pool"):  # PostgreSQL
         with store._pool.connection() as conn:
             return [tuple(r) for r in conn.execute(sql).fetchall()]
+    store._cursor()  # the read barrier: journaled appends reach the tables first
     cur = store._con.cursor()  # reading only
     try:
         return [tuple(r) for r in cur.execute(sql).fetchall()]

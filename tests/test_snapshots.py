@@ -195,6 +195,7 @@ def _execute(svc: Service, sql: str, params: list[Any]) -> None:
         with store._pool.connection() as conn:
             conn.execute(sql.replace("?", "%s"), params)
         return
+    store._cursor()  # the read barrier: journaled appends reach the tables first
     cur = store._con.cursor()
     try:
         cur.execute(sql, params)

@@ -52,6 +52,7 @@ from contextd.domain.window import WindowSpec
 
 if TYPE_CHECKING:
     from contextd.adapters.duckdb.hot import HotCache
+    from contextd.adapters.duckdb.journal import GroupWrite, JournalFile
 
 log = logging.getLogger("contextd.adapters.duckdb.store")
 
@@ -283,6 +284,13 @@ class _CallJob:
     touches: Touches | None = None
 
 
+@dataclass(slots=True)
+class _ApplyJob:
+    """A read's barrier: the writer applies the append journal, then answers (journal.py)."""
+
+    future: Future[None]
+
+
 _STOP = object()
 
 # How long a caller is told to wait before retrying after a store failure that may pass
@@ -444,12 +452,38 @@ class DuckDBBase:
     _submit_lock: threading.Lock
     _closed: bool
     _writer: threading.Thread
+    # The append journal (journal.py): None on a store without one. Groups journaled
+    # (acknowledged) and applied to the tables, by number; what is journaled and not yet
+    # applied, and its request records (answered to retries from memory).
+    _journal: JournalFile | None
+    _journal_group: int
+    _journal_applied: int
+    _journal_pending: list[GroupWrite]
+    _journal_rows: int
+    _journal_requests: dict[str, Remembered]
+    _journal_idle_s: float
+    _journal_retry_at: float  # monotonic: no apply of the writer's own before it
+    _writer_ident: int | None
 
     def _cursor(self, live: bool = False) -> duckdb.DuckDBPyConnection:
         """This thread's own DuckDB cursor, for reads: inside `snapshot`, the one in its
         transaction. `live` gives a second cursor that never is (thread counters are
-        read live, see `_thread_rows`)."""
-        name = "live_cursor" if live else "cursor"
+        read live, see `_thread_rows`).
+
+        The read barrier: a read that may begin a transaction first has the writer apply
+        every journaled append (acknowledged ones are in the journal, not yet in the
+        tables), so every read by SQL sees every append acknowledged before it began.
+        """
+        if (
+            self._journal_group > self._journal_applied
+            and threading.get_ident() != self._writer_ident
+            and not self._in_read_transaction()
+        ):
+            self._submit(_ApplyJob(future=Future()))
+        return self._thread_cursor("live_cursor" if live else "cursor")
+
+    def _thread_cursor(self, name: str) -> duckdb.DuckDBPyConnection:
+        """This thread's cursor of that name, without the read barrier."""
         cur: duckdb.DuckDBPyConnection | None = getattr(self._local, name, None)
         if cur is None:
             if self._closed:
@@ -463,6 +497,14 @@ class DuckDBBase:
             with self._cursors_lock:
                 self._cursors.append(cur)
         return cur
+
+    def _in_read_transaction(self) -> bool:
+        """Whether this thread's cursor is inside a snapshot's open transaction (then its
+        state is fixed: the barrier ran when it began, and must not fail its COMMIT)."""
+        if getattr(self._local, "in_snapshot", False):
+            return True
+        view = getattr(self._local, "hot_view", None)  # hot.py's snapshot
+        return bool(view is not None and view.began)
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[None]:
@@ -487,11 +529,11 @@ class DuckDBBase:
             self._local.in_snapshot = False
 
     _hot: HotCache
-    _hot_appended: tuple[pa.Table, tuple[int, ...]] | None
+    _hot_appended: tuple[pa.Table | dict[str, list[Any]], tuple[int, ...]] | None
 
     if TYPE_CHECKING:  # defined by the mixins, called across them
 
-        def _submit(self, job: _AppendJob | _CallJob) -> Any: ...
+        def _submit(self, job: _AppendJob | _CallJob | _ApplyJob) -> Any: ...
 
         def _write(
             self,
@@ -521,5 +563,17 @@ class DuckDBBase:
         def _remove_tool_output_files(self, paths: Sequence[str]) -> None: ...
 
         def _insert_appends(
-            self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+            self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob], journal: bool = False
         ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]: ...
+
+        def _apply_group(
+            self,
+            writer: duckdb.DuckDBPyConnection,
+            group: GroupWrite,
+            in_transaction: bool = False,
+            applied_group: int | None = None,
+        ) -> None: ...
+
+        def _apply_journal(self, writer: duckdb.DuckDBPyConnection) -> None: ...
+
+        def _journal_append(self, group: GroupWrite) -> None: ...

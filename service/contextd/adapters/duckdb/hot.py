@@ -35,7 +35,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import duckdb
 import numpy as np
@@ -45,6 +45,7 @@ import pyarrow.compute as pc
 
 from contextd.adapters.duckdb.agents import AgentsMixin
 from contextd.adapters.duckdb.base import Touches, _find_agent, _first, log
+from contextd.adapters.duckdb.journal import Columns
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.status import StatusMixin
 from contextd.adapters.rows import MESSAGE_COLUMNS, message_from_row, status_from_row
@@ -53,6 +54,10 @@ from contextd.domain.errors import NotFound
 from contextd.domain.model import Agent, ContextKey, Role, StoredMessage
 from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 from contextd.ports.store import ContextRef, SnapshotMoved
+
+# An append's rows as the writer hands them over: an Arrow batch, or (a small journaled
+# group) its columns as Python lists.
+Rows: TypeAlias = pa.Table | Columns
 
 # The default bound of the cache's memory (the server's --hot-cache-bytes).
 DEFAULT_HOT_CACHE_BYTES = 256 << 20
@@ -344,10 +349,14 @@ def _message_bytes(m: StoredMessage) -> int:
     )
 
 
-def _messages_of(batch: pa.Table, rows: npt.NDArray[np.intp]) -> list[StoredMessage]:
-    """StoredMessages of some rows of an append's Arrow batch (the writer's columns),
+def _messages_of(batch: Rows, rows: npt.NDArray[np.intp]) -> list[StoredMessage]:
+    """StoredMessages of some rows of an append's Arrow batch or columns (the writer's),
     each with what a build derives from it (`derived`: made here, by the writer, once)."""
-    part = batch.take(pa.array(rows)).to_pydict()
+    if isinstance(batch, dict):
+        picked = rows.tolist()
+        part = {name: [values[i] for i in picked] for name, values in batch.items()}
+    else:
+        part = batch.take(pa.array(rows)).to_pydict()
     out: list[StoredMessage] = []
     for i in range(len(rows)):
         summary = bool(part["is_summary"][i])
@@ -446,7 +455,7 @@ class HotCache:
     def end_commit(
         self,
         touches: Touches | None,
-        appended: tuple[pa.Table, Iterable[int]] | None = None,
+        appended: tuple[Rows, Iterable[int]] | None = None,
     ) -> None:
         """Apply one commit's effects (after its COMMIT, before its callers are answered):
         `touches` (None: everything) and the rows of committed appends with the context
@@ -462,9 +471,7 @@ class HotCache:
                 log.exception("the hot cache failed to follow a commit; it starts empty")
                 self._clear()
 
-    def _apply(
-        self, touches: Touches | None, appended: tuple[pa.Table, Iterable[int]] | None
-    ) -> None:
+    def _apply(self, touches: Touches | None, appended: tuple[Rows, Iterable[int]] | None) -> None:
         if touches is None:
             self._clear()
             return
@@ -484,13 +491,27 @@ class HotCache:
         if appended is not None:
             self._appended(*appended)
 
-    def _appended(self, batch: pa.Table, expired: Iterable[int]) -> None:
+    def _appended(self, batch: Rows, expired: Iterable[int]) -> None:
         # Threads the append found expired had their clear marker moved: their entries
         # (and their scope's thread rows) are dropped below, whichever are cached.
         moved = set(expired)
-        if batch.num_rows == 0:
-            return
-        context_ids = batch.column("context_id").to_numpy()
+        if isinstance(batch, dict):
+            if not batch["id"]:
+                return
+            context_ids = np.array(batch["context_id"], dtype=np.int64)
+
+            def text(name: str, row: int) -> str:
+                value: str = batch[name][row]
+                return value
+        else:
+            if batch.num_rows == 0:
+                return
+            context_ids = batch.column("context_id").to_numpy()
+
+            def text(name: str, row: int) -> str:
+                value: str = batch.column(name)[row].as_py()
+                return value
+
         order = np.argsort(context_ids, kind="stable")
         sorted_ids = context_ids[order]
         starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
@@ -508,10 +529,10 @@ class HotCache:
             rows = order[a:b]
             first = int(rows[0])
             key = ContextKey(
-                batch.column("tenant")[first].as_py(),
-                batch.column("agent")[first].as_py(),
-                batch.column("scope")[first].as_py(),
-                batch.column("thread")[first].as_py(),
+                text("tenant", first),
+                text("agent", first),
+                text("scope", first),
+                text("thread", first),
             )
             if context_id in moved:
                 self._drop(_ckey(key))
@@ -576,7 +597,7 @@ class HotCache:
         self,
         entry: _Context,
         arrays: dict[str, npt.NDArray[Any]],
-        batch: pa.Table,
+        batch: Rows,
         rows: npt.NDArray[np.intp],
     ) -> None:
         before = entry.size()
@@ -701,8 +722,77 @@ class HotCache:
         return entry
 
 
-def _batch_arrays(batch: pa.Table) -> dict[str, npt.NDArray[Any]]:
+# Arrow batches of at most this many rows are converted through Python lists: a few Arrow
+# compute calls cost more than that (a single-message append spent 0.26 ms here). Small
+# journaled groups come as Python lists already (journal.py).
+_SMALL_BATCH = 16
+
+
+def _list_arrays(d: Columns) -> dict[str, npt.NDArray[Any]]:
+    """`_batch_arrays` of a batch as Python lists (the writer's columns, or a small Arrow
+    batch's): the same arrays."""
+    create = d["create_time_us"]
+    sequence = d["sequence"]
+    source = d["source_time_us"]
+    starts = d["group_start"]
+    long = d["content_long"]
+    i64 = np.int64
+    return {
+        "id": np.array(d["id"], dtype=i64),
+        "role": np.array(d["role"], dtype=np.uint8),
+        "token_count": np.array(d["token_count"], dtype=np.uint64),
+        "chars": np.array(d["chars"], dtype=np.uint64),
+        "group_id": np.array(d["group_id"], dtype=i64),
+        "sequence": np.array(sequence, dtype=i64),
+        "create": np.array(create, dtype=i64),
+        "own": np.array(
+            [c if s is None else s for s, c in zip(source, create, strict=True)], dtype=i64
+        ),
+        "gs": np.array(
+            [q if g is None else g for g, q in zip(starts, sequence, strict=True)], dtype=i64
+        ),
+        "has_source": np.array([s is not None for s in source], dtype=bool),
+        "is_summary": np.array(d["is_summary"], dtype=bool),
+        "all_chars": np.array(
+            [
+                len(a) + (0 if b is None else len(b)) + len(t) + len(m)
+                for a, b, t, m in zip(
+                    d["content_short"], long, d["tool_calls"], d["metadata"], strict=True
+                )
+            ],
+            dtype=i64,
+        ),
+    }
+
+
+_SMALL_COLUMNS = [
+    "id",
+    "role",
+    "token_count",
+    "chars",
+    "group_id",
+    "sequence",
+    "create_time_us",
+    "source_time_us",
+    "group_start",
+    "is_summary",
+    "content_short",
+    "content_long",
+    "tool_calls",
+    "metadata",
+]
+
+
+def _batch_arrays(batch: Rows) -> dict[str, npt.NDArray[Any]]:
     """NumPy columns of an append's batch, in the cache's layout."""
+    if isinstance(batch, dict):
+        return _list_arrays(batch)
+    if batch.num_rows <= _SMALL_BATCH:
+        return _list_arrays(batch.select(_SMALL_COLUMNS).to_pydict())
+    return _arrow_batch_arrays(batch)
+
+
+def _arrow_batch_arrays(batch: pa.Table) -> dict[str, npt.NDArray[Any]]:
     col = batch.column
     create = col("create_time_us").to_numpy()
     source = col("source_time_us")

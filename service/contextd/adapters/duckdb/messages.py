@@ -21,9 +21,9 @@ from contextd.adapters.duckdb.base import (
     _context_row,
     _first,
     _in_sequence_order,
-    _request_rows,
     window_predicate,
 )
+from contextd.adapters.duckdb.journal import DIRECT_CHARS, Columns, GroupWrite
 from contextd.adapters.duckdb.schema import is_long_content
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
@@ -38,6 +38,7 @@ from contextd.domain.errors import (
     NotFound,
 )
 from contextd.domain.idempotency import (
+    Remembered,
     RequestRecord,
 )
 from contextd.domain.model import (
@@ -374,11 +375,12 @@ class MessagesMixin(DuckDBBase):
         return max(int(row[0]) if row else 0, self._pending.last_of(context_id))
 
     def _insert_appends(
-        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
+        self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob], journal: bool = False
     ) -> tuple[list[list[MessageReceipt]], dict[int, list[int]]]:
-        """Insert and commit the group; return its receipts and, per context id, the
-        counts it adds to its thread ([messages, tokens, first time, last time, oldest
-        source time, bytes]), which the caller leaves pending (see thread_counters.py).
+        """Insert and commit the group (or, with `journal`, append it to the journal:
+        every agent it names is known, journal.py); return its receipts and, per context
+        id, the counts it adds to its thread ([messages, tokens, first time, last time,
+        oldest source time, bytes]), which the caller leaves pending (thread_counters.py).
 
         Each call gets one commit time from the server's clock (client times never move
         it) and its thread's next sequence numbers. Sequences are numbered here from the
@@ -444,40 +446,86 @@ class MessagesMixin(DuckDBBase):
                     expiries,
                 )
 
-        # The whole group is written by one client call: a script of BEGIN, the inserts
-        # (and a summary pointer's update), and COMMIT. Every call into DuckDB gives up
-        # the GIL and must win it back, and with dozens of handler threads waiting that
-        # costs more than the statements themselves, so a group makes one call. The
-        # scripts read their rows from the Arrow tables below through DuckDB's replacement
-        # scans (the names of this frame's local variables); they carry no parameters.
-        schema, insert = self._message_insert(writer)
-        contextd_batch = pa.table(columns, schema=schema)
-        script = [] if in_transaction else ["BEGIN TRANSACTION"]
-        script.append(insert)
         high_water = self._id_high_water
         if self._next_message_id - 1 > high_water:
-            # Reserve the next block of ids in this transaction: no id this group commits
-            # is ever above the stored mark, so none is issued again after a restart.
+            # Reserve the next block of ids with this group: no id it commits is ever
+            # above the stored mark, so none is issued again after a restart.
             high_water = self._next_message_id - 1 + ID_BLOCK
-            script.append(
-                f"UPDATE store_state SET value = {int(high_water)} "
-                "WHERE key = 'message_id_high_water'"
-            )
         counted = {
             new_contexts.get(key) or self._context_ids[key]: delta
             for key, delta in thread_deltas.items()
         }
-        if new_contexts:
-            # New threads start with zero counters: like every other append, theirs are
-            # added by the next counter flush (or by the recount after a crash), so no
-            # message is ever counted twice.
-            contextd_new_threads = pa.table(  # noqa: F841 - scanned by the script
-                {
-                    "context_id": list(new_contexts.values()),
-                    "first_us": [thread_deltas[k][2] for k in new_contexts],
-                    "last_us": [thread_deltas[k][3] for k in new_contexts],
-                }
+        requests = [
+            (job.record, job.record.encode(receipts))
+            for job, receipts in zip(jobs, all_receipts, strict=True)
+            if job.record is not None
+        ]
+        request_rows = [
+            (r.key, r.tenant, r.request_id, r.method, r.fingerprint, payload, now_us)
+            for r, payload in requests
+        ]
+        # New threads start with zero counters: like every other append, theirs are
+        # added by the next counter flush (or by the recount after a crash), so no
+        # message is ever counted twice.
+        group = GroupWrite(
+            columns=columns,
+            new_threads=[
+                (c, thread_deltas[k][2], thread_deltas[k][3]) for k, c in new_contexts.items()
+            ],
+            summaries=summaries,
+            expiries=expiries,
+            requests=request_rows,
+            high_water=high_water if high_water != self._id_high_water else None,
+        )
+        if journal and group.text_chars() >= DIRECT_CHARS:
+            # Large: committed directly (no transaction is open: its agents are known),
+            # after what is journaled, in order.
+            self._apply_journal(writer)
+            journal = False
+        rows: pa.Table | Columns = columns
+        if journal:
+            self._journal_append(group)  # durable once it returns
+            for record, payload in requests:
+                self._journal_requests[record.key] = Remembered(
+                    record.method, record.fingerprint, payload
+                )
+        else:
+            rows = self._apply_group(writer, group, in_transaction)
+        self._hot_appended = (rows, tuple(expiries))  # for the hot cache (hot.py)
+        self._context_ids.update(new_contexts)
+        self._last_sequence.update(numbered)
+        self._id_high_water = high_water
+        return all_receipts, counted
+
+    def _apply_group(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        group: GroupWrite,
+        in_transaction: bool = False,
+        applied_group: int | None = None,
+    ) -> pa.Table:
+        """Write `group` to the tables and commit: a group committed directly, or the
+        journal's pending groups merged into one (then `applied_group` is the number of
+        the last of them, recorded in the same transaction; journal.py).
+
+        The whole write is one client call: a script of BEGIN, the inserts (and a summary
+        pointer's update), and COMMIT. Every call into DuckDB gives up the GIL and must
+        win it back, and with dozens of handler threads waiting that costs more than the
+        statements themselves, so a group makes one call. The scripts read their rows
+        from the Arrow tables below through DuckDB's replacement scans (the names of this
+        frame's local variables); they carry no parameters. Returns the messages' table.
+        """
+        schema, insert = self._message_insert(writer)
+        contextd_batch = group.table(schema)  # scanned by the script
+        script = [] if in_transaction else ["BEGIN TRANSACTION"]
+        script.append(insert)
+        if group.high_water is not None:
+            script.append(
+                f"UPDATE store_state SET value = greatest(value, {int(group.high_water)}) "
+                "WHERE key = 'message_id_high_water'"
             )
+        if group.new_threads:
+            contextd_new_threads = group.threads_table()  # noqa: F841 - scanned by the script
             script.append(
                 "INSERT INTO threads (context_id, tenant, agent, scope, thread, create_time_us, "
                 "last_message_time_us, message_count, token_estimate) "
@@ -486,15 +534,18 @@ class MessagesMixin(DuckDBBase):
                 "context_id, tenant, agent, scope, thread FROM contextd_batch) b "
                 "ON b.context_id = d.context_id"
             )
-        if summaries:
+        if group.summaries:
             contextd_summaries = pa.table(  # noqa: F841 - scanned by the script
-                {"context_id": list(summaries), "summary_id": list(summaries.values())}
+                {
+                    "context_id": pa.array(list(group.summaries), pa.int64()),
+                    "summary_id": pa.array(list(group.summaries.values()), pa.int64()),
+                }
             )
             script.append(
                 "UPDATE threads SET latest_summary_id = d.summary_id FROM contextd_summaries d "
                 "WHERE threads.context_id = d.context_id"
             )
-        for context_id, (marker, through, outputs_through) in expiries.items():
+        for context_id, (marker, through, outputs_through) in group.expiries.items():
             # Integers only (no client text): safe to write into the script.
             script.append(
                 f"UPDATE threads SET last_clear_us = greatest(coalesce(last_clear_us, "
@@ -503,21 +554,17 @@ class MessagesMixin(DuckDBBase):
                 f"outputs_expired_through_us, {int(outputs_through)}) "
                 f"WHERE context_id = {int(context_id)}"
             )
-        requests = [
-            (job.record, job.record.encode(receipts))
-            for job, receipts in zip(jobs, all_receipts, strict=True)
-            if job.record is not None
-        ]
-        if requests:
-            contextd_requests = _request_rows(requests, now_us)  # noqa: F841 - scanned
+        if group.requests:
+            contextd_requests = group.requests_table()  # noqa: F841 - scanned by the script
             script.append(_INSERT_REQUESTS)
+        if applied_group is not None:
+            script.append(
+                f"UPDATE store_state SET value = {int(applied_group)} "
+                "WHERE key = 'journal_applied_group'"
+            )
         script.append("COMMIT")
         writer.execute(";\n".join(script))
-        self._hot_appended = (contextd_batch, tuple(expiries))  # for the hot cache (hot.py)
-        self._context_ids.update(new_contexts)
-        self._last_sequence.update(numbered)
-        self._id_high_water = high_water
-        return all_receipts, counted
+        return contextd_batch
 
     def _message_insert(self, writer: duckdb.DuckDBPyConnection) -> tuple[pa.Schema, str]:
         """The batch's Arrow schema and its INSERT, found once per store.
@@ -608,7 +655,7 @@ class MessagesMixin(DuckDBBase):
         columns["agent"].extend([key.agent] * n)
         columns["scope"].extend([key.scope] * n)
         columns["thread"].extend([key.thread] * n)
-        columns["role"].extend([m.role for m in messages])  # IntEnum: Arrow takes the int
+        columns["role"].extend([int(m.role) for m in messages])
         for m in messages:
             if is_long_content(m.content):
                 columns["content_short"].append("")
@@ -692,6 +739,9 @@ class MessagesMixin(DuckDBBase):
         known = self._calls.get((context_id, message.tool_call_id))
         if known is not None:
             return known
+        # The tool_use may be journaled and not yet in the table (a group that journals
+        # has no transaction open: applying now is in order).
+        self._apply_journal(writer)
         row = _first(
             writer.execute(
                 "SELECT id, sequence FROM messages WHERE context_id = ? AND tool_call_ids <> '' "

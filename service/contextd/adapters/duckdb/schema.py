@@ -383,6 +383,15 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             # feature's.)
         ],
     ),
+    (
+        23,
+        [
+            # The number of the last group of the append journal applied to the tables,
+            # written in the transaction that applies it: at open, journal records at or
+            # below it are skipped (see journal.py).
+            "INSERT OR IGNORE INTO store_state VALUES ('journal_applied_group', 0)",
+        ],
+    ),
 ]
 
 # Content of at most this many bytes (UTF-8) is kept in `content_short`, longer content in

@@ -35,6 +35,7 @@ from contextd.adapters.duckdb.base import (
 )
 from contextd.adapters.duckdb.checkpoints import DEFAULT_CHECKPOINT_THRESHOLD, wal_path
 from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotMixin, LoadStats
+from contextd.adapters.duckdb.journal import APPLY_IDLE_S, GroupWrite, JournalFile, journal_path
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
 from contextd.adapters.duckdb.retention import RetentionMixin
@@ -52,6 +53,7 @@ from contextd.adapters.duckdb.writer import WriterMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
     StoreLocked,
+    StoreUnavailable,
 )
 from contextd.domain.model import (
     ContextKey,
@@ -98,6 +100,8 @@ class Store(
         write_timeout_s: float = 30.0,
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
+        journal: Path | None = None,
+        journal_idle_s: float = APPLY_IDLE_S,
     ) -> None:
         self._con = con
         # What builds read, kept coherent by the writer (hot.py); 0 bytes: off.
@@ -127,7 +131,18 @@ class Store(
         self._local = threading.local()
         self._cursors: list[duckdb.DuckDBPyConnection] = []
         self._cursors_lock = threading.Lock()
+        # The append journal (journal.py): applied here, before anything reads the tables.
+        self._journal = None
+        self._journal_group = self._journal_applied = 0
+        self._journal_pending = []
+        self._journal_rows = 0
+        self._journal_requests = {}
+        self._journal_idle_s = journal_idle_s
+        self._journal_retry_at = 0.0
+        self._writer_ident = None
         self._migrate()
+        if journal is not None:
+            self._open_journal(journal)
         self._recount_threads()
         self._pending = PendingCounters()
         # The server's one clock (see clock.py): the service and the builder read it too.
@@ -164,6 +179,7 @@ class Store(
             target=self._write_loop, name="contextd-writer", daemon=True
         )
         self._writer.start()
+        self._writer_ident = self._writer.ident
         if leftover:
             # A stop (or a crash) came while deleted agents' messages were being removed:
             # they have been invisible since the deletion committed; remove the rest now.
@@ -188,6 +204,8 @@ class Store(
         checkpoint_threshold: str = DEFAULT_CHECKPOINT_THRESHOLD,
         delete_chunk_rows: int = 5_000,
         hot_cache_bytes: int = DEFAULT_HOT_CACHE_BYTES,
+        journal: bool = True,
+        journal_idle_s: float = APPLY_IDLE_S,
     ) -> Store:
         """Open (creating if needed) the DuckDB file and migrate it to the current schema.
 
@@ -196,7 +214,10 @@ class Store(
         unless given; "" for DuckDB's own default); a call that needs more memory is
         answered StoreExhausted. `checkpoint_threshold` is the WAL size at which a commit
         checkpoints ("" for DuckDB's own); the writer checkpoints sooner when idle
-        (checkpoints.py).
+        (checkpoints.py). `journal` False commits every append group to DuckDB directly
+        (no append journal, journal.py); `journal_idle_s` is how long the writer stays
+        idle before it applies the journal on its own (tests make it long, so that only
+        their reads and writes apply it).
         """
         path.parent.mkdir(parents=True, exist_ok=True)
         config: dict[str, str | bool | int | float | list[str]] = {}
@@ -215,14 +236,20 @@ class Store(
                     f"{text.splitlines()[0]}"
                 ) from exc
             raise
-        store = cls(
-            con,
-            max_group_rows,
-            clock,
-            write_timeout_s=write_timeout_s,
-            delete_chunk_rows=delete_chunk_rows,
-            hot_cache_bytes=hot_cache_bytes,
-        )
+        try:
+            store = cls(
+                con,
+                max_group_rows,
+                clock,
+                write_timeout_s=write_timeout_s,
+                delete_chunk_rows=delete_chunk_rows,
+                hot_cache_bytes=hot_cache_bytes,
+                journal=journal_path(path) if journal else None,
+                journal_idle_s=journal_idle_s,
+            )
+        except BaseException:
+            con.close()  # e.g. a journal that cannot be applied: free the file's lock
+            raise
         store._data_dir = path.parent
         store._wal_path = wal_path(path)
         try:
@@ -267,6 +294,8 @@ class Store(
             return
         if self._purger is not None:
             self._purger.join(self._write_timeout_s)
+        if self._journal is not None:
+            self._journal.close()  # what it still holds (an apply failed) is applied at start
         if self._fatal is None:
             try:
                 self._con.execute("CHECKPOINT")
@@ -302,6 +331,40 @@ class Store(
                 con.execute("ROLLBACK")
                 raise
             log.info("migrated schema", extra={"schema_version": version})
+
+    def _open_journal(self, path: Path) -> None:
+        """Apply the journal's records after the applied mark in one transaction, then
+        empty it (journal.py). A failure stops the open and leaves the file as it is."""
+        journal = JournalFile(path)
+        try:
+            row = _first(
+                self._con.execute(
+                    "SELECT value FROM store_state WHERE key = 'journal_applied_group'"
+                )
+            )
+            applied = int(row[0])
+            todo = [(n, payload) for n, payload in journal.records() if n > applied]
+            if todo:
+                groups = [GroupWrite.decode(payload) for _, payload in todo]
+                merged = GroupWrite.merged(groups)
+                self._apply_group(self._con, merged, applied_group=todo[-1][0])
+                applied = todo[-1][0]
+                log.info(
+                    "applied the append journal's acknowledged appends",
+                    extra={"groups": len(todo), "rows": merged.rows},
+                )
+            if journal.size:
+                journal.truncate()
+        except BaseException as exc:
+            journal.close()
+            if isinstance(exc, Exception):
+                raise StoreUnavailable(
+                    f"the append journal {path} could not be applied ({type(exc).__name__}: "
+                    f"{str(exc)[:300]}); it holds acknowledged appends and was left as it is"
+                ) from exc
+            raise
+        self._journal = journal
+        self._journal_group = self._journal_applied = applied
 
     def schema_version(self) -> int:
         row = _first(self._cursor().execute("SELECT max(version) FROM schema_migrations"))

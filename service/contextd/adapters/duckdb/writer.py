@@ -29,6 +29,7 @@ from contextd.adapters.duckdb.base import (
     T,
     Touches,
     _AppendJob,
+    _ApplyJob,
     _CallJob,
     _first,
     _remembered,
@@ -45,6 +46,12 @@ from contextd.adapters.duckdb.checkpoints import (
     refused_for_readers,
     wal_bytes,
 )
+from contextd.adapters.duckdb.journal import (
+    APPLY_BYTES,
+    APPLY_ROWS,
+    DIRECT_ROWS,
+    GroupWrite,
+)
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -53,6 +60,7 @@ from contextd.domain.errors import (
     ContextdError,
     InvalidArgument,
     StoreBusy,
+    StoreUnavailable,
     Unavailable,
 )
 from contextd.domain.idempotency import (
@@ -63,12 +71,13 @@ from contextd.domain.idempotency import (
     AlreadyDone,
     Remembered,
     RequestRecord,
+    record_key,
     replay,
 )
 
 
 class WriterMixin(DuckDBBase):
-    def _submit(self, job: _AppendJob | _CallJob) -> Any:
+    def _submit(self, job: _AppendJob | _CallJob | _ApplyJob) -> Any:
         """Queue `job` for the writer and wait for its result, at most the write timeout.
 
         A caller must never hang on a stuck writer. When the wait times out, a job the
@@ -138,8 +147,19 @@ class WriterMixin(DuckDBBase):
         return recorded_result
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
-        """The recorded request of this id, if any (a read: the fast path of retries)."""
-        return _remembered(self._cursor(), tenant, request_id)
+        """The recorded request of this id, if any (a read: the fast path of retries).
+
+        Without the read barrier (every write with a request id asks this first, and
+        waiting for the journal's apply on each would undo it): a record is in the
+        journal's pending records until the apply's commit and in the table from then
+        on (the writer forgets it only after that commit), so looking there first and
+        then in the table finds every record acknowledged before the call. A miss is
+        only a fast path missed: the writer checks again before writing."""
+        key = record_key(tenant, request_id)
+        pending = self._journal_requests.get(key)
+        if pending is not None:
+            return pending
+        return _remembered_keys(self._thread_cursor("live_cursor"), [key]).get(key)
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass
@@ -148,6 +168,10 @@ class WriterMixin(DuckDBBase):
         any pass holding the writer for long."""
         now = self.clock.now_us()
         if now < self._next_request_cleanup_us:
+            return
+        # Records of journaled appends are not in the table yet: apply them first (a
+        # pass removes records by age, whichever way they were written).
+        if self._journal_pending and not self._apply_journal_quietly(writer):
             return
         self._next_request_cleanup_us = now + CLEANUP_EVERY_US
         try:
@@ -180,6 +204,8 @@ class WriterMixin(DuckDBBase):
                         job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
+                        if time.monotonic() >= self._journal_due_at():
+                            self._apply_journal_quietly(writer)
                         # Not while a checkpoint is about due: the counters' update would
                         # make DuckDB refuse it for as long as reads run (checkpoints.py).
                         if not self._checkpoint_due():
@@ -190,19 +216,19 @@ class WriterMixin(DuckDBBase):
                         continue
                 self._busy_since = time.monotonic()
                 if job is _STOP:
-                    self._flush_counters(writer)
+                    self._flush_counters(writer, journal=True)
                     return
                 # Before the group, so a write answered after the clock passed a due
                 # pass was preceded by it (also on a writer that is never idle).
                 self._forget_old_requests(writer)
                 appends: list[_AppendJob] = []
-                calls: list[_CallJob] = []
+                calls: list[_CallJob | _ApplyJob] = []
                 stop = self._gather(job, appends, calls)
                 try:
                     if appends:
                         self._commit_appends(writer, appends)
-                    for call in calls:
-                        self._run_call(writer, call)
+                    if calls:
+                        self._run_calls(writer, calls)
                 except BaseException as exc:
                     # The writer must outlive any failure, or every later caller would
                     # wait forever: fail what is unanswered and go on.
@@ -214,8 +240,10 @@ class WriterMixin(DuckDBBase):
                             future.set_exception(exc)
                     self._rollback(writer)
                 self._last_group_at = time.monotonic()
+                if self._journal_full() and time.monotonic() >= self._journal_retry_at:
+                    self._apply_journal_quietly(writer)  # its callers are answered
                 if stop:
-                    self._flush_counters(writer)
+                    self._flush_counters(writer, journal=True)
                     return
                 if self._pending.flush_due():
                     self._flush_counters(writer)
@@ -225,7 +253,11 @@ class WriterMixin(DuckDBBase):
 
     def _idle_wait(self, flush_wait: float | None) -> float | None:
         """How long the idle writer waits for work before it acts on its own: the counters'
-        wait (None: none pending), or less if the WAL is due an idle checkpoint."""
+        wait (None: none pending), or less if the journal is due its idle apply or the WAL
+        an idle checkpoint."""
+        if self._journal_pending:
+            left = max(0.0, self._journal_due_at() - time.monotonic())
+            flush_wait = left if flush_wait is None else min(flush_wait, left)
         if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
             return flush_wait
         due = max(self._last_group_at + IDLE_CHECKPOINT_S, self._next_checkpoint_at)
@@ -272,11 +304,17 @@ class WriterMixin(DuckDBBase):
         if wal_bytes(self._wal_path) >= IDLE_CHECKPOINT_BYTES:
             self._next_checkpoint_at = time.monotonic() + RETRY_CHECKPOINT_S
 
-    def _flush_counters(self, writer: duckdb.DuckDBPyConnection) -> None:
+    def _flush_counters(self, writer: duckdb.DuckDBPyConnection, journal: bool = False) -> None:
         """Write the pending thread counters and the id they count through, in one
-        transaction; on failure they stay pending and the next flush retries."""
+        transaction; on failure they stay pending and the next flush retries.
+
+        The counters count journaled messages too, and the id they count through must
+        name only messages in the table: while the journal holds appends the flush waits
+        for its apply, or with `journal` (at stop) applies it first."""
         if self._fatal is not None:
             return  # DuckDB refuses every statement now; the next start recounts
+        if self._journal_pending and not (journal and self._apply_journal_quietly(writer)):
+            return
         through_id = self._next_message_id - 1  # every id below it is committed
         try:
             with self._pending.flushing() as contextd_flush:  # noqa: F841 - scanned by the script
@@ -316,7 +354,9 @@ class WriterMixin(DuckDBBase):
             "COMMIT"
         )
 
-    def _gather(self, first: Any, appends: list[_AppendJob], calls: list[_CallJob]) -> bool:
+    def _gather(
+        self, first: Any, appends: list[_AppendJob], calls: list[_CallJob | _ApplyJob]
+    ) -> bool:
         """Take `first` and whatever of the same kind is queued right behind it, up to the
         group limit: a run of appends (committed together) or a run of calls.
 
@@ -334,7 +374,7 @@ class WriterMixin(DuckDBBase):
                 if job.future.set_running_or_notify_cancel():
                     appends.append(job)
                     rows += job.rows
-            elif isinstance(job, _CallJob) and not appends:
+            elif isinstance(job, _CallJob | _ApplyJob) and not appends:
                 if job.future.set_running_or_notify_cancel():
                     calls.append(job)
             else:
@@ -346,6 +386,24 @@ class WriterMixin(DuckDBBase):
                 job = self._queue.get_nowait()
             except Empty:
                 return False
+
+    def _run_calls(
+        self, writer: duckdb.DuckDBPyConnection, calls: list[_CallJob | _ApplyJob]
+    ) -> None:
+        """Run a group of calls, each in its own transaction, after applying the journal:
+        calls read what appends wrote, and a read's barrier (`_ApplyJob`) asks for just
+        that. If the journal cannot be applied, every call of the group gets the error."""
+        try:
+            self._apply_journal(writer)
+        except ContextdError as exc:
+            for call in calls:
+                call.future.set_exception(exc)
+            return
+        for call in calls:
+            if isinstance(call, _ApplyJob):
+                call.future.set_result(None)
+            else:
+                self._run_call(writer, call)
 
     def _run_call(self, writer: duckdb.DuckDBPyConnection, call: _CallJob) -> None:
         began = False
@@ -382,7 +440,12 @@ class WriterMixin(DuckDBBase):
         keep: list[_AppendJob] = []
         repeats: list[tuple[_AppendJob, _AppendJob]] = []
         first_of: dict[str, _AppendJob] = {}
-        stored = _remembered_keys(writer, [j.record.key for j in recorded if j.record])
+        # Records of journaled appends are not in the table yet: answered from memory.
+        pending = self._journal_requests
+        stored = {k: pending[k] for j in recorded if j.record and (k := j.record.key) in pending}
+        unknown = [j.record.key for j in recorded if j.record and j.record.key not in stored]
+        if unknown:
+            stored.update(_remembered_keys(writer, unknown))
         for job in jobs:
             record = job.record
             if record is None:
@@ -432,12 +495,29 @@ class WriterMixin(DuckDBBase):
     def _commit_new_appends(
         self, writer: duckdb.DuckDBPyConnection, jobs: list[_AppendJob]
     ) -> None:
+        # Journaled (journal.py) when small and every agent named is known (creating one
+        # reads and writes the agents table); otherwise committed directly, after what
+        # is journaled, so that writes reach the tables in the order they were answered.
+        journal = (
+            self._journal is not None
+            and self._fatal is None
+            and not self._journal_full()  # only if an apply failed: then appends fail
+            and sum(job.rows for job in jobs) < DIRECT_ROWS
+            and all((job.key.tenant, job.key.agent) in self._known_agents for job in jobs)
+        )
+        if not journal:
+            try:
+                self._apply_journal(writer)
+            except ContextdError as exc:
+                for job in jobs:
+                    job.future.set_exception(exc)
+                return
         # New context ids enter the cache only after their commit, so it needs no restore.
         saved = (self._next_message_id, self._next_context_id)
         self._hot_appended = None
         self._hot.begin_commit()
         try:
-            receipts, counted = self._insert_appends(writer, jobs)  # commits
+            receipts, counted = self._insert_appends(writer, jobs, journal)  # commits
         except BaseException as exc:
             self._hot.end_commit(EVERYTHING)
             self._rollback(writer)
@@ -459,6 +539,97 @@ class WriterMixin(DuckDBBase):
         self._hot_appended = None
         for job, job_receipts in zip(jobs, receipts, strict=True):
             job.future.set_result(job_receipts)
+
+    # ----------------------------------------------------------------- the journal
+
+    def _journal_append(self, group: GroupWrite) -> None:
+        """Make `group` durable in the journal (one write, one fdatasync); on return its
+        callers may be answered. A failed write is cut back out of the file, so it is
+        never replayed; if it cannot be, the store stops serving (a restart reads the
+        file and keeps only whole records)."""
+        journal = self._journal
+        assert journal is not None
+        number = self._journal_group + 1
+        try:
+            journal.append(number, group.encode())
+        except OSError as exc:
+            if not getattr(exc, "cut_back", False):
+                with self._health_lock:
+                    log.error("the append journal could not be written nor cut back")
+                    self._update_health(fatal=f"append journal: {exc}")
+            else:
+                log.error("writing the append journal failed", extra={"detail": str(exc)})
+            raise StoreUnavailable(
+                "the store could not write this append to disk (I/O error); nothing of it "
+                "was saved; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            ) from exc
+        self._journal_pending.append(group)
+        self._journal_rows += group.rows
+        self._journal_group = number  # before any caller is answered: reads' barrier
+
+    def _apply_journal(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Write every journaled group to the tables in one transaction that also records
+        the last group's number, then empty the journal. On failure nothing is dropped:
+        the groups stay pending (and in the file), and StoreUnavailable is raised to
+        whoever needed them applied (a read, a write, a large append)."""
+        if not self._journal_pending:
+            return
+        last = self._journal_group
+        try:
+            self._apply_group(writer, GroupWrite.merged(self._journal_pending), applied_group=last)
+        except Exception as exc:
+            self._rollback(writer)
+            # Reads served from memory would answer while those by SQL cannot: drop the
+            # hot cache, so that every read waits for the journal alike.
+            self._hot.begin_commit()
+            self._hot.end_commit(EVERYTHING)
+            error = self._failed(exc) if isinstance(exc, duckdb.Error) else None
+            if error is not None and self._fatal is not None:
+                # DuckDB must be reopened (no retry helps); the journal is kept for it.
+                raise error from exc
+            log.exception(
+                "applying the append journal to the tables failed; it is kept, and reads "
+                "are answered UNAVAILABLE until it applies",
+                extra={"groups": len(self._journal_pending), "rows": self._journal_rows},
+            )
+            raise StoreUnavailable(
+                "the store could not apply acknowledged appends to its tables; they are "
+                "kept in its journal (nothing is lost), but it cannot answer this call "
+                "until they are applied; retry later",
+                retry_after_s=RETRY_AFTER_S,
+            ) from exc
+        self._journal_pending = []
+        self._journal_rows = 0
+        self._journal_requests.clear()
+        self._journal_applied = last
+        assert self._journal is not None
+        try:
+            self._journal.truncate()
+        except OSError:  # its records are skipped by number at the next start
+            log.exception("emptying the append journal failed")
+
+    def _apply_journal_quietly(self, writer: duckdb.DuckDBPyConnection) -> bool:
+        """`_apply_journal` on the writer's own account (idle, past its bounds, at stop):
+        a failure is logged there; the writer tries again on its own only a second later
+        (reads and writes that need it try at once). True: all applied."""
+        try:
+            self._apply_journal(writer)
+        except ContextdError:
+            self._journal_retry_at = time.monotonic() + RETRY_AFTER_S
+            return False
+        return True
+
+    def _journal_full(self) -> bool:
+        """Whether the journal holds as much as it may (journal.py's bounds)."""
+        journal = self._journal
+        return self._journal_rows >= APPLY_ROWS or (
+            journal is not None and journal.size >= APPLY_BYTES
+        )
+
+    def _journal_due_at(self) -> float:
+        """When the idle writer applies the journal (monotonic seconds)."""
+        return max(self._last_group_at + self._journal_idle_s, self._journal_retry_at)
 
     # ----------------------------------------------------------------- health
 
