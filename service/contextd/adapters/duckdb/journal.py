@@ -62,6 +62,7 @@ def journal_path(database: Path) -> Path:
 # The payload's layout; a record of another version is not applied (the open fails, and
 # the file is kept).
 _PAYLOAD_VERSION = 1
+_MARSHAL_VERSION = 4
 
 # Columns of the messages, by name (base._ARROW_SCHEMA), as the writer builds them: plain
 # Python values. A small group never becomes an Arrow table on the writer's hot path:
@@ -139,10 +140,13 @@ class GroupWrite:
                 self.high_water,
             )
 
+        # Written in marshal's format version 4 (stable since Python 3.4; newer Pythons
+        # read it), never "the current" one, so a journal left by a crash still reads
+        # after the interpreter is upgraded. A clean stop leaves the journal empty anyway.
         try:
-            return marshal.dumps(body(self.columns))
+            return marshal.dumps(body(self.columns), _MARSHAL_VERSION)
         except ValueError:  # a value of a subclass (an IntEnum, a NumPy integer)
-            return marshal.dumps(body(_plain(self.columns)))
+            return marshal.dumps(body(_plain(self.columns)), _MARSHAL_VERSION)
 
     @staticmethod
     def decode(payload: bytes) -> GroupWrite:
