@@ -617,10 +617,29 @@ def ids_in(answer: message.Message) -> Iterator[int]:
             yield from (v for v in items if isinstance(v, int))
 
 
+def _strings_of(request: Any) -> Iterator[str]:
+    """Every string field value of `request` (or of each of a stream's requests), nested
+    messages' too."""
+    if isinstance(request, list):
+        for each in request:
+            yield from _strings_of(each)
+        return
+    for _fd, value in request.ListFields():
+        single = isinstance(value, int | float | str | bytes | message.Message)
+        items = [value] if single else list(value)
+        for item in items:
+            if isinstance(item, message.Message):
+                yield from _strings_of(item)
+            elif isinstance(item, str):
+                yield item
+
+
 def _leaked(facts: Facts, text: str, request: Any) -> list[str]:
     """A's marks and strings in `text`, but for what B's request sent itself (a missing
     id listed back, an id quoted in NOT_FOUND)."""
-    sent = str(request)
+    # The request's text form escapes quotes (an etag is '"..."'), so its string fields'
+    # own values count as sent too.
+    sent = str(request) + "\n".join(_strings_of(request))
     found = [s for s in (A_TENANT, *facts.strings) if s in text and s not in sent]
     return [*found, MARK] if MARK in text else found
 
