@@ -880,6 +880,29 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         view: _View | None = getattr(self._local, "hot_view", None)
         return view
 
+    def build_token(self, context: ContextRef, window: WindowSpec) -> tuple[Any, ...] | None:
+        """What every read of this snapshot so far saw, for a build of `context` over
+        `window`: equal tokens mean equal reads (a builder memoizes a build's result by
+        it, see `ContextBuilder.build`); None when that cannot be told (a read went to
+        SQL, the cache is off, or the window is not a run of the thread's messages).
+
+        Every read of the snapshot was served from entries unchanged since its generation
+        `g0`, and each commit moves the generation: so the reads were of the committed
+        state `g0`. A window names its messages by its bounds in microseconds, which move
+        with the clock; the run of positions they select only moves when a message enters
+        or leaves it, so the token carries the run, not the bounds. Call it inside the
+        snapshot, after the reads it stands for."""
+        view = self._view()
+        if view is None or view.sql_only or view.began or view.g0 is None:
+            return None
+        v = self._context_of(context)
+        if v is None or view.began:
+            return None
+        index = window_index(v, window)
+        if not isinstance(index, slice):
+            return None
+        return (view.g0, context.context_id, index.start, index.stop)
+
     # ----------------------------------------------------------------- loading
 
     def _cached(self, key: tuple[Any, ...]) -> _Context | _Small | None:

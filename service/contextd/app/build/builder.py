@@ -10,7 +10,7 @@ compaction, render, summarizer) then do the rest on plain values.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -92,6 +92,9 @@ STRADDLE_PAGE = 16
 # response lists: api.convert.MAX_LISTED_DROPPED_IDS); older ones are counted, not read.
 HELD_DROPPED_IDS = 10_000
 STATUS_ENTRIES = 100
+# Results of pure-read builds remembered by what they read (see `ContextBuilder._read`):
+# about one per hot thread and request shape.
+BUILT_RESULTS = 64
 STATUS_THREADS = 30
 
 FORMATS = ("anthropic", "openai", "text")
@@ -213,13 +216,27 @@ class ContextBuilder:
         # Newest-first builds whose unread part held tool rows (they asked the store for
         # its orphans instead of reading the whole window): for tests and probes.
         self.unread_tool_builds = 0
+        # What a store can tell of the reads of a snapshot (`build_token`; engines that
+        # cannot tell have none): a build whose reads match an earlier one's, with the
+        # same request and status block, answers that build's result.
+        tokens: Callable[[ContextRef, WindowSpec], Hashable | None] | None = getattr(
+            store, "build_token", None
+        )
+        self._tokens = tokens
+        self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
+        self.memo_hits = 0  # builds answered from `_built`: for tests and probes
+        # Off: every build reads and assembles (tests comparing read paths on one store).
+        self.remember_results = True
 
     # ----------------------------------------------------------------- BuildContext
 
     def build(self, request: BuildRequest) -> BuildResult:
         # One snapshot for every read of the build; the summarizer (a network call) and
         # any write come after it.
-        plan, window, status = read_consistently(self._store, lambda: self._read(request))
+        plan, window, status, key = read_consistently(self._store, lambda: self._read(request))
+        if isinstance(window, BuildResult):
+            self.memo_hits += 1
+            return window
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         try:
             context = assemble(
@@ -279,7 +296,7 @@ class ContextBuilder:
                 summarizer_error=stats.summarizer_error,
             )
         renderings = {f: render(f, context) for f in request.formats}
-        return BuildResult(
+        result = BuildResult(
             context,
             core.model_info(plan.model).tokenizer,
             strategy,
@@ -291,9 +308,22 @@ class ContextBuilder:
             window.orphaned_ids,
             excerpts,
         )
+        if key is not None and not new_summary:
+            # A pure read of a state the key names: the same reads answer the same.
+            self._built.put(key, result)
+        return result
 
-    def _read(self, request: BuildRequest) -> tuple[_Plan, _Window, str]:
-        """Every read of a build (inside its snapshot): the plan, the window, the status."""
+    def _read(
+        self, request: BuildRequest
+    ) -> tuple[_Plan, _Window | BuildResult, str, Hashable | None]:
+        """Every read of a build (inside its snapshot): the plan, the window, the status,
+        and the key its result is remembered by (None: not remembered). When the store
+        tells that this snapshot's reads so far (the plan's and the status block's) are
+        those of an earlier build, and the window it would read selects the same
+        messages of the same state, the earlier build's result stands for the window:
+        the build is a pure function of those reads, the request and the status text
+        (which carries the clock: "as of", "ago"). A build whose excerpts read tool
+        outputs outside the snapshot is not remembered."""
         plan = self._plan(
             request.tenant,
             request.agent,
@@ -302,8 +332,31 @@ class ContextBuilder:
             request.model,
             request.overrides,
         )
+        status = self._status(plan)
+        key: Hashable | None = None
+        token: Hashable | None = None
+        if (
+            self.remember_results
+            and self._tokens is not None
+            and plan.context is not None
+            and _pure_read(plan, request)
+        ):
+            token = self._tokens(plan.context, plan.window)
+            if token is not None:
+                key = (token, status, request)
+                found = self._built.peek(key)
+                if found is not None:
+                    return plan, found, status, key
         window = self._load_history(plan)
-        status = status_preamble(
+        if key is not None:
+            assert self._tokens is not None and plan.context is not None
+            if self._tokens(plan.context, plan.window) != token:
+                key = None  # the window's reads went to SQL: not of the cached state
+        return plan, window, status, key
+
+    def _status(self, plan: _Plan) -> str:
+        """The status block of a build (its reads are the snapshot's)."""
+        return status_preamble(
             self._store.list_status(
                 plan.key.tenant,
                 plan.key.agent,
@@ -322,7 +375,6 @@ class ContextBuilder:
             plan.now_us,
             plan.key.thread,
         )
-        return plan, window, status
 
     # ----------------------------------------------------------------- CompactContext
 
@@ -854,6 +906,15 @@ def replayed_compaction(store: Store, key: ContextKey, payload: bytes) -> Compac
             reason="THREAD_NOT_FOUND",
         )
     return CompactResult(found[0], str(data["path"]), data["error"])
+
+
+def _pure_read(plan: _Plan, request: BuildRequest) -> bool:
+    """Whether a build reads nothing outside its snapshot: no excerpts of tool outputs
+    (`add_excerpts` reads them after the snapshot, when a user message asks for them)."""
+    if not request.user_message.strip():
+        return True
+    merged = (plan.agent.build_options or BuildOverrides()).over(request.overrides)
+    return (merged.tool_output_excerpts or 0) <= 0
 
 
 def _summary_source_chars(plan: _Plan) -> int:
