@@ -200,3 +200,22 @@ def test_a_lone_thread_whose_window_moves_is_built_again(store: Store) -> None:
     after = hot.build_context(roomy)
     assert len(after.context.history) == 4
     _same(after, plain.build_context(roomy))
+
+
+def test_a_status_block_that_changes_reuses_the_window_read(store: Store) -> None:
+    """The status block names other threads' ages in seconds, so it changes often: the
+    window's part of the build is remembered apart from it, and the build is still the
+    one a builder that remembers nothing makes."""
+    hot, plain = _services(store)
+    hot.create_agent(TENANT, AGENT, AgentSettings())
+    hot.append_messages(TENANT, AGENT, "", THREAD, _texts(120))
+    hot.append_messages(TENANT, AGENT, "", "side", _texts(3))
+    hot.build_context(REQUEST)
+    before = hot.build_context(REQUEST)
+    builder = hot._builder
+    hits, windows = builder.memo_hits, builder.window_hits
+    _clock(store).advance(5 * SECOND_US)
+    after = hot.build_context(REQUEST)
+    assert after.context.status != before.context.status
+    assert builder.memo_hits == hits and builder.window_hits == windows + 1
+    _same(after, plain.build_context(REQUEST))

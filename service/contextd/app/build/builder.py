@@ -224,7 +224,9 @@ class ContextBuilder:
         )
         self._tokens = tokens
         self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
+        self._windows: Memo[Hashable, _Window] = Memo(BUILT_RESULTS)
         self.memo_hits = 0  # builds answered from `_built`: for tests and probes
+        self.window_hits = 0  # ... and windows from `_windows`
         # Off: every build reads and assembles (tests comparing read paths on one store).
         self.remember_results = True
 
@@ -272,7 +274,8 @@ class ContextBuilder:
             stored = self._store_summary(plan, context.summary)
             summary_id = stored.id
             context = _with_summary_id(context, stored.id)
-            window.stamps[stored.id] = MessageStamp.of(stored)
+            # A new dict: the window's may be remembered (`_windows`).
+            window = replace(window, stamps={**window.stamps, stored.id: MessageStamp.of(stored)})
         elif context.summary is not None:
             summary_id = context.summary.id
         strategy = _strategy(plan.options)
@@ -347,11 +350,21 @@ class ContextBuilder:
                 found = self._built.peek(key)
                 if found is not None:
                     return plan, found, status, key
-        window = self._load_history(plan)
-        if key is not None:
-            assert self._tokens is not None and plan.context is not None
-            if self._tokens(plan.context, plan.window) != token:
-                key = None  # the window's reads went to SQL: not of the cached state
+        # The window's part of the build reads the same (the token) and is a function of
+        # the plan's model, budget and options: remembered apart from the status block,
+        # which changes whenever one of the threads it lists grows a second older.
+        wkey = (token, plan.model, plan.budget, plan.options) if token is not None else None
+        window = self._windows.peek(wkey) if wkey is not None else None
+        if window is not None:
+            self.window_hits += 1
+        else:
+            window = self._load_history(plan)
+            if wkey is not None:
+                assert self._tokens is not None and plan.context is not None
+                if self._tokens(plan.context, plan.window) != token:
+                    key = None  # the window's reads went to SQL: not of the cached state
+                else:
+                    self._windows.put(wkey, window)
         return plan, window, status, key
 
     def _status(self, plan: _Plan) -> str:
