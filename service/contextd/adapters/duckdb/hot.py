@@ -237,6 +237,10 @@ class _View:
     sql_only: bool = False
     began: bool = False
     served: bool = False
+    # The last `build_token` asked, by (context id, window), and its answer.
+    token: tuple[tuple[int, WindowSpec], tuple[int, tuple[int, int | None, int | None]]] | None = (
+        None
+    )
 
 
 def window_index(v: ContextView, window: WindowSpec) -> slice | npt.NDArray[np.intp]:
@@ -880,7 +884,9 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         view: _View | None = getattr(self._local, "hot_view", None)
         return view
 
-    def build_token(self, context: ContextRef, window: WindowSpec) -> tuple[Any, ...] | None:
+    def build_token(
+        self, context: ContextRef, window: WindowSpec
+    ) -> tuple[int, tuple[int, int | None, int | None]] | None:
         """What every read of this snapshot so far saw, for a build of `context` over
         `window`: equal tokens mean equal reads (a builder memoizes a build's result by
         it, see `ContextBuilder.build`); None when that cannot be told (a read went to
@@ -891,17 +897,22 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         state `g0`. A window names its messages by its bounds in microseconds, which move
         with the clock; the run of positions they select only moves when a message enters
         or leaves it, so the token carries the run, not the bounds. Call it inside the
-        snapshot, after the reads it stands for."""
+        snapshot, after the reads it stands for. The first item is the generation:
+        a token of an older one is never made again by a new snapshot."""
         view = self._view()
         if view is None or view.sql_only or view.began or view.g0 is None:
             return None
+        if view.token is not None and view.token[0] == (context.context_id, window):
+            return view.token[1]  # asked again after the window's reads, all cached
         v = self._context_of(context)
         if v is None or view.began:
             return None
         index = window_index(v, window)
         if not isinstance(index, slice):
             return None
-        return (view.g0, context.context_id, index.start, index.stop)
+        token = (view.g0, (context.context_id, index.start, index.stop))
+        view.token = ((context.context_id, window), token)
+        return token
 
     # ----------------------------------------------------------------- loading
 

@@ -219,12 +219,15 @@ class ContextBuilder:
         # What a store can tell of the reads of a snapshot (`build_token`; engines that
         # cannot tell have none): a build whose reads match an earlier one's, with the
         # same request and status block, answers that build's result.
-        tokens: Callable[[ContextRef, WindowSpec], Hashable | None] | None = getattr(
+        tokens: Callable[[ContextRef, WindowSpec], tuple[int, Hashable] | None] | None = getattr(
             store, "build_token", None
         )
         self._tokens = tokens
         self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
         self._windows: Memo[Hashable, _Window] = Memo(BUILT_RESULTS)
+        # The newest generation remembered: results of older ones cannot be asked for
+        # again (a new snapshot reads the newest), so both memos are emptied when it moves.
+        self._generation = -1
         self.memo_hits = 0  # builds answered from `_built`: for tests and probes
         self.window_hits = 0  # ... and windows from `_windows`
         # Off: every build reads and assembles (tests comparing read paths on one store).
@@ -337,7 +340,7 @@ class ContextBuilder:
         )
         status = self._status(plan)
         key: Hashable | None = None
-        token: Hashable | None = None
+        token: tuple[int, Hashable] | None = None
         if (
             self.remember_results
             and self._tokens is not None
@@ -345,6 +348,10 @@ class ContextBuilder:
             and _pure_read(plan, request)
         ):
             token = self._tokens(plan.context, plan.window)
+            if token is not None and token[0] > self._generation:
+                self._generation = token[0]
+                self._built.clear()
+                self._windows.clear()
             if token is not None:
                 key = (token, status, request)
                 found = self._built.peek(key)
