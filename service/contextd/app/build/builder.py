@@ -223,6 +223,12 @@ class ContextBuilder:
             store, "build_token", None
         )
         self._tokens = tokens
+        # The window's columns as NumPy arrays, where a store can hand them without
+        # making an Arrow table (`window_arrays`; None: read `window_columns`).
+        arrays: Callable[[ContextRef, WindowSpec], dict[str, npt.NDArray[Any]] | None] | None = (
+            getattr(store, "window_arrays", None)
+        )
+        self._arrays = arrays
         self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
         self._windows: Memo[Hashable, _Window] = Memo(BUILT_RESULTS)
         # The newest generation remembered: results of older ones cannot be asked for
@@ -535,9 +541,12 @@ class ContextBuilder:
             tail = self._load_tail(plan, previous, stamps)
             if tail is not None:
                 return tail
-        table = self._store.window_columns(plan.context, plan.window)
-        # NumPy views of the Arrow columns: no Python object per message on this path.
-        all_ids = table.column("id").to_numpy()
+        cols = self._arrays(plan.context, plan.window) if self._arrays is not None else None
+        if cols is None:
+            table = self._store.window_columns(plan.context, plan.window)
+            # NumPy views of the Arrow columns: no Python object per message on this path.
+            cols = {name: table.column(name).to_numpy() for name in _WINDOW_COLUMNS}
+        all_ids = cols["id"]
         rest: slice | npt.NDArray[np.intp] = slice(None)
         if previous is not None and previous.summary_of is not None:
             rest, previous = _not_summarized(all_ids, previous)
@@ -546,10 +555,10 @@ class ContextBuilder:
         if len(ids) == 0:
             return _Window([], previous, stamps, window_ids=all_ids, summarized_at=summarized_at)
         roles, groups, orphan_at = _repair_pair_columns(
-            ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
+            ids, cols["role"][rest], cols["group_id"][rest]
         )
-        tokens = table.column("token_count").to_numpy()[rest]
-        chars = table.column("chars").to_numpy()[rest]
+        tokens = cols["token_count"][rest]
+        chars = cols["chars"][rest]
         if everything or plan.options.summarize:
             too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
@@ -558,7 +567,7 @@ class ContextBuilder:
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
-        sequences = table.column("sequence").to_numpy()[rest]
+        sequences = cols["sequence"][rest]
         # Summarized messages may sit between kept ones when `rest` is not a range.
         items, stamps, known, orphaned = self._load_kept(
             plan, stamps, ids, start, int(sequences[start]), orphan_at, not isinstance(rest, slice)
@@ -905,6 +914,7 @@ class ContextBuilder:
 
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
 _NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
+_WINDOW_COLUMNS = ("id", "role", "token_count", "chars", "group_id", "sequence")
 _EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
 
 # The largest prompt budget a build applies, whatever a request or agent asks for.
