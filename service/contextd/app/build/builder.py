@@ -92,9 +92,11 @@ STRADDLE_PAGE = 16
 # response lists: api.convert.MAX_LISTED_DROPPED_IDS); older ones are counted, not read.
 HELD_DROPPED_IDS = 10_000
 STATUS_ENTRIES = 100
-# Results of pure-read builds remembered by what they read (see `ContextBuilder._read`):
-# about one per hot thread and request shape.
-BUILT_RESULTS = 64
+# Results of pure-read builds remembered by what they read (see `ContextBuilder._read`),
+# and as many windows: one per hot thread and request shape. Few: a remembered window
+# holds a view of its thread's cached id column, which an eviction without a commit (a
+# commit empties both) would otherwise leave alive outside the cache's bound.
+BUILT_RESULTS = 16
 STATUS_THREADS = 30
 
 FORMATS = ("anthropic", "openai", "text")
