@@ -179,6 +179,9 @@ class _Window:
     # end at (the window's first, the summary's last, the first after it).
     hidden: int = 0
     edge_ids: dict[int, int] = field(default_factory=dict)
+    # Its items made ready to fit, by options and formats (`assemble`'s prepared_memo):
+    # a remembered window assembled again (its status block changed) reuses them.
+    prepared: dict[Hashable, Any] = field(default_factory=dict)
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
@@ -265,6 +268,7 @@ class ContextBuilder:
                 summarizer=self._summarizer,
                 formats=governing_formats(plan.model, request.formats),
                 cost_key=plan.model,  # the counter is the model's (with stored counts)
+                prepared_memo=window.prepared,
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
