@@ -11,8 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_hot_build import _same
 
+from contextd.adapters.duckdb.hot import ScopeThread, by_recency, newest_of
 from contextd.adapters.duckdb.store import Store
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -20,6 +23,7 @@ from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
 from contextd.domain.context import StatusEntry, StatusKind
 from contextd.domain.model import AgentSettings, BuildOverrides, NewMessage, Role
+from contextd.domain.window import MAX_SOURCE_LEAD_US, WindowSpec
 
 pytestmark = pytest.mark.duckdb_only
 
@@ -213,7 +217,7 @@ def test_a_status_block_that_changes_reuses_the_window_read(store: Store) -> Non
     hot.build_context(REQUEST)
     before = hot.build_context(REQUEST)
     builder = hot._builder
-    for step in range(1, 4):
+    for _ in range(3):
         hits, windows = builder.memo_hits, builder.window_hits
         _clock(store).advance(5 * SECOND_US)
         after = hot.build_context(REQUEST)
@@ -222,4 +226,46 @@ def test_a_status_block_that_changes_reuses_the_window_read(store: Store) -> Non
         # From the second on, assembly also reuses the window made ready to fit.
         _same(after, plain.build_context(REQUEST))
         before = after
-    assert step == 3
+
+
+_times = st.integers(0, 50)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(_times, _times, _times, st.none() | _times, st.none() | _times, _times),
+        max_size=40,
+    ),
+    _times,
+    _times,
+    st.integers(1, 12),
+)
+def test_threads_kept_in_recency_order_choose_what_filtering_each_time_chooses(
+    rows: list[tuple[int, int, int, int | None, int | None, int]],
+    clear_after: int,
+    age_after: int,
+    limit: int,
+) -> None:
+    """The scope's threads sorted once per row set (`by_recency`) and cut per window
+    (`newest_of`) are the threads filtering and sorting them for each build chose."""
+    threads = [
+        ScopeThread(f"t{i % 7}-{i}", i, last, count, create, source, clear)
+        for i, (last, create, count, source, clear, _) in enumerate(rows)
+    ]
+    window = WindowSpec(clear_after, age_after + MAX_SOURCE_LEAD_US)
+
+    def clear_of(t: ScopeThread) -> int:
+        marker = window.clear_after_us if t.last_clear_us is None else t.last_clear_us
+        return max(window.clear_after_us, marker)
+
+    oldest_commit = window.age_after_us - MAX_SOURCE_LEAD_US
+    expected = sorted(
+        (
+            t
+            for t in threads
+            if t.last_message_time_us > clear_of(t) and t.last_message_time_us > oldest_commit
+        ),
+        key=lambda t: (-t.last_message_time_us, t.thread),
+    )[:limit]
+    assert newest_of(by_recency(threads, window), window, limit) == expected

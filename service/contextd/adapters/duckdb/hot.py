@@ -63,6 +63,8 @@ RECENT_CHARS = 1 << 20
 RECENT_MESSAGES = 4_096
 # A scope with more status entries or threads than this is not cached (read by SQL).
 MAX_SCOPE_ROWS = 1_000
+# Scopes whose threads are kept in recency order (`HotCache.by_recency`), at most.
+MAX_RECENCY_ORDERS = 256
 # Bytes counted per cached message beyond its strings: the object (21 slots, about 200
 # bytes in CPython 3.11) and up to seven integers of 32 bytes (a summary's id pair is
 # counted with the entry's summary rows), and per small entry.
@@ -430,6 +432,12 @@ class HotCache:
         self.by_context_id: dict[int, ContextKey] = {}
         self.bytes = 0
         self.evictions = 0
+        # Per scope: its thread rows (the entry's value, replaced on every change: kept
+        # to be compared by identity), the clear marker applied, and the rows newest
+        # first (`by_recency`): a build of a scope with many threads sorts them once.
+        self.by_recency: dict[
+            tuple[Any, ...], tuple[dict[str, ScopeThread], int, list[ScopeThread]]
+        ] = {}
 
     @property
     def enabled(self) -> bool:
@@ -749,42 +757,44 @@ def status_bytes(entries: Sequence[StatusEntry]) -> int:
     return _ENTRY_OVERHEAD + sum(200 + len(e.state) + len(e.summary) for e in entries)
 
 
-def activity_of(
-    threads: Sequence[ScopeThread],
-    window: WindowSpec,
-    limit: int,
-    counts: dict[int, int],
-) -> list[ThreadActivity]:
-    """`thread_activity` over a scope's cached thread rows, `counts` giving the window
-    count of each thread that is not wholly in its window (see `partial_threads`)."""
-    oldest_commit = window.age_after_us - MAX_SOURCE_LEAD_US
-    rows = [
-        t
-        for t in threads
-        if t.last_message_time_us > _clear(window, t) and t.last_message_time_us > oldest_commit
-    ]
+def by_recency(threads: Iterable[ScopeThread], window: WindowSpec) -> list[ScopeThread]:
+    """The threads with messages after their clear markers, newest first: what does not
+    depend on the window's ages (its clear marker aside), so it is kept per scope row
+    set (`HotCache.by_recency`)."""
+    rows = [t for t in threads if t.last_message_time_us > _clear(window, t)]
     rows.sort(key=lambda t: (-t.last_message_time_us, t.thread))
+    return rows
+
+
+def newest_of(ordered: Sequence[ScopeThread], window: WindowSpec, limit: int) -> list[ScopeThread]:
+    """`ordered` (see `by_recency`) cut to the threads whose newest commit the window
+    may hold: a prefix, as they are newest first."""
+    oldest_commit = window.age_after_us - MAX_SOURCE_LEAD_US
+    out: list[ScopeThread] = []
+    for t in ordered:
+        if len(out) >= limit or t.last_message_time_us <= oldest_commit:
+            break
+        out.append(t)
+    return out
+
+
+def activity_of(newest: Sequence[ScopeThread], counts: dict[int, int]) -> list[ThreadActivity]:
+    """`thread_activity` over a scope's newest thread rows (`newest_of`), `counts`
+    giving the window count of each thread that is not wholly in its window (see
+    `partial_threads`)."""
     activity = [
         ThreadActivity(t.thread, t.last_message_time_us, counts.get(t.context_id, t.message_count))
-        for t in rows[:limit]
+        for t in newest
     ]
     return [a for a in activity if a.window_message_count > 0]
 
 
-def partial_threads(
-    threads: Sequence[ScopeThread], window: WindowSpec, limit: int
-) -> list[ScopeThread]:
-    """The threads `activity_of` must count from their messages: under retention all of
-    them, else those not wholly in their window (as `thread_activity` decides in SQL)."""
-    oldest_commit = window.age_after_us - MAX_SOURCE_LEAD_US
-    rows = [
-        t
-        for t in threads
-        if t.last_message_time_us > _clear(window, t) and t.last_message_time_us > oldest_commit
-    ]
-    rows.sort(key=lambda t: (-t.last_message_time_us, t.thread))
+def partial_threads(newest: Sequence[ScopeThread], window: WindowSpec) -> list[ScopeThread]:
+    """The threads of `newest` (`newest_of`) `activity_of` must count from their
+    messages: under retention all of them, else those not wholly in their window (as
+    `thread_activity` decides in SQL)."""
     out = []
-    for t in rows[:limit]:
+    for t in newest:
         source = t.create_time_us if t.min_source_time_us is None else t.min_source_time_us
         own_oldest = min(t.create_time_us, source)
         whole = t.create_time_us > _clear(window, t) and own_oldest > window.age_after_us
@@ -1095,8 +1105,16 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         if entry is None or not isinstance(entry, _Small) or entry.value is None:
             return super().thread_activity(tenant, agent, scope, window, limit)
         threads: dict[str, ScopeThread] = entry.value
-        rows = list(threads.values())
-        partial = partial_threads(rows, window, limit)
+        kept = self._hot.by_recency.get(key)
+        if kept is not None and kept[0] is threads and kept[1] == window.clear_after_us:
+            ordered = kept[2]
+        else:
+            ordered = by_recency(threads.values(), window)
+            if len(self._hot.by_recency) >= MAX_RECENCY_ORDERS:
+                self._hot.by_recency.clear()
+            self._hot.by_recency[key] = (threads, window.clear_after_us, ordered)
+        newest = newest_of(ordered, window, limit)
+        partial = partial_threads(newest, window)
         if len(partial) > 8:
             return super().thread_activity(tenant, agent, scope, window, limit)
         counts: dict[int, int] = {}
@@ -1107,7 +1125,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
             with self._hot.lock:
                 v = found.view()
             counts[t.context_id] = window_count(v, window.with_thread_clear(t.last_clear_us))
-        return activity_of(rows, window, limit, counts)
+        return activity_of(newest, counts)
 
     def _load_scope(
         self, key: tuple[Any, ...], tenant: str, agent: str, scope: str
