@@ -23,9 +23,10 @@ need be, never dropped without being recorded in the stats.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from contextd import core
 from contextd.app.build import ledger
@@ -190,6 +191,7 @@ def assemble(
     summarizer: Summarizer | None = None,
     formats: Sequence[str] = (),
     cost_key: object = None,
+    prepared_memo: dict[Hashable, Any] | None = None,
 ) -> AssembledContext:
     """Build the context in its documented order within ``budget`` (see the module docstring).
 
@@ -203,6 +205,12 @@ def assemble(
     (`HistoryItem.cost_memo`) are then counted once per key, not per build. Raises
     :class:`BudgetTooSmallError` when the system prompt and docs alone do not fit. A
     whitespace-only ``new_message`` is no new message.
+
+    ``prepared_memo`` keeps the history made ready to fit (pair-repaired, stubbed, elided,
+    counted: it does not depend on the status, the new message or the budget) by options,
+    formats and ``cost_key``, for a caller that assembles the same ``history`` and
+    ``previous_summary`` with the same ``count_tokens`` again (a builder's remembered
+    window whose status block changed).
     """
     opts = options or StrategyOptions()
     limit = budget.prompt_budget if isinstance(budget, Budget) else budget
@@ -228,7 +236,14 @@ def assemble(
         new, new_c, new_truncated = cut[0], cut[1], True
         new_t = count_tokens([new])[0]
     room = limit - base - new_c
-    prepared = _prepare(history, opts, framing.items, previous_summary)
+    if prepared_memo is None or cost_key is None:
+        prepared = _prepare(history, opts, framing.items, previous_summary)
+    else:
+        pkey = (opts, framing.formats, cost_key)
+        found: _Prepared | None = prepared_memo.get(pkey)
+        if found is None:
+            found = prepared_memo[pkey] = _prepare(history, opts, framing.items, previous_summary)
+        prepared = found
     status_dropped = status_truncated = False
     if status:
         keep = room - prepared.protected_cost(with_request=new is None)

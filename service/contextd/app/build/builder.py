@@ -10,7 +10,7 @@ compaction, render, summarizer) then do the rest on plain values.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -92,6 +92,11 @@ STRADDLE_PAGE = 16
 # response lists: api.convert.MAX_LISTED_DROPPED_IDS); older ones are counted, not read.
 HELD_DROPPED_IDS = 10_000
 STATUS_ENTRIES = 100
+# Results of pure-read builds remembered by what they read (see `ContextBuilder._read`),
+# and as many windows: one per hot thread and request shape. Few: a remembered window
+# holds a view of its thread's cached id column, which an eviction without a commit (a
+# commit empties both) would otherwise leave alive outside the cache's bound.
+BUILT_RESULTS = 16
 STATUS_THREADS = 30
 
 FORMATS = ("anthropic", "openai", "text")
@@ -174,6 +179,9 @@ class _Window:
     # end at (the window's first, the summary's last, the first after it).
     hidden: int = 0
     edge_ids: dict[int, int] = field(default_factory=dict)
+    # Its items made ready to fit, by options and formats (`assemble`'s prepared_memo):
+    # a remembered window assembled again (its status block changed) reuses them.
+    prepared: dict[Hashable, Any] = field(default_factory=dict)
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
@@ -213,13 +221,38 @@ class ContextBuilder:
         # Newest-first builds whose unread part held tool rows (they asked the store for
         # its orphans instead of reading the whole window): for tests and probes.
         self.unread_tool_builds = 0
+        # What a store can tell of the reads of a snapshot (`build_token`; engines that
+        # cannot tell have none): a build whose reads match an earlier one's, with the
+        # same request and status block, answers that build's result.
+        tokens: Callable[[ContextRef, WindowSpec], tuple[int, Hashable] | None] | None = getattr(
+            store, "build_token", None
+        )
+        self._tokens = tokens
+        # The window's columns as NumPy arrays, where a store can hand them without
+        # making an Arrow table (`window_arrays`; None: read `window_columns`).
+        arrays: Callable[[ContextRef, WindowSpec], dict[str, npt.NDArray[Any]] | None] | None = (
+            getattr(store, "window_arrays", None)
+        )
+        self._arrays = arrays
+        self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
+        self._windows: Memo[Hashable, _Window] = Memo(BUILT_RESULTS)
+        # The newest generation remembered: results of older ones cannot be asked for
+        # again (a new snapshot reads the newest), so both memos are emptied when it moves.
+        self._generation = -1
+        self.memo_hits = 0  # builds answered from `_built`: for tests and probes
+        self.window_hits = 0  # ... and windows from `_windows`
+        # Off: every build reads and assembles (tests comparing read paths on one store).
+        self.remember_results = True
 
     # ----------------------------------------------------------------- BuildContext
 
     def build(self, request: BuildRequest) -> BuildResult:
         # One snapshot for every read of the build; the summarizer (a network call) and
         # any write come after it.
-        plan, window, status = read_consistently(self._store, lambda: self._read(request))
+        plan, window, status, key = read_consistently(self._store, lambda: self._read(request))
+        if isinstance(window, BuildResult):
+            self.memo_hits += 1
+            return window
         count = counter_with_known(counter_for_model(plan.model), window.known_counts)
         try:
             context = assemble(
@@ -235,6 +268,7 @@ class ContextBuilder:
                 summarizer=self._summarizer,
                 formats=governing_formats(plan.model, request.formats),
                 cost_key=plan.model,  # the counter is the model's (with stored counts)
+                prepared_memo=window.prepared,
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -255,7 +289,8 @@ class ContextBuilder:
             stored = self._store_summary(plan, context.summary)
             summary_id = stored.id
             context = _with_summary_id(context, stored.id)
-            window.stamps[stored.id] = MessageStamp.of(stored)
+            # A new dict: the window's may be remembered (`_windows`).
+            window = replace(window, stamps={**window.stamps, stored.id: MessageStamp.of(stored)})
         elif context.summary is not None:
             summary_id = context.summary.id
         strategy = _strategy(plan.options)
@@ -279,7 +314,7 @@ class ContextBuilder:
                 summarizer_error=stats.summarizer_error,
             )
         renderings = {f: render(f, context) for f in request.formats}
-        return BuildResult(
+        result = BuildResult(
             context,
             core.model_info(plan.model).tokenizer,
             strategy,
@@ -291,9 +326,22 @@ class ContextBuilder:
             window.orphaned_ids,
             excerpts,
         )
+        if key is not None and not new_summary:
+            # A pure read of a state the key names: the same reads answer the same.
+            self._built.put(key, result)
+        return result
 
-    def _read(self, request: BuildRequest) -> tuple[_Plan, _Window, str]:
-        """Every read of a build (inside its snapshot): the plan, the window, the status."""
+    def _read(
+        self, request: BuildRequest
+    ) -> tuple[_Plan, _Window | BuildResult, str, Hashable | None]:
+        """Every read of a build (inside its snapshot): the plan, the window, the status,
+        and the key its result is remembered by (None: not remembered). When the store
+        tells that this snapshot's reads so far (the plan's and the status block's) are
+        those of an earlier build, and the window it would read selects the same
+        messages of the same state, the earlier build's result stands for the window:
+        the build is a pure function of those reads, the request and the status text
+        (which carries the clock: "as of", "ago"). A build whose excerpts read tool
+        outputs outside the snapshot is not remembered."""
         plan = self._plan(
             request.tenant,
             request.agent,
@@ -302,7 +350,44 @@ class ContextBuilder:
             request.model,
             request.overrides,
         )
-        window = self._load_history(plan)
+        status = self._status(plan)
+        key: Hashable | None = None
+        token: tuple[int, Hashable] | None = None
+        if (
+            self.remember_results
+            and self._tokens is not None
+            and plan.context is not None
+            and _pure_read(plan, request)
+        ):
+            token = self._tokens(plan.context, plan.window)
+            if token is not None and token[0] > self._generation:
+                self._generation = token[0]
+                self._built.clear()
+                self._windows.clear()
+            if token is not None:
+                key = (token, status, request)
+                found = self._built.peek(key)
+                if found is not None:
+                    return plan, found, status, key
+        # The window's part of the build reads the same (the token) and is a function of
+        # the plan's model, budget and options: remembered apart from the status block,
+        # which changes whenever one of the threads it lists grows a second older.
+        wkey = (token, plan.model, plan.budget, plan.options) if token is not None else None
+        window = self._windows.peek(wkey) if wkey is not None else None
+        if window is not None:
+            self.window_hits += 1
+        else:
+            window = self._load_history(plan)
+            if wkey is not None:
+                assert self._tokens is not None and plan.context is not None
+                if self._tokens(plan.context, plan.window) != token:
+                    key = None  # the window's reads went to SQL: not of the cached state
+                else:
+                    self._windows.put(wkey, window)
+        return plan, window, status, key
+
+    def _status(self, plan: _Plan) -> str:
+        """The status block of a build (its reads are the snapshot's)."""
         entries, activity = status_and_activity(
             self._store,
             plan.key.tenant,
@@ -313,8 +398,7 @@ class ContextBuilder:
             plan.agent_window,
             STATUS_THREADS,
         )
-        status = status_preamble(entries, activity, plan.now_us, plan.key.thread)
-        return plan, window, status
+        return status_preamble(entries, activity, plan.now_us, plan.key.thread)
 
     # ----------------------------------------------------------------- CompactContext
 
@@ -455,9 +539,12 @@ class ContextBuilder:
             tail = self._load_tail(plan, previous, stamps)
             if tail is not None:
                 return tail
-        table = self._store.window_columns(plan.context, plan.window)
-        # NumPy views of the Arrow columns: no Python object per message on this path.
-        all_ids = table.column("id").to_numpy()
+        cols = self._arrays(plan.context, plan.window) if self._arrays is not None else None
+        if cols is None:
+            table = self._store.window_columns(plan.context, plan.window)
+            # NumPy views of the Arrow columns: no Python object per message on this path.
+            cols = {name: table.column(name).to_numpy() for name in _WINDOW_COLUMNS}
+        all_ids = cols["id"]
         rest: slice | npt.NDArray[np.intp] = slice(None)
         if previous is not None and previous.summary_of is not None:
             rest, previous = _not_summarized(all_ids, previous)
@@ -466,10 +553,10 @@ class ContextBuilder:
         if len(ids) == 0:
             return _Window([], previous, stamps, window_ids=all_ids, summarized_at=summarized_at)
         roles, groups, orphan_at = _repair_pair_columns(
-            ids, table.column("role").to_numpy()[rest], table.column("group_id").to_numpy()[rest]
+            ids, cols["role"][rest], cols["group_id"][rest]
         )
-        tokens = table.column("token_count").to_numpy()[rest]
-        chars = table.column("chars").to_numpy()[rest]
+        tokens = cols["token_count"][rest]
+        chars = cols["chars"][rest]
         if everything or plan.options.summarize:
             too_long = int(tokens.sum()) > plan.budget.prompt_budget
             start = max(0, len(ids) - MAX_SUMMARIZED_MESSAGES) if too_long else 0
@@ -478,7 +565,7 @@ class ContextBuilder:
             start = _group_start(groups, start)
         else:
             start = self._candidates(plan, roles, tokens, chars, groups)
-        sequences = table.column("sequence").to_numpy()[rest]
+        sequences = cols["sequence"][rest]
         # Summarized messages may sit between kept ones when `rest` is not a range.
         items, stamps, known, orphaned = self._load_kept(
             plan, stamps, ids, start, int(sequences[start]), orphan_at, not isinstance(rest, slice)
@@ -825,6 +912,7 @@ class ContextBuilder:
 
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
 _NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
+_WINDOW_COLUMNS = ("id", "role", "token_count", "chars", "group_id", "sequence")
 _EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
 
 # The largest prompt budget a build applies, whatever a request or agent asks for.
@@ -846,6 +934,15 @@ def replayed_compaction(store: Store, key: ContextKey, payload: bytes) -> Compac
             reason="THREAD_NOT_FOUND",
         )
     return CompactResult(found[0], str(data["path"]), data["error"])
+
+
+def _pure_read(plan: _Plan, request: BuildRequest) -> bool:
+    """Whether a build reads nothing outside its snapshot: no excerpts of tool outputs
+    (`add_excerpts` reads them after the snapshot, when a user message asks for them)."""
+    if not request.user_message.strip():
+        return True
+    merged = (plan.agent.build_options or BuildOverrides()).over(request.overrides)
+    return (merged.tool_output_excerpts or 0) <= 0
 
 
 def _summary_source_chars(plan: _Plan) -> int:

@@ -36,5 +36,8 @@ class Memo(Generic[K, V]):
             self._found.clear()
         self._found[key] = value
 
+    def clear(self) -> None:
+        self._found.clear()
+
     def peek(self, key: K) -> V | None:
         return self._found.get(key)
