@@ -59,30 +59,34 @@ class RequestFilter:
         m = math.ceil(-self.capacity * math.log(FALSE_POSITIVES) / math.log(2) ** 2)
         self._m = max(64, (m + 7) // 8 * 8)
         self._k = max(1, round(self._m / self.capacity * math.log(2)))
-        self._bits = self._build(keys)
+        self._bits = bytearray(self._m // 8)
+        self.add_many(keys)
         self.added = 0  # keys added since the build
 
     @property
     def nbytes(self) -> int:
         return len(self._bits)
 
-    def _build(self, keys: Sequence[str]) -> bytearray:
-        """The bits of `keys`, set in bulk (a rebuild runs on the writer: a million keys
-        take a fraction of a second, where a Python loop would take seconds)."""
+    def add_many(self, keys: Sequence[str]) -> None:
+        """Set the bits of `keys` in bulk, not counted in `added` (the build, at open and
+        at a rebuild, on the writer: a million keys take a fraction of a second, where a
+        Python loop would take seconds; its temporaries are a few arrays of 8 bytes a
+        key, so the build reads the keys in chunks)."""
         if not keys:
-            return bytearray(self._m // 8)
+            return
         hashes = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
         low = hashes & np.uint64(_LOW32)
         step = (hashes >> np.uint64(32)) | np.uint64(1)
-        flags = np.zeros(self._m, dtype=np.bool_)
+        bits = np.frombuffer(self._bits, dtype=np.uint8)  # a view: writes go to the bytes
         m = np.uint64(self._m)
         for i in range(self._k):
-            flags[(low + np.uint64(i) * step) % m] = True
-        return bytearray(np.packbits(flags, bitorder="little").tobytes())
+            probe = (low + np.uint64(i) * step) % m
+            masks = np.left_shift(np.uint8(1), (probe & np.uint64(7)).astype(np.uint8))
+            np.bitwise_or.at(bits, probe >> np.uint64(3), masks)
 
     def _probes(self, key: str) -> Iterable[int]:
         # Double hashing (Kirsch and Mitzenmacher): the k probes from one 64-bit hash,
-        # the same arithmetic as `_build` (no probe overflows 64 bits).
+        # the same arithmetic as `add_many` (no probe overflows 64 bits).
         h = hash(key) & _MASK64
         low, step, m = h & _LOW32, (h >> 32) | 1, self._m
         return [(low + i * step) % m for i in range(self._k)]

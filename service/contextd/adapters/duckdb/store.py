@@ -38,7 +38,6 @@ from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotM
 from contextd.adapters.duckdb.journal import APPLY_IDLE_S, GroupWrite, JournalFile, journal_path
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key
-from contextd.adapters.duckdb.request_filter import RequestFilter
 from contextd.adapters.duckdb.retention import RetentionMixin
 from contextd.adapters.duckdb.schema import MIGRATION_STEPS, MIGRATIONS
 from contextd.adapters.duckdb.search import SearchMixin
@@ -145,7 +144,7 @@ class Store(
         if journal is not None:
             self._open_journal(journal)
         # After the journal's replay, which put its records in the table.
-        self._requests = RequestFilter(self._request_keys(self._con))
+        self._requests = self._load_request_filter(self._con)
         self._request_filter_retry_at = 0.0
         self._recount_threads()
         self._pending = PendingCounters()

@@ -52,7 +52,7 @@ from contextd.adapters.duckdb.journal import (
     DIRECT_ROWS,
     GroupWrite,
 )
-from contextd.adapters.duckdb.request_filter import RequestFilter
+from contextd.adapters.duckdb.request_filter import MIN_CAPACITY, RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -177,12 +177,17 @@ class WriterMixin(DuckDBBase):
         for key in keys:
             requests.add(key)
 
-    def _request_keys(self, cur: duckdb.DuckDBPyConnection) -> list[str]:
-        """Every recorded key: the table's and the journal's pending ones."""
-        column = cur.execute("SELECT id_key FROM request_records").fetchnumpy()["id_key"]
-        keys: list[str] = column.tolist()
-        keys.extend(self._journal_requests)
-        return keys
+    def _load_request_filter(self, cur: duckdb.DuckDBPyConnection) -> RequestFilter:
+        """A request filter of every recorded key: the table's (read in chunks, so the
+        build's memory beyond the filter stays a few MB) and the journal's pending ones,
+        sized for twice as many (request_filter.py)."""
+        row = _first(cur.execute("SELECT count(*) FROM request_records"))
+        rows = (int(row[0]) if row else 0) + len(self._journal_requests)
+        requests = RequestFilter(capacity=max(MIN_CAPACITY, 2 * rows))
+        for batch in cur.sql("SELECT id_key FROM request_records").to_arrow_reader(100_000):
+            requests.add_many(batch.column(0).to_pylist())
+        requests.add_many(list(self._journal_requests))
+        return requests
 
     def _rebuild_request_filter(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Build the request filter again once it took as many keys as it was sized for:
@@ -193,13 +198,13 @@ class WriterMixin(DuckDBBase):
         if not self._requests.full() or time.monotonic() < self._request_filter_retry_at:
             return
         try:
-            keys = self._request_keys(writer)
+            rebuilt = self._load_request_filter(writer)
         except duckdb.Error:
             self._rollback(writer)
             self._request_filter_retry_at = time.monotonic() + RETRY_AFTER_S
             log.exception("rebuilding the request filter failed; the old one is kept")
             return
-        self._requests = RequestFilter(keys)
+        self._requests = rebuilt
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass
