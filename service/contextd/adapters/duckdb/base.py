@@ -9,7 +9,7 @@ import inspect
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from contextd.adapters.duckdb.request_filter import RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
     PendingCounters,
@@ -461,6 +462,11 @@ class DuckDBBase:
     _journal_pending: list[GroupWrite]
     _journal_rows: int
     _journal_requests: dict[str, Remembered]
+    # The request keys that may be recorded (request_filter.py): the writer adds, any
+    # thread reads; rebuilt by the writer (not before `_request_filter_retry_at` after a
+    # failed rebuild).
+    _requests: RequestFilter
+    _request_filter_retry_at: float
     _journal_idle_s: float
     _journal_retry_at: float  # monotonic: no apply of the writer's own before it
     _writer_ident: int | None
@@ -575,5 +581,7 @@ class DuckDBBase:
         ) -> None: ...
 
         def _apply_journal(self, writer: duckdb.DuckDBPyConnection) -> None: ...
+
+        def _note_requests(self, keys: Iterable[str]) -> None: ...
 
         def _journal_append(self, group: GroupWrite) -> None: ...

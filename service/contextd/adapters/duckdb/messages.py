@@ -483,6 +483,8 @@ class MessagesMixin(DuckDBBase):
             self._apply_journal(writer)
             journal = False
         rows: pa.Table | Columns = columns
+        # Into the request filter before the records are visible (journaled or committed).
+        self._note_requests(r.key for r, _ in requests)
         if journal:
             self._journal_append(group)  # durable once it returns
             for record, payload in requests:

@@ -143,6 +143,9 @@ class Store(
         self._migrate()
         if journal is not None:
             self._open_journal(journal)
+        # After the journal's replay, which put its records in the table.
+        self._requests = self._load_request_filter(self._con)
+        self._request_filter_retry_at = 0.0
         self._recount_threads()
         self._pending = PendingCounters()
         # The server's one clock (see clock.py): the service and the builder read it too.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from queue import Empty
 from typing import Any
@@ -52,6 +52,7 @@ from contextd.adapters.duckdb.journal import (
     DIRECT_ROWS,
     GroupWrite,
 )
+from contextd.adapters.duckdb.request_filter import MIN_CAPACITY, RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -136,10 +137,13 @@ class WriterMixin(DuckDBBase):
             return result
 
         def recorded(cur: duckdb.DuckDBPyConnection) -> T:
-            found = _remembered(cur, record.tenant, record.request_id)
-            if found is not None:
-                raise AlreadyDone(replay(record, found))
+            # A fresh id (the filter says so for certain) needs no lookup.
+            if self._requests.maybe(record.key):
+                found = _remembered(cur, record.tenant, record.request_id)
+                if found is not None:
+                    raise AlreadyDone(replay(record, found))
             value = fn(cur)
+            self._note_requests([record.key])  # before its commit makes it visible
             _save_records(cur, [(record, record.encode(value))], self.clock.tick())
             return value
 
@@ -154,12 +158,53 @@ class WriterMixin(DuckDBBase):
         journal's pending records until the apply's commit and in the table from then
         on (the writer forgets it only after that commit), so looking there first and
         then in the table finds every record acknowledged before the call. A miss is
-        only a fast path missed: the writer checks again before writing."""
+        only a fast path missed: the writer checks again before writing.
+
+        A key the request filter has never seen is fresh for certain (the writer adds
+        every key before its record is visible): then no statement is run."""
         key = record_key(tenant, request_id)
         pending = self._journal_requests.get(key)
         if pending is not None:
             return pending
+        if not self._requests.maybe(key):
+            return None
         return _remembered_keys(self._thread_cursor("live_cursor"), [key]).get(key)
+
+    def _note_requests(self, keys: Iterable[str]) -> None:
+        """Add these keys to the request filter (the writer, before their records are
+        visible: before the commit or the journal's write that holds them)."""
+        requests = self._requests
+        for key in keys:
+            requests.add(key)
+
+    def _load_request_filter(self, cur: duckdb.DuckDBPyConnection) -> RequestFilter:
+        """A request filter of every recorded key: the table's (read in chunks, so the
+        build's memory beyond the filter stays a few MB) and the journal's pending ones,
+        sized for twice as many (request_filter.py)."""
+        row = _first(cur.execute("SELECT count(*) FROM request_records"))
+        rows = (int(row[0]) if row else 0) + len(self._journal_requests)
+        requests = RequestFilter(capacity=max(MIN_CAPACITY, 2 * rows))
+        for batch in cur.sql("SELECT id_key FROM request_records").to_arrow_reader(100_000):
+            requests.add_many(batch.column(0).to_pylist())
+        requests.add_many(list(self._journal_requests))
+        return requests
+
+    def _rebuild_request_filter(self, writer: duckdb.DuckDBPyConnection) -> None:
+        """Build the request filter again once it took as many keys as it was sized for:
+        from the keys recorded now (which sheds those the cleanup removed), sized for
+        twice as many (request_filter.py). On the writer, between groups: every key
+        added so far is committed or journaled. A failure keeps the old filter (more
+        false positives, never a wrong answer) and is retried a second later."""
+        if not self._requests.full() or time.monotonic() < self._request_filter_retry_at:
+            return
+        try:
+            rebuilt = self._load_request_filter(writer)
+        except duckdb.Error:
+            self._rollback(writer)
+            self._request_filter_retry_at = time.monotonic() + RETRY_AFTER_S
+            log.exception("rebuilding the request filter failed; the old one is kept")
+            return
+        self._requests = rebuilt
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass
@@ -242,6 +287,7 @@ class WriterMixin(DuckDBBase):
                 self._last_group_at = time.monotonic()
                 if self._journal_full() and time.monotonic() >= self._journal_retry_at:
                     self._apply_journal_quietly(writer)  # its callers are answered
+                self._rebuild_request_filter(writer)  # when full; its callers are answered
                 if stop:
                     self._flush_counters(writer, journal=True)
                     return
@@ -443,7 +489,11 @@ class WriterMixin(DuckDBBase):
         # Records of journaled appends are not in the table yet: answered from memory.
         pending = self._journal_requests
         stored = {k: pending[k] for j in recorded if j.record and (k := j.record.key) in pending}
-        unknown = [j.record.key for j in recorded if j.record and j.record.key not in stored]
+        # Keys the request filter has never seen are fresh for certain: not looked up.
+        maybe = self._requests.maybe
+        unknown = [
+            k for j in recorded if j.record and (k := j.record.key) not in stored and maybe(k)
+        ]
         if unknown:
             stored.update(_remembered_keys(writer, unknown))
         for job in jobs:
