@@ -101,3 +101,32 @@ def test_the_fingerprint_is_the_copy_based_one_and_leaves_the_request_as_it_was(
     other.CopyFrom(request)
     other.request_id = "req-2"
     assert _fingerprint(other) == expected  # the id is not part of it
+
+
+def test_a_request_id_call_answers_the_response_it_recorded(server: InProcessServer) -> None:
+    """With a request id the response is built once, for the record and the answer: the
+    first call's answer and a retry's (read from the record) are the same bytes, and a
+    second request id gets its own receipts."""
+    stub = server.client.stub
+
+    def append(request_id: str, content: str) -> pb.AppendMessagesResponse:
+        response: pb.AppendMessagesResponse = stub.AppendMessages(
+            pb.AppendMessagesRequest(
+                agent="a1",
+                thread="t",
+                request_id=request_id,
+                messages=[pb.Message(role=pb.ROLE_USER, content=content)],
+                create_agent_if_missing=True,
+            )
+        )
+        return response
+
+    first = append("req-1", "hello")
+    assert len(first.receipts) == 1 and first.receipts[0].id > 0
+    assert first.receipts[0].HasField("create_time")
+    again = append("req-1", "hello")
+    assert again.SerializeToString(deterministic=True) == first.SerializeToString(
+        deterministic=True
+    )
+    other = append("req-2", "hello")
+    assert other.receipts[0].id != first.receipts[0].id

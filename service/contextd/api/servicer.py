@@ -109,11 +109,24 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         found = self._service.remembered(record.tenant, record.request_id)
         if found is not None:
             return response_type.FromString(replay(record, found))
-        record = record.with_encoder(lambda result: to_response(result).SerializeToString())
+        # The store encodes the response to record it; the response built for that is the
+        # one returned when the write's result is the object it was built from (else it is
+        # built again), so a call with a request id builds its response once.
+        built: list[tuple[object, R]] = []
+
+        def encode(result: object) -> bytes:
+            response = to_response(result)
+            built.append((result, response))
+            return response.SerializeToString()
+
+        record = record.with_encoder(encode)
         try:
-            return to_response(write(record))
+            result = write(record)
         except AlreadyDone as done:
             return response_type.FromString(done.payload)
+        if built and built[-1][0] is result:
+            return built[-1][1]
+        return to_response(result)
 
     def CreateAgent(
         self, request: pb.CreateAgentRequest, context: grpc.ServicerContext
