@@ -19,7 +19,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +77,16 @@ class Admission(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """
 
     def __init__(self) -> None:
-        self._changed = threading.Condition()
+        # A plain lock (not the default RLock): taken twice per call.
+        self._changed = threading.Condition(threading.Lock())
         self._running = 0
         self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        """Whether new calls are refused (the handler this returns for a method depends
+        on it, and on nothing else of the call but the method)."""
+        return self._draining
 
     def intercept_service(
         self,
@@ -105,13 +112,15 @@ class Admission(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 )
             with self._changed:
                 self._running += 1
-            log.debug("call received", extra={"method": method})
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("call received", extra={"method": method})
             try:
                 return behavior(request, context)
             finally:
                 with self._changed:
                     self._running -= 1
-                    self._changed.notify_all()
+                    if self._draining:  # only drain() waits on it
+                        self._changed.notify_all()
 
         return grpc.unary_unary_rpc_method_handler(
             handle,
@@ -127,6 +136,62 @@ class Admission(grpc.ServerInterceptor):  # type: ignore[type-arg]
             log.info("draining calls in flight", extra={"calls": self._running})
             self._changed.wait_for(lambda: self._running == 0, timeout)
             return self._running
+
+
+class Interceptors(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """The server's interceptors (outermost first), run once per method and draining
+    state rather than once per call.
+
+    Why: gRPC runs interceptors on its one polling thread for every call, and each of
+    ours wraps the method's handler in new closures and a new handler; at thousands of
+    small calls a second that is a serial cost no handler thread can share. What each
+    returns depends only on the method's handler, the method's name and (Admission) on
+    whether the server is draining, so the composed handler is kept per (method,
+    draining) and reused while the inner handler is the same object. Unknown methods
+    (no handler) are never kept, so the cache holds at most two entries per served
+    method. Per-call work (the key check, the caller, the admission count) still runs in
+    the handlers, per call.
+    """
+
+    def __init__(
+        self,
+        interceptors: Sequence[grpc.ServerInterceptor[Any, Any]],
+        admission: Admission,
+    ) -> None:
+        self._interceptors = tuple(interceptors)
+        self._admission = admission
+        self._composed: dict[
+            tuple[str, bool],
+            tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any] | None],
+        ] = {}
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        key = (handler_call_details.method, self._admission.draining)
+        kept = self._composed.get(key)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        composed = self._compose(0, handler, handler_call_details)
+        self._composed[key] = (handler, composed)
+        return composed
+
+    def _compose(
+        self,
+        at: int,
+        handler: grpc.RpcMethodHandler[Any, Any],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        if at == len(self._interceptors):
+            return handler
+        return self._interceptors[at].intercept_service(
+            lambda d: self._compose(at + 1, handler, d), details
+        )
 
 
 @dataclass
@@ -290,7 +355,12 @@ def create_server(settings: Settings, clock: MonotonicClock | None = None) -> Ru
             workers,
             # The error mapping wraps the others, so every refusal gets its details; the
             # key is checked before the call is admitted.
-            interceptors=[ErrorMappingInterceptor(), AuthInterceptor(service, rates), admission],
+            interceptors=[
+                Interceptors(
+                    [ErrorMappingInterceptor(), AuthInterceptor(service, rates), admission],
+                    admission,
+                )
+            ],
             options=[
                 ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.max_send_message_length", MAX_REQUEST_BYTES),

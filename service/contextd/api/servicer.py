@@ -60,11 +60,17 @@ def _unset_encoder(result: object) -> bytes:
 
 
 def _fingerprint(request: Message) -> str:
-    """A request's identity apart from its request_id, for spotting a reused id."""
-    copy = type(request)()
-    copy.CopyFrom(request)
-    copy.request_id = ""  # type: ignore[attr-defined]
-    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+    """A request's identity apart from its request_id, for spotting a reused id: the
+    hash of its deterministic encoding with the id cleared (the same bytes as ever, so
+    records stored by earlier versions still match). The id is cleared on the request
+    itself and put back, rather than on a copy: the request is this call's own, and a
+    copy of a large batch costs as much as its encoding."""
+    request_id: str = request.request_id  # type: ignore[attr-defined]
+    request.request_id = ""  # type: ignore[attr-defined]
+    try:
+        return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
+    finally:
+        request.request_id = request_id  # type: ignore[attr-defined]
 
 
 class ContextServicer(pb_grpc.ContextServiceServicer):
@@ -103,11 +109,24 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         found = self._service.remembered(record.tenant, record.request_id)
         if found is not None:
             return response_type.FromString(replay(record, found))
-        record = record.with_encoder(lambda result: to_response(result).SerializeToString())
+        # The store encodes the response to record it; the response built for that is the
+        # one returned when the write's result is the object it was built from (else it is
+        # built again), so a call with a request id builds its response once.
+        built: list[tuple[object, R]] = []
+
+        def encode(result: object) -> bytes:
+            response = to_response(result)
+            built.append((result, response))
+            return response.SerializeToString()
+
+        record = record.with_encoder(encode)
         try:
-            return to_response(write(record))
+            result = write(record)
         except AlreadyDone as done:
             return response_type.FromString(done.payload)
+        if built and built[-1][0] is result:
+            return built[-1][1]
+        return to_response(result)
 
     def CreateAgent(
         self, request: pb.CreateAgentRequest, context: grpc.ServicerContext

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from contextd.app.base import MessagePage, UseCases
 from contextd.app.paging import page_size
@@ -65,13 +64,14 @@ class MessageCalls(UseCases):
         model = self._model_of(tenant, key.agent)
         ttl_us = self._ttl_of(tenant, key.agent, key.scope)
         adding = stored_bytes(messages) if self._quota.limit else 0
+        settings = AgentSettings() if create_agent else None
         for _ in range(3):
-            batch = replace(prepare_batch(messages, model, call_ids), ttl_us=ttl_us)
+            batch = prepare_batch(messages, model, call_ids, ttl_us=ttl_us)
             try:
+                if not adding:  # no quota (or nothing to count): no admission to hold
+                    return self._store.append(key, batch, settings, record)
                 with self._quota.admitting(tenant, adding, "this append"):
-                    return self._store.append(
-                        key, batch, AgentSettings() if create_agent else None, record
-                    )
+                    return self._store.append(key, batch, settings, record)
             except StaleModel as changed:
                 # Another replica changed the agent's model since this one cached it.
                 model = changed.model

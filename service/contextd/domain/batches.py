@@ -14,10 +14,13 @@ def prepare_batch(
     call_ids: Sequence[tuple[str, ...]],
     summarized_ids: tuple[int, int] | None = None,
     restored_from: str = "",
+    ttl_us: int = 0,
 ) -> MessageBatch:
     """What the store keeps beside each message, computed for the whole batch at once:
     the character estimate, the count under `model`'s tokenizer (the estimate without a
-    model), the length in characters and the declared tool-call ids."""
+    model), the length in characters and the declared tool-call ids; `ttl_us` is the
+    thread's retention ttl, passed through (set here rather than by a `replace` after,
+    which costs a second dataclass build on every append)."""
     texts = [m.content + m.tool_calls for m in messages]
     estimates = core.estimate_tokens_batch(texts)
     if model:
@@ -34,6 +37,7 @@ def prepare_batch(
         tool_call_ids=call_ids,
         summarized_ids=summarized_ids,
         restored_from=restored_from,
+        ttl_us=ttl_us,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from contextd import core
 from contextd.domain.errors import (
@@ -124,7 +125,14 @@ def check_overrides(options: BuildOverrides) -> None:
         )
 
 
+@lru_cache(maxsize=4096)
 def context_key(tenant: str, agent: str, scope: str, thread: str) -> ContextKey:
+    """The key of a context, its names checked (INVALID_ARGUMENT for a bad one).
+
+    Kept for the last 4,096 keys asked: every append checks its three names with a
+    regular expression each, and a fleet appends to the same contexts over and over. A
+    pure function of its arguments (the key is immutable), so nothing kept can go stale;
+    a bad name raises every time (exceptions are not kept)."""
     return ContextKey(
         tenant=tenant,
         agent=check_name(agent, "agent"),
