@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     results_dir = REPO / "bench" / "results"
     out_dir = args.out or (REPO / "docs" if sz.mode == "full" else results_dir)
 
-    json_path = results_dir / f"{sz.mode}.json"
+    # A run written elsewhere (--out) keeps its raw results there too: a partial run
+    # (--only) must never replace the saved results of the last whole one.
+    json_path = (args.out or results_dir) / f"{sz.mode}.json"
     if args.report_only:
         saved, machine_rows, mode, wall_s, saved_failures = report.load(json_path)
         md = report.write(saved, machine_rows, mode, wall_s, saved_failures, out_dir, json_path)

@@ -115,6 +115,11 @@ def run(sz: Sizes) -> Section:
         raw[f"probe/{'shared' if shared else 'own'}"] = child.run(
             "bench.append_probe:child_probe", {"shared": shared, "seconds": probe_s}
         )
+    return section(raw)
+
+
+def section(raw: dict[str, Any]) -> Section:
+    """The report of measurements `raw` (also to re-render a saved run's)."""
 
     def cpu(res: dict[str, Any]) -> str:
         store = res.get("store_cpu")
@@ -164,7 +169,45 @@ def run(sz: Sizes) -> Section:
     def p(engine: str, callers: int, batch: int, q: str) -> str:
         return f"{fmt_num(at(engine, callers, batch)['latency_ms'][q])} ms"
 
+    def one_caller(engine: str) -> list[Target]:
+        """The issue's two one-caller targets on `engine`: the durable append's p50 as
+        the caller sees it, and the server's CPU per call (contextd's process; the
+        database's own, on PostgreSQL, is named beside it)."""
+        res = at(engine, 1, 1)
+        per_call_ms = res["server_cpu"] / res["calls"] * 1e3
+        store = res.get("store_cpu")
+        beside = (
+            f"; PostgreSQL's own processes {store / res['calls'] * 1e3:.2f} ms more"
+            if store is not None
+            else ""
+        )
+        p50 = res["latency_ms"]["p50"]
+        name = ENGINES[engine]
+        return [
+            Target(
+                f"Single-message append, one caller, {name}",
+                "p50 <= 1.5 ms, durable (its fsync included)",
+                f"p50 {fmt_num(p50)} ms, p99 {fmt_num(res['latency_ms']['p99'])} ms "
+                f"(echo {p('echo', 1, 1, 'p50')})",
+                p50 <= 1.5,
+                why=f"one caller waits {fmt_num(p50)} ms at the median for a durable "
+                f"single-message append on {name}, the echo server's round trip "
+                f"{p('echo', 1, 1, 'p50')}.",
+            ),
+            Target(
+                f"Server CPU per single-message append, one caller, {name}",
+                "<= 1 ms per call",
+                f"{per_call_ms:.2f} ms ({res['server_cpu']:.0%} of a core at "
+                f"{fmt_num(res['calls'])} calls/s){beside}",
+                per_call_ms <= 1.0,
+                why=f"contextd's process used {res['server_cpu']:.0%} of a core to serve "
+                f"{fmt_num(res['calls'])} calls/s{beside}.",
+            ),
+        ]
+
     targets = [
+        *one_caller("duckdb"),
+        *one_caller("postgresql"),
         Target(
             f"Single-message appends, {CALLERS} callers",
             ">= 70% of the echo ceiling",

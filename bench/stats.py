@@ -41,16 +41,24 @@ def median_time(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 1
+    fns: dict[str, Callable[[], object]],
+    repeat: int,
+    warmup: int = 1,
+    before_round: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """Median seconds of each of ``fns`` over ``repeat`` rounds that call each once in
     turn (after ``warmup`` such rounds, discarded): when two engines are compared, a slow
-    spell of a shared machine then falls on both rather than on whichever ran during it."""
+    spell of a shared machine then falls on both rather than on whichever ran during it.
+    ``before_round``, untimed, starts every round (the warm-up's too)."""
     for _ in range(warmup):
+        if before_round is not None:
+            before_round()
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(max(1, repeat)):
+        if before_round is not None:
+            before_round()
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
