@@ -9,7 +9,8 @@ shared machine falls on all; the table gives each path's median and minimum. Eve
 (the discarded one too) begins, untimed, with one message appended to a further thread
 of 10,000 messages in every store (its own agent): that thread's row is an agent's
 pattern, where each build follows an append, and no build of any thread can be answered
-from an earlier round's.
+from an earlier round's. The gRPC rounds likewise begin with one message appended to
+another agent on each engine's server.
 
 - contextd in process: ``ContextService.build_context`` over the engine's store (offline
   extractive summarizer, no truncation), what a BuildContext call costs the server
@@ -82,6 +83,7 @@ TENANT = "default"
 MODEL = "gpt-4o"
 THREAD = "main"
 MIXED = "mixed"
+ELSEWHERE = "bench-elsewhere"  # the agent the gRPC rounds append to between builds
 LIVE = "live"  # a 10,000-message thread that gets one message before each timed round
 ENGINES = ("duckdb", "postgresql")
 ENGINE_NAMES = {"duckdb": "DuckDB", "postgresql": "PostgreSQL"}
@@ -371,7 +373,26 @@ def _rpc_phase(
         echoed = stubs["echo"].BuildContext(request, metadata=metadata)
         if abs(echoed.ByteSize() - shape["bytes"]) > 16:
             raise AssertionError(f"echo reply {echoed.ByteSize()} B for {shape['bytes']} B")
-        samples = _rounds(fns, rounds, {})
+        # Every round follows a commit on each engine (another agent's message), as the
+        # in-process rounds do: no build is answered from a result the server remembered.
+        engines = [stubs[e] for e in addresses if e != "echo"]
+        for stub in engines:
+            try:
+                stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name=ELSEWHERE, model=MODEL)))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+        elsewhere = pb.AppendMessagesRequest(
+            agent=ELSEWHERE,
+            thread=THREAD,
+            messages=[pb.Message(role=pb.ROLE_USER, content="meanwhile, elsewhere")],
+        )
+
+        def append_elsewhere() -> None:
+            for stub in engines:
+                stub.AppendMessages(elsewhere)
+
+        samples = _rounds(fns, rounds, {}, append_elsewhere)
     return samples, shapes
 
 
