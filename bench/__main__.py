@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             kind = "correctness check failed" if isinstance(exc, AssertionError) else "crashed"
             failures.append(f"{name}: {kind}: {exc}")
+        finally:
+            # A finished benchmark's databases would keep PostgreSQL busy (autovacuum,
+            # checkpoints of their pages) while the next one measures.
+            pg.drop_databases()
     wall = time.perf_counter() - started
     machine_rows = machine.describe(REPO, load_at_start)
     if pg.started():
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         wall,
         failures,
         out_dir,
-        results_dir / f"{sz.mode}.json",
+        json_path,
     )
     progress(f"done in {wall:.0f} s: {md}")
     for failure in failures:

@@ -31,6 +31,7 @@ less, to start many clusters at once)."""
 _lock = threading.Lock()
 _server: PostgresServer | None = None
 _databases = 0
+_names: list[str] = []
 
 
 def server() -> PostgresServer:
@@ -53,7 +54,21 @@ def fresh_database(purpose: str) -> str:
     with _lock:
         _databases += 1
         name = f"bench_{purpose}_{_databases}"
+        _names.append(name)
     return pg.create_database(name)
+
+
+def drop_databases() -> None:
+    """Drop every database this run created so far (nothing if the server never started):
+    a finished benchmark's tables must not keep autovacuum and checkpoints busy while the
+    next benchmark measures on the same server."""
+    with _lock:
+        pg, names = _server, list(_names)
+        _names.clear()
+    if pg is None or not pg.running:
+        return
+    for name in names:
+        pg.drop_database(name)
 
 
 def process_ids() -> list[int]:
