@@ -5,7 +5,10 @@ thread of 10,000 messages whose appends were interleaved with those of 100 other
 of the same agent are stored in one DuckDB file, one PostgreSQL database and one SQLite
 file. Each is built with an 8,000-token budget, the thread hot (a first build of each is
 discarded), then every path is called once per round, in turns, so a slow spell of the
-shared machine falls on all; the table gives each path's median and minimum. Every round
+shared machine falls on all; the paths of one thread stay together and the threads take
+turns going first (each round starts one thread later), so what an append leaves to the
+next reader does not always fall on the same thread; the table gives each path's median
+and minimum. Every round
 (the discarded one too) begins, untimed, with one message appended to a further thread
 of 10,000 messages in every store (its own agent): that thread's row is an agent's
 pattern, where each build follows an append, and no build of any thread can be answered
@@ -306,21 +309,33 @@ def _rounds(
 ) -> dict[str, list[float]]:
     """Seconds of each of ``fns`` over ``rounds`` rounds calling each once in turn, after
     one discarded round (the hot-thread warm-up); a name in ``limits`` is called only in
-    that many rounds; ``before_round``, untimed, starts every round (the warm-up's too)."""
+    that many rounds; ``before_round``, untimed, starts every round (the warm-up's too).
+
+    The names are "path/case": the paths of one case stay together, and the cases take
+    turns going first (round r starts with the r-th case), so whatever an append leaves
+    to its next reader (a journal to apply, a collection) does not always land on the
+    same case."""
     if before_round is not None:
         before_round()
     for fn in fns.values():
         fn()
+    groups: dict[str, list[str]] = {}
+    for name in fns:
+        groups.setdefault(name.split("/", 1)[-1], []).append(name)
+    order = list(groups.values())
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds):
         if before_round is not None:
             before_round()
-        for name, fn in fns.items():
-            if r >= limits.get(name, rounds):
-                continue
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
+        shift = r % len(order)
+        for group in order[shift:] + order[:shift]:
+            for name in group:
+                if r >= limits.get(name, rounds):
+                    continue
+                fn = fns[name]
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
     return samples
 
 
@@ -529,14 +544,19 @@ def run(sz: Sizes) -> list[Section]:
         fns: dict[str, Callable[[], object]] = {}
         limits: dict[str, int] = {}
         progress("build scale: checking every path keeps the same messages")
-        for case in cases:
-            request = BuildRequest(
+
+        def build_request(agent: str) -> BuildRequest:
+            """The in-process request every path of a case is timed with."""
+            return BuildRequest(
                 TENANT,
-                case.agent,
+                agent,
                 "",
                 THREAD,
                 overrides=BuildOverrides(budget_tokens=budget, truncate=False),
             )
+
+        for case in cases:
+            request = build_request(case.agent)
             kept: dict[str, list[str]] = {}
             for engine, service in services.items():
                 if engine == "postgresql" and case not in pg_cases:
@@ -606,13 +626,7 @@ def run(sz: Sizes) -> list[Section]:
             _insert_sqlite(peer, history, [Append(live.agent, THREAD, i, i + 1)], counts)
 
         local = _rounds(fns, ROUNDS[mode], limits, append_live)
-        live_request = BuildRequest(
-            TENANT,
-            live.agent,
-            "",
-            THREAD,
-            overrides=BuildOverrides(budget_tokens=budget, truncate=False),
-        )
+        live_request = build_request(live.agent)
         live_kept = {
             engine: [
                 m.content for m in services[engine].build_context(live_request).context.history

@@ -269,3 +269,36 @@ def test_threads_kept_in_recency_order_choose_what_filtering_each_time_chooses(
         key=lambda t: (-t.last_message_time_us, t.thread),
     )[:limit]
     assert newest_of(by_recency(threads, window), window, limit) == expected
+
+
+def test_another_agents_commit_reuses_the_window_read_and_the_threads_own_do_not(
+    store: Store,
+) -> None:
+    """A commit moves the store's generation, so no result is answered after it; the
+    window's part is the thread's alone (its view's serial in the token) and is reused
+    after another agent's commit, never after one of the thread's own."""
+    hot, plain = _services(store)
+    for agent in (AGENT, "a2"):
+        hot.create_agent(TENANT, agent, AgentSettings())
+    hot.append_messages(TENANT, AGENT, "", THREAD, _texts(120))
+    builder = hot._builder
+    hot.build_context(REQUEST)
+    hot.build_context(REQUEST)
+    own: list[Callable[[], object]] = [
+        lambda: hot.append_messages(TENANT, AGENT, "", THREAD, _texts(1, 300)),
+        lambda: hot.compact_context(
+            TENANT, AGENT, "", THREAD, "", BuildOverrides(keep_recent_tokens=200)
+        ),
+        lambda: hot.clear_context(TENANT, AGENT, "", THREAD),
+        lambda: hot.append_messages(TENANT, AGENT, "", THREAD, _texts(2, 400)),
+    ]
+    for i, change in enumerate(own):
+        hits, windows = builder.memo_hits, builder.window_hits
+        hot.append_messages(TENANT, "a2", "", THREAD, _texts(1, 1_000 + i))
+        _same(hot.build_context(REQUEST), plain.build_context(REQUEST))
+        assert builder.memo_hits == hits and builder.window_hits == windows + 1
+        change()
+        hot.append_messages(TENANT, "a2", "", THREAD, _texts(1, 2_000 + i))
+        _same(hot.build_context(REQUEST), plain.build_context(REQUEST))
+        assert builder.window_hits == windows + 1, f"change {i}: the old window served"
+        hot.build_context(REQUEST)  # after a reload by SQL: the window is remembered

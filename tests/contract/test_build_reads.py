@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.summarizer import ExtractiveSummarizer
+from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
 from contextd.domain.context import StatusEntry, StatusKind
-from contextd.domain.model import AgentSettings
+from contextd.domain.model import AgentSettings, BuildOverrides, NewMessage, Role
 from contextd.domain.window import WindowSpec
 from contextd.ports.store import Store, status_and_activity
 
-from .support import BIG, DAY, HOUR, MINUTE, batch, key
+from .support import BIG, DAY, HOUR, MINUTE, SECOND, batch, key
 
 
 def _fill(store: Store, clock: ManualClock) -> int:
@@ -61,3 +64,70 @@ def test_status_and_activity_of_an_agent_without_either(store: Store) -> None:
         [],
         [],
     )
+
+
+def _history(result: BuildResult) -> list[tuple[int, str]]:
+    return [(m.id, m.content) for m in result.context.history]
+
+
+def test_a_build_after_other_agents_commits_sees_every_change_of_its_thread(
+    store: Store, clock: ManualClock
+) -> None:
+    """Commits to another agent leave a thread's window as it was (the DuckDB builder
+    keeps the window it read by the thread's state, across them); every change of the
+    thread itself (an append, a clear, the agent deleted and made again) is in the next
+    build, which is the build of a builder that remembers nothing."""
+    service = ContextService(store, ExtractiveSummarizer())
+    plain = ContextService(store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    request = BuildRequest(
+        "default", "a1", "", "main", overrides=BuildOverrides(budget_tokens=600, truncate=False)
+    )
+    for agent in ("a1", "a2"):
+        service.create_agent("default", agent, AgentSettings())
+    service.append_messages(
+        "default", "a1", "", "main", [_said(f"older words {i} " * 12) for i in range(60)]
+    )
+    n = [0]
+
+    def elsewhere() -> None:
+        n[0] += 1
+        service.append_messages("default", "a2", "", "main", [_said(f"meanwhile {n[0]}")])
+        clock.advance(SECOND)
+
+    def build() -> BuildResult:
+        result = service.build_context(request)
+        assert _history(result) == _history(plain.build_context(request))
+        assert result.context == plain.build_context(request).context
+        return result
+
+    for _ in range(2):
+        build()
+    before = build()
+    elsewhere()
+    assert _history(build()) == _history(before)
+    # A stored summary leaves the thread's messages (and the window's run) as they were.
+    service.compact_context("default", "a1", "", "main", "", BuildOverrides(keep_recent_tokens=200))
+    elsewhere()
+    compacted = build()
+    assert compacted.summary_id is not None and _history(compacted) != _history(before)
+    service.append_messages("default", "a1", "", "main", [_said("the newest words")])
+    elsewhere()
+    assert build().context.history[-1].content == "the newest words"
+    elsewhere()
+    assert build().context.history[-1].content == "the newest words"
+    service.clear_context("default", "a1", "", "main")
+    elsewhere()
+    assert not build().context.history
+    service.append_messages("default", "a1", "", "main", [_said("after the clear")])
+    elsewhere()
+    assert [m.content for m in build().context.history] == ["after the clear"]
+    service.delete_agent("default", "a1")
+    service.create_agent("default", "a1", AgentSettings())
+    service.append_messages("default", "a1", "", "main", [_said("a new life")])
+    elsewhere()
+    assert [m.content for m in build().context.history] == ["a new life"]
+
+
+def _said(text: str) -> NewMessage:
+    return NewMessage(role=Role.USER, content=text)

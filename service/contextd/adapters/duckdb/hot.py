@@ -134,6 +134,10 @@ class ContextView:
     # an Arrow table of six columns (zero-copy, but not free) was a tenth of a warm build.
     # Immutable, and the view's columns never change, so readers share them.
     tables: dict[tuple[int, int], pa.Table] = field(default_factory=dict)
+    # This view's number, never given to another (`_VIEW_SERIALS`): a view is one state of
+    # its thread and never changes, so equal serials mean equal reads of the thread
+    # (`build_token` carries it: a builder's window memo outlives other threads' commits).
+    serial: int = 0
 
     def window_table(self, index: slice | npt.NDArray[np.intp]) -> pa.Table:
         """`window_table` of this view, made once per contiguous window."""
@@ -147,6 +151,10 @@ class ContextView:
             table = self.tables[key] = window_table(self, index)
         return table
 
+
+# The numbers of views (`ContextView.serial`): one count for the process, so that no two
+# views of any thread, before or after a drop and reload, share one.
+_VIEW_SERIALS = itertools.count(1)
 
 # Window tables kept per view (windows of one thread differ only by the agent's clear
 # markers and ages, so one or two are in use).
@@ -197,6 +205,7 @@ class _Context:
             self.summary_rows,
             self.recent,
             self.recent_from,
+            serial=next(_VIEW_SERIALS),
         )
 
     def size(self) -> int:
@@ -245,9 +254,9 @@ class _View:
     began: bool = False
     served: bool = False
     # The last `build_token` asked, by (context id, window), and its answer.
-    token: tuple[tuple[int, WindowSpec], tuple[int, tuple[int, int | None, int | None]]] | None = (
-        None
-    )
+    token: (
+        tuple[tuple[int, WindowSpec], tuple[int, tuple[int, int | None, int | None, int]]] | None
+    ) = None
 
 
 def window_index(v: ContextView, window: WindowSpec) -> slice | npt.NDArray[np.intp]:
@@ -981,7 +990,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
 
     def build_token(
         self, context: ContextRef, window: WindowSpec
-    ) -> tuple[int, tuple[int, int | None, int | None]] | None:
+    ) -> tuple[int, tuple[int, int | None, int | None, int]] | None:
         """What every read of this snapshot so far saw, for a build of `context` over
         `window`: equal tokens mean equal reads (a builder memoizes a build's result by
         it, see `ContextBuilder.build`); None when that cannot be told (a read went to
@@ -993,7 +1002,9 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         with the clock; the run of positions they select only moves when a message enters
         or leaves it, so the token carries the run, not the bounds. Call it inside the
         snapshot, after the reads it stands for. The first item is the generation:
-        a token of an older one is never made again by a new snapshot."""
+        a token of an older one is never made again by a new snapshot. The second names
+        the thread's reads alone: (context id, the window's run, the view's serial), equal
+        only for the same state of the thread, whatever other threads committed since."""
         view = self._view()
         if view is None or view.sql_only or view.began or view.g0 is None:
             return None
@@ -1005,7 +1016,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         index = window_index(v, window)
         if not isinstance(index, slice):
             return None
-        token = (view.g0, (context.context_id, index.start, index.stop))
+        token = (view.g0, (context.context_id, index.start, index.stop, v.serial))
         view.token = ((context.context_id, window), token)
         return token
 
@@ -1067,6 +1078,11 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         if not isinstance(found, _Context) or found.context_id != ref.context_id:
             return None
         with self._hot.lock:
+            view = self._view()
+            if view is not None and view.g0 is not None and found.changed > view.g0:
+                # Changed since the snapshot's first cached read (after its lookup): the
+                # view is of a later state; SQL tells whether the snapshot moved.
+                return None
             return found.view()
 
     # ----------------------------------------------------------------- the reads

@@ -235,9 +235,13 @@ class ContextBuilder:
         )
         self._arrays = arrays
         self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
-        self._windows: Memo[Hashable, _Window] = Memo(BUILT_RESULTS)
+        # Windows by (thread, model, budget, options), each with the thread's part of the
+        # token it was read under (`build_token`'s second item: the thread's state and the
+        # window's run): a commit to another thread leaves it valid, and a new state of
+        # the thread replaces it (one window per thread and parameters is kept).
+        self._windows: Memo[Hashable, tuple[Hashable, _Window]] = Memo(BUILT_RESULTS)
         # The newest generation remembered: results of older ones cannot be asked for
-        # again (a new snapshot reads the newest), so both memos are emptied when it moves.
+        # again (a new snapshot reads the newest), so `_built` is emptied when it moves.
         self._generation = -1
         self.memo_hits = 0  # builds answered from `_built`: for tests and probes
         self.window_hits = 0  # ... and windows from `_windows`
@@ -363,27 +367,33 @@ class ContextBuilder:
             if token is not None and token[0] > self._generation:
                 self._generation = token[0]
                 self._built.clear()
-                self._windows.clear()
             if token is not None:
                 key = (token, status, request)
                 found = self._built.peek(key)
                 if found is not None:
                     return plan, found, status, key
-        # The window's part of the build reads the same (the token) and is a function of
-        # the plan's model, budget and options: remembered apart from the status block,
-        # which changes whenever one of the threads it lists grows a second older.
-        wkey = (token, plan.model, plan.budget, plan.options) if token is not None else None
-        window = self._windows.peek(wkey) if wkey is not None else None
-        if window is not None:
+        # The window's part of the build reads the thread alone (the token's second item:
+        # its state and the window's run) and is a function of the plan's model, budget
+        # and options: remembered apart from the status block, which changes whenever one
+        # of the threads it lists grows a second older, and across other threads' commits.
+        wkey = (
+            (token[1][0], plan.model, plan.budget, plan.options)
+            if token is not None and isinstance(token[1], tuple)
+            else None
+        )
+        found_window = self._windows.peek(wkey) if wkey is not None else None
+        window: _Window
+        if found_window is not None and token is not None and found_window[0] == token[1]:
             self.window_hits += 1
+            window = found_window[1]
         else:
             window = self._load_history(plan)
             if wkey is not None:
-                assert self._tokens is not None and plan.context is not None
+                assert self._tokens is not None and plan.context is not None and token
                 if self._tokens(plan.context, plan.window) != token:
                     key = None  # the window's reads went to SQL: not of the cached state
                 else:
-                    self._windows.put(wkey, window)
+                    self._windows.put(wkey, (token[1], window))
         return plan, window, status, key
 
     def _status(self, plan: _Plan) -> str:
