@@ -5,8 +5,8 @@
   backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows.
 - Searches see rows still in the pending list.
 - A one-message append is BEGIN, two statements and COMMIT (messages.py `_BEGIN_APPEND`
-  and the write after it), request id or not, sent in two round trips (a pipeline); the
-  look-up of a request id before a write is one statement.
+  and the write after it), request id or not; the look-up of a request id before a
+  write is one statement in autocommit.
 """
 
 from __future__ import annotations
@@ -113,14 +113,12 @@ def _round_trips(fields: list[list[str]]) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-def test_one_message_append_is_two_round_trips(postgres_dsn: str, tmp_path: Path) -> None:
+def test_one_message_append_is_two_statements(postgres_dsn: str, tmp_path: Path) -> None:
     """Read from libpq's trace of the store's one connection. A one-message append is
-    BEGIN, two statements and COMMIT in a pipeline: BEGIN travels with the first
-    statement (the locks, the ids, the request record), COMMIT with the second (the row,
-    the counters, the record), two waits for the server in all, request id or not.
-    Before, it was four (BEGIN, each statement, COMMIT); with a request id the
-    servicer's look-up of the id first was three more (BEGIN, the read, COMMIT), now one
-    statement in autocommit."""
+    BEGIN, two statements and COMMIT, request id or not; the look-up of a request id
+    before a write is one statement in autocommit. Before, an append to an existing
+    thread was six (BEGIN, the agent's lock, the thread's lock, the row, the counters,
+    COMMIT), eight with a request id, and the look-up three (BEGIN, the read, COMMIT)."""
     store = PostgresStore.open(postgres_dsn, pool_size=1)
     try:
         service = ContextService(store, ExtractiveSummarizer())
@@ -141,17 +139,18 @@ def test_one_message_append_is_two_round_trips(postgres_dsn: str, tmp_path: Path
                     conn.pgconn.untrace()
         # Lines are "F|B <tab> length <tab> message ..." (F: sent by the client).
         trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
-        # (Statements run often are prepared by psycopg: a Parse only the first times.)
-        kinds = [[k for k in trip if k in ("Query", "Sync", "Flush", "Execute")] for trip in trips]
-        append = [["Execute", "Execute", "Flush"], ["Execute", "Execute", "Sync"]]
-        assert kinds == [*append, ["Execute", "Sync"], *append], trips
+        kinds = [trip[-1] for trip in trips]
+        # Each append: BEGIN, the locks and ids (with the record), the writes, COMMIT;
+        # between them the look-up: one extended statement, no BEGIN or COMMIT.
+        append = ["Query", "Sync", "Sync", "Query"]
+        assert kinds == [*append, "Sync", *append], trips
         # The record was written with the row: the same request replays it.
         again = store.append(key, _prepared(), None, record)
     except AlreadyDone as done:
         assert receipts is not None
         assert done.payload == record.encode(receipts)
         assert store.remembered(TENANT, record.request_id) is not None
-        # The connection came back from the replay (a rollback in the pipeline) usable.
+        # The connection came back from the look-ups usable for writes.
         store.append(key, _prepared(), None)
         thread = store.get_thread(key)
         assert thread is not None and thread.message_count == 4

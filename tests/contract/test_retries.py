@@ -79,8 +79,8 @@ def test_concurrent_attempts_under_one_request_id_write_once(store: Store) -> No
     """Attempts of one append race (a client retrying while its first attempt is still
     running), eight at a time, round after round: one writes, every other answers its
     payload, and the thread holds each message once. On PostgreSQL the losers conflict on
-    the record's key when they commit (a pipelined transaction: the error comes with the
-    COMMIT), roll back and run again, on connections that stay usable."""
+    the record's key when they write it, roll back and run again, on connections that
+    stay usable."""
     store.append(key(), batch("before"), AgentSettings())
     rounds, racers = 6, 8
     for n in range(rounds):

@@ -21,7 +21,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
-from psycopg import pq
 
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
@@ -188,7 +187,6 @@ class PostgresBase:
         record: RequestRecord | None = None,
         *,
         records_itself: bool = False,
-        pipelined: bool = False,
     ) -> T:
         """Run `fn` in one transaction and return its result; run it again from the
         start when PostgreSQL aborts it for a conflict.
@@ -201,11 +199,6 @@ class PostgresBase:
         `records_itself`: `fn` does both with statements of its own (a small write's
         time goes mostly to round trips, so it reads the record beside its first reads,
         `check_remembered`, and writes it with its last write, `RECORD_VALUES`).
-
-        `pipelined`: the transaction runs in libpq's pipeline mode, so BEGIN travels with
-        the first statement and COMMIT with the last one (`fn` must not COPY); only a
-        statement whose rows `fn` fetches waits for the server. A one-message append is
-        then two round trips, not four. The commit is still awaited before this returns.
         """
         if self._closed:
             raise Unavailable(
@@ -214,12 +207,17 @@ class PostgresBase:
         self._forget_old_requests()
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
-                with self._pool.connection() as conn:
-                    if pipelined:
-                        value = self._pipelined(conn, fn, record, records_itself)
-                    else:
-                        with conn.transaction():
-                            value = self._transaction_body(conn, fn, record, records_itself)
+                with self._pool.connection() as conn, conn.transaction():
+                    if record is not None and not records_itself:
+                        found = _remembered(conn, record.tenant, record.request_id)
+                        if found is not None:
+                            raise AlreadyDone(replay(record, found))
+                    value = fn(conn)
+                    if record is not None and not records_itself:
+                        conn.execute(
+                            f"INSERT INTO request_records {RECORD_VALUES}",
+                            self._record_values(record, value),
+                        )
                 return value
             except (
                 pg_errors.DeadlockDetected,
@@ -232,53 +230,6 @@ class PostgresBase:
                     raise
                 log.debug("write conflicted; running it again", extra={"attempt": attempt + 1})
         raise AssertionError("unreachable")
-
-    def _pipelined(
-        self,
-        conn: Conn,
-        fn: Callable[[Conn], T],
-        record: RequestRecord | None,
-        records_itself: bool,
-    ) -> T:
-        """`_write`'s transaction in pipeline mode. BEGIN and COMMIT are statements of
-        ours, sent in autocommit: psycopg's own transaction waits for a Sync after its
-        BEGIN (and `conn.transaction()` after every block) to learn the transaction's
-        state, which would bring the round trips back. The COMMIT's answer is awaited
-        when the pipeline ends; an error there (a conflict) raises like any other."""
-        conn.autocommit = True
-        try:
-            with conn.pipeline():
-                conn.execute("BEGIN")
-                value = self._transaction_body(conn, fn, record, records_itself)
-                conn.execute("COMMIT")
-            return value
-        finally:
-            status = conn.pgconn.transaction_status
-            if status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR):
-                conn.rollback()  # an error or a raise before the COMMIT went out
-            if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
-                conn.autocommit = False
-            # else the connection broke: the pool discards it
-
-    def _transaction_body(
-        self,
-        conn: Conn,
-        fn: Callable[[Conn], T],
-        record: RequestRecord | None,
-        records_itself: bool,
-    ) -> T:
-        """`_write`'s transaction: the request id's lookup, `fn`, the record."""
-        if record is not None and not records_itself:
-            found = _remembered(conn, record.tenant, record.request_id)
-            if found is not None:
-                raise AlreadyDone(replay(record, found))
-        value = fn(conn)
-        if record is not None and not records_itself:
-            conn.execute(
-                f"INSERT INTO request_records {RECORD_VALUES}",
-                self._record_values(record, value),
-            )
-        return value
 
 
 # The columns and values of a request record (`PostgresBase._record_values`).

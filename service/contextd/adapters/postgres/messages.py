@@ -340,13 +340,11 @@ class MessagesMixin(PostgresBase):
         record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
         # The append reads the request id's record in its first statement and writes it
-        # in its last: a one-message append is BEGIN, two statements and COMMIT, sent in
-        # two round trips (pipelined; a larger batch COPYs its rows, outside a pipeline).
+        # in its last: a one-message append is BEGIN, two statements and COMMIT.
         receipts = self._write(
             lambda conn: self._append(conn, key, batch, default_settings, record),
             record,
             records_itself=True,
-            pipelined=len(batch) == 1,
         )
         self._pending.appended(len(receipts))
         return receipts
