@@ -5,7 +5,8 @@
   backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows.
 - Searches see rows still in the pending list.
 - A one-message append is BEGIN, two statements and COMMIT (messages.py `_BEGIN_APPEND`
-  and the write after it), request id or not.
+  and the write after it), request id or not; the look-up of a request id before a
+  write is one statement in autocommit.
 """
 
 from __future__ import annotations
@@ -92,16 +93,38 @@ def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: 
     assert _pending_pages(postgres_dsn) == 0
 
 
+def _round_trips(fields: list[list[str]]) -> list[list[str]]:
+    """The client's messages (libpq trace lines split at tabs) grouped by round trip: a
+    group ends where the client waits for the server, at a simple Query, a Sync, or a
+    Flush that asks for the results sent so far (psycopg's Flush right after a Sync asks
+    for nothing more)."""
+    groups: list[list[str]] = [[]]
+    previous = ""
+    for f in fields:
+        if len(f) < 3 or f[0] != "F":
+            continue
+        kind = f[2]
+        if kind == "Flush" and previous == "Sync":
+            continue
+        groups[-1].append(kind if kind != "Parse" else f"Parse {f[3].split()[1]}")
+        if kind in ("Query", "Sync", "Flush"):
+            groups.append([])
+        previous = kind
+    return [g for g in groups if g]
+
+
 def test_one_message_append_is_two_statements(postgres_dsn: str, tmp_path: Path) -> None:
-    """Read from libpq's trace of the store's one connection: the messages the client
-    sent that make the server answer (a simple Query, or Sync after extended ones).
-    Before, an append to an existing thread was six (BEGIN, the agent's lock, the
-    thread's lock, the row, the counters, COMMIT), eight with a request id."""
+    """Read from libpq's trace of the store's one connection. A one-message append is
+    BEGIN, two statements and COMMIT, request id or not; the look-up of a request id
+    before a write is one statement in autocommit. Before, an append to an existing
+    thread was six (BEGIN, the agent's lock, the thread's lock, the row, the counters,
+    COMMIT), eight with a request id, and the look-up three (BEGIN, the read, COMMIT)."""
     store = PostgresStore.open(postgres_dsn, pool_size=1)
     try:
         service = ContextService(store, ExtractiveSummarizer())
         service.append_messages(TENANT, "a", "", "t", _batch(0, 1), create_agent=True)
         trace = tmp_path / "trace"
+        record = RequestRecord(TENANT, "r-1", "contextd.v1.AppendMessagesRequest", "f", _encode)
         with trace.open("w") as out:
             with store._pool.connection() as conn:
                 conn.pgconn.trace(out.fileno())
@@ -109,25 +132,28 @@ def test_one_message_append_is_two_statements(postgres_dsn: str, tmp_path: Path)
             try:
                 key = ContextKey(TENANT, "a", "", "t")
                 store.append(key, _prepared(), None)
-                record = RequestRecord(
-                    TENANT, "r-1", "contextd.v1.AppendMessagesRequest", "f", _encode
-                )
+                assert store.remembered(TENANT, record.request_id) is None
                 receipts = store.append(key, _prepared(), None, record)
             finally:
                 with store._pool.connection() as conn:
                     conn.pgconn.untrace()
         # Lines are "F|B <tab> length <tab> message ..." (F: sent by the client).
-        fields = [line.split("\t") for line in trace.read_text().splitlines()]
-        sent = [f[2] for f in fields if len(f) > 2 and f[0] == "F" and f[2] in ("Query", "Sync")]
-        # Each append: BEGIN, the locks and ids (with the record), the writes, COMMIT.
-        assert sent == ["Query", "Sync", "Sync", "Query"] * 2, [
-            f[2:4] for f in fields if f[0] == "F"
-        ]
+        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        kinds = [trip[-1] for trip in trips]
+        # Each append: BEGIN, the locks and ids (with the record), the writes, COMMIT;
+        # between them the look-up: one extended statement, no BEGIN or COMMIT.
+        append = ["Query", "Sync", "Sync", "Query"]
+        assert kinds == [*append, "Sync", *append], trips
         # The record was written with the row: the same request replays it.
         again = store.append(key, _prepared(), None, record)
     except AlreadyDone as done:
         assert receipts is not None
         assert done.payload == record.encode(receipts)
+        assert store.remembered(TENANT, record.request_id) is not None
+        # The connection came back from the look-ups usable for writes.
+        store.append(key, _prepared(), None)
+        thread = store.get_thread(key)
+        assert thread is not None and thread.message_count == 4
     else:
         raise AssertionError(f"not replayed: {again}")
     finally:

@@ -4,6 +4,7 @@ is REQUEST_ID_REUSED; records are kept per tenant."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,55 @@ def test_a_retried_append_writes_once_and_answers_the_first_payload(store: Store
     assert store.remembered("default", "r1") == Remembered(
         "contextd.v1.TestRequest", "f1", repr(receipts).encode()
     )
+
+
+def _race(store: Store, n: int, racers: int) -> list[bytes]:
+    """`racers` attempts of one append with one request id, released at once: what each
+    was answered (its receipts, or the payload AlreadyDone replays)."""
+    start = threading.Barrier(racers)
+    answers: list[bytes] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def attempt() -> None:
+        start.wait()
+        try:
+            receipts = store.append(key(), batch(f"raced {n}"), None, record(f"race {n}"))
+            payload = repr(receipts).encode()
+        except AlreadyDone as done:
+            payload = done.payload
+        except BaseException as exc:  # pragma: no cover - reported below
+            with lock:
+                errors.append(exc)
+            return
+        with lock:
+            answers.append(payload)
+
+    attempts = [threading.Thread(target=attempt) for _ in range(racers)]
+    for t in attempts:
+        t.start()
+    for t in attempts:
+        t.join()
+    assert errors == []
+    return answers
+
+
+def test_concurrent_attempts_under_one_request_id_write_once(store: Store) -> None:
+    """Attempts of one append race (a client retrying while its first attempt is still
+    running), eight at a time, round after round: one writes, every other answers its
+    payload, and the thread holds each message once. On PostgreSQL the losers conflict on
+    the record's key when they write it, roll back and run again, on connections that
+    stay usable."""
+    store.append(key(), batch("before"), AgentSettings())
+    rounds, racers = 6, 8
+    for n in range(rounds):
+        answers = _race(store, n, racers)
+        assert len(answers) == racers and len(set(answers)) == 1
+    assert history(store, key()) == ["before", *(f"raced {n}" for n in range(rounds))]
+    thread = store.get_thread(key())
+    assert thread is not None and thread.message_count == 1 + rounds
+    store.append(key(), batch("after"), None, record("next"))
+    assert history(store, key())[-1] == "after"
 
 
 def test_another_request_under_the_same_id_is_refused(store: Store) -> None:
