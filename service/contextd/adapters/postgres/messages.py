@@ -190,19 +190,19 @@ LEFT JOIN LATERAL (
            json_agg(json_build_array(q.tag, """
     + ", ".join("q." + c[2:] for c in _KEYLESS_MESSAGES.split(", "))
     + """) ORDER BY q.sequence DESC) FILTER (WHERE NOT q.held) AS fresh
-    FROM (SELECT """
+    -- each row's tag computed once (in q0), then looked up among those sent
+    FROM (SELECT q0.*, q0.tag IN (SELECT unnest(string_to_array(%s, ' '))) AS held
+          FROM (SELECT """
     + _KEYLESS_MESSAGES
     + """, m.chars, m.ordinal, m.tools_total, """
     + MESSAGE_TAG
-    + " AS tag, "
-    + MESSAGE_TAG
-    + """ IN (SELECT unnest(string_to_array(%s, ' '))) AS held
+    + """ AS tag
           FROM messages m
           WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
             AND m.sequence >= CASE WHEN s.sequence >= f.sequence
                                    THEN coalesce(a.sequence, 9223372036854775807)
                                    ELSE f.sequence END
-          ORDER BY m.sequence DESC LIMIT %s) q) p ON true
+          ORDER BY m.sequence DESC LIMIT %s) q0) q) p ON true
 LEFT JOIN LATERAL (
     -- the message `held` ids before the page's oldest, by (tenant, id) alone
     SELECT m.context_id, m.ordinal FROM messages m
