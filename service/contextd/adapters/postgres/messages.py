@@ -212,8 +212,10 @@ WHERE t.tenant = %s AND t.context_id = %s
 """
 )
 
-# Sent without its comments and runs of blanks: psycopg keeps its conversion of a query
-# of at most 4,096 characters (this one is longer as written), and the server parses less.
+# Its results come in binary (the page's arrays are bytea: half the bytes of their hex
+# text, and no decoding). Sent without its comments and runs of blanks: psycopg keeps its
+# conversion of a query of at most 4,096 characters (this one is longer as written), and
+# the server parses less.
 _BOUNDS = " ".join(re.sub(r"--[^\n]*", "", _BOUNDS).split())
 
 # `window_page`: the narrow columns and running counts of the newest rows of a range,
@@ -823,7 +825,7 @@ class MessagesMixin(PostgresBase):
         else:
             params, cached = self._bounds_params(context, window, summary_last_id, first_page, held)
             with self._reading() as conn:
-                row = first(conn, _BOUNDS, params)
+                row = conn.execute(_BOUNDS, params, binary=True).fetchone()
         self._local.page = None
         if row is None:
             return None
@@ -921,7 +923,7 @@ class MessagesMixin(PostgresBase):
                 if summary_last > summary.id:
                     return  # the build reads the whole window
         params, cached = self._bounds_params(ref, window, summary_last, *shape)
-        cursor = conn.execute(_BOUNDS, params)
+        cursor = conn.execute(_BOUNDS, params, binary=True)
         self._local.bounds = ((ref, window, summary_last, *shape), cursor, cached)
 
     def _page_messages(
