@@ -3,14 +3,16 @@ cache of loaded messages, which never answers with a row the build's snapshot do
 hold.
 
 Round trips are counted by libpq itself: the pool's one connection traces the protocol
-messages it sends (`PGconn.trace`), and every round trip ends with a Sync (a statement)
-or is a Query (BEGIN, COMMIT).
+messages it sends and receives (`PGconn.trace`), and a round trip is a run of messages
+the client sends followed by one the server sends (a build's snapshot is in pipeline
+mode: its statements end with a Flush, not each with a Sync).
 
 PostgreSQL only: the embedded engine reads in process.
 """
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,9 +31,10 @@ from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, New
 from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
-# A hot build: BEGIN, the thread (with its summary and agent's version), the window's
-# bounds with its newest page (and the kept messages among them), the status block, COMMIT.
-HOT_BUILD_ROUND_TRIPS = 5
+# A hot build: the thread (with its summary and agent's version, after the snapshot's
+# queued BEGIN); the status block with the window's bounds and its newest page (and the
+# kept messages among them); COMMIT.
+HOT_BUILD_ROUND_TRIPS = 3
 
 
 @pytest.fixture
@@ -70,16 +73,17 @@ def _round_trips(store: PostgresStore, call: object) -> int:
                 with store._pool.connection() as conn:
                     conn.pgconn.untrace()
         sent = [line.split("\t") for line in path.read_text(errors="replace").splitlines()]
-    return sum(1 for f in sent if len(f) > 2 and f[0] == "F" and f[2] in ("Sync", "Query"))
+    sides = [f[0] for f in sent if len(f) > 2 and f[0] in ("F", "B")]
+    return sum(1 for a, b in itertools.pairwise(sides) if (a, b) == ("F", "B"))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
-def test_a_hot_build_makes_five_round_trips(
+def test_a_hot_build_makes_three_round_trips(
     store: PostgresStore, service: ContextService, interleaved: bool
 ) -> None:
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
-    a hot build makes the same five round trips, and they do not grow with the thread."""
+    a hot build makes the same three round trips, and they do not grow with the thread."""
     for step in range(6):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
         if interleaved:
@@ -193,3 +197,99 @@ def test_a_read_of_ids_further_back_than_the_run_reads_only_what_it_lacks(
     assert [int(i) for i in newest] == every[-10:]
     older = store.window_page(other, 1, 50, 10, ids_only=True).column("id").to_numpy()
     assert [int(i) for i in older] == every[39:49]
+
+
+def test_the_bounds_queued_with_the_status_block_are_never_stale(
+    store: PostgresStore, service: ContextService, postgres_dsn: str
+) -> None:
+    """A hot build's window bounds travel with its status block's statement, read for
+    the thread and window its snapshot's own reads name: after another replica appends,
+    clears the thread, clears the agent, stores a summary, or a row is rewritten or
+    deleted between two builds, the build is the one a replica that never built before
+    makes, in the same three round trips (but where a deleted row leaves a hole: the
+    window is then read whole)."""
+    clock = store.clock
+    assert isinstance(clock, ManualClock)
+    other = PostgresStore.open(postgres_dsn, clock=clock, pool_size=1)
+    try:
+        elsewhere = ContextService(other, ExtractiveSummarizer())
+        service.append_messages(TENANT, AGENT, "", "main", _turns("m", 300))
+        service.append_messages(TENANT, AGENT, "", "side", _turns("s", 5))
+        request = BuildRequest(
+            TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000)
+        )
+
+        def fresh() -> list[tuple[int, str]]:
+            cold = PostgresStore.open(postgres_dsn, clock=clock, pool_size=1)
+            try:
+                built = ContextService(cold, ExtractiveSummarizer()).build_context(request)
+            finally:
+                cold.close()
+            return [(m.id, m.content) for m in built.context.history]
+
+        def check(trips_as_hot: bool = True) -> list[tuple[int, str]]:
+            service.build_context(request)  # the first build after a change may read more
+            got: list[Any] = []
+            trips = _round_trips(store, lambda: got.append(service.build_context(request)))
+            built = [(m.id, m.content) for m in got[0].context.history]
+            assert built == fresh()
+            assert trips == HOT_BUILD_ROUND_TRIPS or not trips_as_hot
+            return built
+
+        for _ in range(2):
+            service.build_context(request)
+        first = check()
+        elsewhere.append_messages(TENANT, AGENT, "", "main", _turns("other", 3))
+        after_append = service.build_context(request)
+        assert after_append.context.history[-1].content.startswith("other 2")
+        assert check()[-1][1].startswith("other 2")
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute("UPDATE messages SET content = 'rewritten' WHERE id = %s", [first[-4][0]])
+            conn.execute("DELETE FROM messages WHERE id = %s", [first[-6][0]])
+        rewritten = service.build_context(request)
+        contents = {m.id: m.content for m in rewritten.context.history}
+        assert contents[first[-4][0]] == "rewritten" and first[-6][0] not in contents
+        assert check(trips_as_hot=False)  # a hole in the thread: its window is read whole
+        clock.advance(1_000)
+        elsewhere.clear_context(TENANT, AGENT, "", "main")
+        clock.advance(1_000)
+        assert not service.build_context(request).context.history
+        elsewhere.append_messages(TENANT, AGENT, "", "main", _turns("after", 4))
+        assert [c for _, c in check()] == [m.content for m in _turns("after", 4)]
+        clock.advance(1_000)
+        elsewhere.clear_context(TENANT, AGENT, "", "", all_scopes=True)
+        clock.advance(1_000)
+        elsewhere.append_messages(TENANT, AGENT, "", "main", _turns("later", 2))
+        assert [c for _, c in check()] == [m.content for m in _turns("later", 2)]
+    finally:
+        other.close()
+
+
+def test_queued_bounds_answer_only_the_call_they_were_read_for(
+    store: PostgresStore, service: ContextService
+) -> None:
+    """The bounds `status_and_activity` queues in a snapshot answer `window_bounds` only
+    when it is called with the arguments they were read with: another window of the
+    same thread is read on its own."""
+    service.append_messages(TENANT, AGENT, "", "main", _turns("m", 40))
+    service.append_messages(TENANT, AGENT, "", "main", _turns("n", 10))  # committed later
+    key = ContextKey(TENANT, AGENT, "", "main")
+    ref = store.context_ref(key)
+    assert ref is not None
+    stored = store.window_messages_from(ref, WindowSpec(0, 0), 1, (1, 2**62))
+    everything = store.window_bounds(ref, WindowSpec(0, 0), 0, 16, 100)
+    assert everything is not None and everything.count == 50
+    later = WindowSpec(stored[39].create_time_us, 0)
+    with store.snapshot():
+        ref = store.context_ref(key)
+        assert ref is not None
+        store.status_and_activity(TENANT, AGENT, "", 0, 10, WindowSpec(0, 0), 10)
+        assert store._local.bounds is not None  # read for WindowSpec(0, 0)
+        inside = store.window_bounds(ref, later, 0, 16, 100)
+    assert inside is not None and inside.count == 10 and inside.first_id == stored[40].id
+    with store.snapshot():
+        ref = store.context_ref(key)
+        assert ref is not None
+        store.status_and_activity(TENANT, AGENT, "", 0, 10, WindowSpec(0, 0), 10)
+        again = store.window_bounds(ref, WindowSpec(0, 0), 0, 16, 100)
+    assert again is not None and again.count == 50 and again.first_id == stored[0].id

@@ -33,6 +33,7 @@ from contextd.domain.errors import (
 )
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
 from contextd.domain.model import Agent
+from contextd.domain.window import WindowSpec
 
 log = logging.getLogger(__name__)
 
@@ -142,20 +143,23 @@ class PostgresBase:
         """Reads of this thread inside the block see one consistent state: one READ ONLY
         REPEATABLE READ transaction on one connection. Nested blocks join the outer one.
 
-        The isolation level and read-only mode are set on the connection (client side)
-        before the transaction begins, so its BEGIN carries them: one round trip less
-        than a BEGIN followed by SET TRANSACTION, on every build. (No cache of windows
-        on this engine: other replicas write too; the few shortcuts it keeps are
-        validated by reads of the snapshot, see docs/architecture.md, The hot cache.)"""
+        The connection is in pipeline mode for the block, its BEGIN queued: it travels
+        with the block's first statement, and its COMMIT with the Sync that ends the
+        pipeline, so a snapshot costs no round trip of its own, and a read may queue a
+        statement whose result a later read of the block takes (`status_and_activity`
+        queues the bounds of the thread `context_ref` read). (No cache of windows on this
+        engine: other replicas write too; the few shortcuts it keeps are validated by
+        reads of the snapshot, see docs/architecture.md, The hot cache.)"""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
         with self._reading() as conn:
-            level, read_only = conn.isolation_level, conn.read_only
-            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            conn.read_only = True
+            # Autocommit (client side) so that psycopg sends no BEGIN of its own, with a
+            # Sync, before the first statement: the block's BEGIN is the queued one.
+            conn.autocommit = True
             try:
-                with conn.transaction():
+                with conn.pipeline():
+                    conn.execute(SNAPSHOT_BEGIN)
                     self._local.conn = conn
                     try:
                         yield
@@ -164,8 +168,21 @@ class PostgresBase:
                         self._local.summary = None  # read by context_ref in this block
                         self._local.agent_version = None  # likewise
                         self._local.page = None  # read by window_bounds in this block
+                        self._local.ref = None  # read by context_ref in this block
+                        self._local.bounds = None  # queued by status_and_activity
+                    conn.execute("COMMIT")
             finally:
-                conn.isolation_level, conn.read_only = level, read_only
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
+                    not conn.closed
+                ):
+                    conn.rollback()  # the block failed: its transaction ends unused
+                if not conn.closed:
+                    conn.autocommit = False
+
+    def _queue_bounds(
+        self, conn: Conn, tenant: str, agent: str, scope: str, agent_window: WindowSpec
+    ) -> None:
+        """Queue the window bounds read the build will make next (see messages.py)."""
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""
@@ -231,6 +248,9 @@ class PostgresBase:
                 log.debug("write conflicted; running it again", extra={"attempt": attempt + 1})
         raise AssertionError("unreachable")
 
+
+# The BEGIN of a snapshot (see `PostgresBase.snapshot`).
+SNAPSHOT_BEGIN = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
 
 # The columns and values of a request record (`PostgresBase._record_values`).
 RECORD_VALUES = (

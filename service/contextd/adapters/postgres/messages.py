@@ -190,19 +190,19 @@ LEFT JOIN LATERAL (
            json_agg(json_build_array(q.tag, """
     + ", ".join("q." + c[2:] for c in _KEYLESS_MESSAGES.split(", "))
     + """) ORDER BY q.sequence DESC) FILTER (WHERE NOT q.held) AS fresh
-    FROM (SELECT """
+    -- each row's tag computed once (in q0), then looked up among those sent
+    FROM (SELECT q0.*, q0.tag IN (SELECT unnest(string_to_array(%s, ' '))) AS held
+          FROM (SELECT """
     + _KEYLESS_MESSAGES
     + """, m.chars, m.ordinal, m.tools_total, """
     + MESSAGE_TAG
-    + " AS tag, "
-    + MESSAGE_TAG
-    + """ IN (SELECT unnest(string_to_array(%s, ' '))) AS held
+    + """ AS tag
           FROM messages m
           WHERE m.tenant = t.tenant AND m.context_id = t.context_id AND NOT m.is_summary
             AND m.sequence >= CASE WHEN s.sequence >= f.sequence
                                    THEN coalesce(a.sequence, 9223372036854775807)
                                    ELSE f.sequence END
-          ORDER BY m.sequence DESC LIMIT %s) q) p ON true
+          ORDER BY m.sequence DESC LIMIT %s) q0) q) p ON true
 LEFT JOIN LATERAL (
     -- the message `held` ids before the page's oldest, by (tenant, id) alone
     SELECT m.context_id, m.ordinal FROM messages m
@@ -212,8 +212,10 @@ WHERE t.tenant = %s AND t.context_id = %s
 """
 )
 
-# Sent without its comments and runs of blanks: psycopg keeps its conversion of a query
-# of at most 4,096 characters (this one is longer as written), and the server parses less.
+# Its results come in binary (the page's arrays are bytea: half the bytes of their hex
+# text, and no decoding). Sent without its comments and runs of blanks: psycopg keeps its
+# conversion of a query of at most 4,096 characters (this one is longer as written), and
+# the server parses less.
 _BOUNDS = " ".join(re.sub(r"--[^\n]*", "", _BOUNDS).split())
 
 # `window_page`: the narrow columns and running counts of the newest rows of a range,
@@ -328,6 +330,8 @@ class MessagesMixin(PostgresBase):
     _search_vectors: bool = False
     # Merges the search index's pending list off the append path (pending_list.py).
     _pending: PendingListMerger
+    # The page sizes (first_page, held) of this replica's last `window_bounds` read.
+    _bounds_shape: tuple[int, int] | None = None
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
     _messages: MessageCache  # messages builds loaded, by thread (message_cache.py)
@@ -694,6 +698,7 @@ class MessagesMixin(PostgresBase):
             return None
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
         if getattr(self._local, "conn", None) is not None:
+            self._local.ref = ref  # for `_queue_bounds`, in this snapshot
             if row[3] is not None:  # for get_agent, in this snapshot
                 self._local.agent_version = (key.tenant, key.agent, str(row[3]))
             if ref.latest_summary_id:
@@ -808,26 +813,19 @@ class MessagesMixin(PostgresBase):
         append of the thread wrote the counts (`totals_through`)."""
         if window.retains:
             return None
-        tenant = _tenant(context)
+        self._bounds_shape = (first_page, held)
         key = context.key
         assert key is not None, "a PostgreSQL ContextRef carries its key"
-        after_us = max(window.clear_after_us, window.age_after_us)
-        cached = self._messages.newest(key, context.context_id, first_page)
-        with self._reading() as conn:
-            row = first(
-                conn,
-                _BOUNDS,
-                [
-                    tenant,
-                    summary_last_id,
-                    after_us,
-                    " ".join(cached),
-                    first_page,
-                    held,
-                    tenant,
-                    context.context_id,
-                ],
-            )
+        match = (context, window, summary_last_id, first_page, held)
+        queued = getattr(self._local, "bounds", None)
+        self._local.bounds = None
+        if queued is not None and queued[0] == match and self._in_snapshot():
+            # Queued by `status_and_activity` in this snapshot, with these arguments.
+            row, cached = queued[1].fetchone(), queued[2]
+        else:
+            params, cached = self._bounds_params(context, window, summary_last_id, first_page, held)
+            with self._reading() as conn:
+                row = conn.execute(_BOUNDS, params, binary=True).fetchone()
         self._local.page = None
         if row is None:
             return None
@@ -867,6 +865,66 @@ class MessagesMixin(PostgresBase):
             after_summary_id=int(a_id or 0),
             after_summary_sequence=int(a_sequence or 0),
         )
+
+    def _in_snapshot(self) -> bool:
+        return getattr(self._local, "conn", None) is not None
+
+    def _bounds_params(
+        self,
+        context: ContextRef,
+        window: WindowSpec,
+        summary_last_id: int,
+        first_page: int,
+        held: int,
+    ) -> tuple[list[Any], dict[str, StoredMessage]]:
+        """`_BOUNDS`'s parameters, and the cached messages whose tags they send."""
+        key = context.key
+        assert key is not None, "a PostgreSQL ContextRef carries its key"
+        cached = self._messages.newest(key, context.context_id, first_page)
+        after_us = max(window.clear_after_us, window.age_after_us)
+        tenant = key.tenant
+        params = [
+            tenant,
+            summary_last_id,
+            after_us,
+            " ".join(cached),
+            first_page,
+            held,
+            tenant,
+            context.context_id,
+        ]
+        return params, cached
+
+    def _queue_bounds(
+        self, conn: Conn, tenant: str, agent: str, scope: str, agent_window: WindowSpec
+    ) -> None:
+        """Queue, in this snapshot's pipeline, the `window_bounds` read the build of the
+        thread `context_ref` read in it will make next (its window: the agent's with the
+        thread's clear; the summary's last message, as `latest_summary` answers; the page
+        sizes of this replica's last such read), so that it travels with the status
+        block's statement. `window_bounds` takes its result only when called with the
+        same arguments in the same snapshot: a guess that misses costs a statement's
+        server time, never a wrong answer."""
+        ref: ContextRef | None = getattr(self._local, "ref", None)
+        shape = self._bounds_shape
+        if ref is None or shape is None or ref.key is None:
+            return
+        if (ref.key.tenant, ref.key.agent, ref.key.scope) != (tenant, agent, scope):
+            return
+        window = agent_window.with_thread_clear(ref.last_clear_time_us)
+        if window.retains:
+            return
+        summary_last = 0
+        read = getattr(self._local, "summary", None)
+        if ref.latest_summary_id and read is not None:
+            summary = read[2]
+            if summary is not None and summary.summarized_ids is not None:
+                summary_last = summary.summarized_ids[1]
+                if summary_last > summary.id:
+                    return  # the build reads the whole window
+        params, cached = self._bounds_params(ref, window, summary_last, *shape)
+        cursor = conn.execute(_BOUNDS, params, binary=True)
+        self._local.bounds = ((ref, window, summary_last, *shape), cursor, cached)
 
     def _page_messages(
         self,

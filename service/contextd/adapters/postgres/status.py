@@ -106,7 +106,12 @@ class StatusMixin(PostgresBase):
             + ") a(thread, last_message_time_us, count)) a ORDER BY 1, 2"
         )
         with self._reading() as conn:
-            rows = conn.execute(sql, params).fetchall()
+            cursor = conn.execute(sql, params)
+            if getattr(self._local, "conn", None) is conn:
+                # In a snapshot (pipeline mode): the bounds the build reads next travel
+                # with this statement.
+                self._queue_bounds(conn, tenant, agent, scope, window)
+            rows = cursor.fetchall()
         status = [status_from_row(r[2:]) for r in rows if r[0] == 0]
         found = [ThreadActivity(r[2], r[6], int(r[7])) for r in rows if r[0] == 1]
         return status, [a for a in found if a.window_message_count > 0]
