@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from conftest import USER, SpawnServer
@@ -82,11 +83,45 @@ def test_the_filter_never_misses_a_key_and_false_positives_stay_near_one_percent
         added.add(key)
     # The bulk build (at open, at a rebuild) and the writer's adds set the same bits:
     # a key recorded before a restart is found by the filter built after it.
-    assert built._bits == added._bits
+    assert built.bits() == added.bits()
     assert all(built.maybe(k) for k in keys)
     fresh = sum(built.maybe(f"{uuid.uuid4().hex}\tdefault") for _ in range(20_000))
     assert fresh < 400  # 1% expected at capacity: 200
     assert added.full() and not built.full()
+
+
+def test_the_arrow_build_sets_the_bits_of_adding_one_by_one() -> None:
+    """The build reads Arrow string columns from their buffers (int32 and int64 offsets,
+    slices, chunks) and sets the same bits as the writer's one-by-one adds."""
+    keys = [f"{uuid.uuid4().hex}\tdefault" for _ in range(3_000)] + ["", "ünïcødé\tdefault"]
+    one = RequestFilter(capacity=10_000)
+    for key in keys[100:2_500]:
+        one.add(key)
+    for kind in (pa.string(), pa.large_string()):
+        whole = pa.array(["before"] * 7 + keys, type=kind)
+        built = RequestFilter(capacity=10_000)
+        built.add_arrow(whole.slice(107, 1_000))  # a slice: its offset into the buffers
+        built.add_arrow(pa.chunked_array([whole.slice(1_107, 900), whole.slice(2_007, 500)]))
+        assert built.bits() == one.bits()
+        assert not built.maybe("before") and built.added == 0
+    everything = RequestFilter(capacity=10_000)
+    everything.add_arrow(pa.array(keys))
+    assert all(everything.maybe(k) for k in keys)
+    empties = RequestFilter(capacity=10)
+    empties.add_arrow(pa.array(["", ""]))  # no data bytes at all
+    empties.add_arrow(pa.array([], type=pa.string()))
+    assert empties.maybe("") and not empties.maybe("x")
+
+
+def test_a_malformed_column_is_refused_whole() -> None:
+    keys = pa.array(["a", "bb", "ccc"])
+    _, offsets, data = keys.buffers()
+    bits = RequestFilter(capacity=10)
+    with pytest.raises(ValueError):
+        bits._bits.add_column(data, offsets, False, 2, 5)  # past the offsets
+    with pytest.raises(ValueError):
+        bits._bits.add_column(data[:3], offsets, False, 0, 3)  # past the data
+    assert bits.bits() == RequestFilter(capacity=10).bits()
 
 
 def test_the_filter_is_sized_from_the_keys_it_starts_with() -> None:

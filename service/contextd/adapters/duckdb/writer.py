@@ -185,8 +185,8 @@ class WriterMixin(DuckDBBase):
         rows = (int(row[0]) if row else 0) + len(self._journal_requests)
         requests = RequestFilter(capacity=max(MIN_CAPACITY, 2 * rows))
         for batch in cur.sql("SELECT id_key FROM request_records").to_arrow_reader(100_000):
-            requests.add_many(batch.column(0).to_pylist())
-        requests.add_many(list(self._journal_requests))
+            requests.add_arrow(batch.column(0))  # from the buffers, the GIL released
+        requests.add_many(self._journal_requests)
         return requests
 
     def _rebuild_request_filter(self, writer: duckdb.DuckDBPyConnection) -> None:
