@@ -7,6 +7,7 @@ store's real connection."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 
@@ -199,7 +200,8 @@ def test_a_full_filter_is_rebuilt_without_the_records_cleaned_up(tmp_path: Path)
         small = RequestFilter(capacity=1)  # full after one more key
         store._requests = small
         second = _append_as_the_servicer(store, "new", "m2")  # the cleanup pass runs first
-        store.append(KEY, _batch("m3"), None)  # the writer rebuilt it before taking this
+        store.append(KEY, _batch("m3"), None)  # the writer started the rebuild before this
+        _swapped_in(store, small)
         rebuilt = store._requests
         assert rebuilt is not small and rebuilt.capacity == MIN_CAPACITY
         assert not rebuilt.maybe(record_key("default", "old"))  # removed: shed
@@ -207,6 +209,58 @@ def test_a_full_filter_is_rebuilt_without_the_records_cleaned_up(tmp_path: Path)
         with pytest.raises(AlreadyDone) as retry:
             store.append(KEY, _batch("m2"), None, _record("new"))
         assert retry.value.payload == repr(second).encode()
+    finally:
+        store.close()
+
+
+def _swapped_in(store: Store, old: RequestFilter) -> None:
+    """Wait for the rebuild `old` started, then let the writer swap it in: it does so
+    after the group following the build's end, before it takes the next job."""
+    assert old.rebuild is not None
+    old.rebuild.join(60)
+    store.append(KEY, _batch("after the build"), None)
+    store.append(KEY, _batch("after the swap"), None)
+    assert store._requests is not old
+
+
+def test_a_key_recorded_while_the_filter_is_rebuilt_is_in_the_new_one(tmp_path: Path) -> None:
+    """The rebuild runs on a thread of its own while the writer goes on: a key recorded
+    after the build read the table is noted and added before the swap, so its retry is
+    still answered from its record. (The real build, held after its scan until the key
+    is recorded: a gate, so the key misses the scan for certain.)"""
+    store = _open(tmp_path / "db.duckdb")
+    try:
+        store.append(KEY, _batch("m0"), AgentSettings())
+        built, release = threading.Event(), threading.Event()
+        build = store._build_request_filter
+
+        def held(journal_keys: list[str]) -> RequestFilter:
+            rebuilt = build(journal_keys)
+            built.set()
+            assert release.wait(60)
+            return rebuilt
+
+        store._build_request_filter = held  # type: ignore[method-assign]
+        small = RequestFilter(capacity=1)  # full after one more key
+        store._requests = small
+        _append_as_the_servicer(store, "before", "m1")  # the writer starts the rebuild
+        assert built.wait(60)
+        during = _append_as_the_servicer(store, "during", "m2")
+        assert store._requests is small  # answered while the build is still held
+        big = _batch(*[f"direct {i}" for i in range(DIRECT_ROWS)])
+        direct = store.append(KEY, big, None, _record("during-direct"))  # committed directly
+        release.set()
+        _swapped_in(store, small)
+        rebuilt = store._requests
+        assert rebuilt.capacity == MIN_CAPACITY and rebuilt.rebuild is None
+        for request_id in ("before", "during", "during-direct"):
+            assert rebuilt.maybe(record_key("default", request_id))
+        with pytest.raises(AlreadyDone) as retry:
+            store.append(KEY, _batch("m2"), None, _record("during"))
+        assert retry.value.payload == repr(during).encode()
+        with pytest.raises(AlreadyDone) as retry:
+            store.append(KEY, big, None, _record("during-direct"))
+        assert retry.value.payload == repr(direct).encode()
     finally:
         store.close()
 
