@@ -7,10 +7,12 @@ store's real connection."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from conftest import USER, SpawnServer
@@ -82,11 +84,45 @@ def test_the_filter_never_misses_a_key_and_false_positives_stay_near_one_percent
         added.add(key)
     # The bulk build (at open, at a rebuild) and the writer's adds set the same bits:
     # a key recorded before a restart is found by the filter built after it.
-    assert built._bits == added._bits
+    assert built.bits() == added.bits()
     assert all(built.maybe(k) for k in keys)
     fresh = sum(built.maybe(f"{uuid.uuid4().hex}\tdefault") for _ in range(20_000))
     assert fresh < 400  # 1% expected at capacity: 200
     assert added.full() and not built.full()
+
+
+def test_the_arrow_build_sets_the_bits_of_adding_one_by_one() -> None:
+    """The build reads Arrow string columns from their buffers (int32 and int64 offsets,
+    slices, chunks) and sets the same bits as the writer's one-by-one adds."""
+    keys = [f"{uuid.uuid4().hex}\tdefault" for _ in range(3_000)] + ["", "ünïcødé\tdefault"]
+    one = RequestFilter(capacity=10_000)
+    for key in keys[100:2_500]:
+        one.add(key)
+    for kind in (pa.string(), pa.large_string()):
+        whole = pa.array(["before"] * 7 + keys, type=kind)
+        built = RequestFilter(capacity=10_000)
+        built.add_arrow(whole.slice(107, 1_000))  # a slice: its offset into the buffers
+        built.add_arrow(pa.chunked_array([whole.slice(1_107, 900), whole.slice(2_007, 500)]))
+        assert built.bits() == one.bits()
+        assert not built.maybe("before") and built.added == 0
+    everything = RequestFilter(capacity=10_000)
+    everything.add_arrow(pa.array(keys))
+    assert all(everything.maybe(k) for k in keys)
+    empties = RequestFilter(capacity=10)
+    empties.add_arrow(pa.array(["", ""]))  # no data bytes at all
+    empties.add_arrow(pa.array([], type=pa.string()))
+    assert empties.maybe("") and not empties.maybe("x")
+
+
+def test_a_malformed_column_is_refused_whole() -> None:
+    keys = pa.array(["a", "bb", "ccc"])
+    _, offsets, data = keys.buffers()
+    bits = RequestFilter(capacity=10)
+    with pytest.raises(ValueError):
+        bits._bits.add_column(data, offsets, False, 2, 5)  # past the offsets
+    with pytest.raises(ValueError):
+        bits._bits.add_column(data[:3], offsets, False, 0, 3)  # past the data
+    assert bits.bits() == RequestFilter(capacity=10).bits()
 
 
 def test_the_filter_is_sized_from_the_keys_it_starts_with() -> None:
@@ -164,7 +200,8 @@ def test_a_full_filter_is_rebuilt_without_the_records_cleaned_up(tmp_path: Path)
         small = RequestFilter(capacity=1)  # full after one more key
         store._requests = small
         second = _append_as_the_servicer(store, "new", "m2")  # the cleanup pass runs first
-        store.append(KEY, _batch("m3"), None)  # the writer rebuilt it before taking this
+        store.append(KEY, _batch("m3"), None)  # the writer started the rebuild before this
+        _swapped_in(store, small)
         rebuilt = store._requests
         assert rebuilt is not small and rebuilt.capacity == MIN_CAPACITY
         assert not rebuilt.maybe(record_key("default", "old"))  # removed: shed
@@ -172,6 +209,58 @@ def test_a_full_filter_is_rebuilt_without_the_records_cleaned_up(tmp_path: Path)
         with pytest.raises(AlreadyDone) as retry:
             store.append(KEY, _batch("m2"), None, _record("new"))
         assert retry.value.payload == repr(second).encode()
+    finally:
+        store.close()
+
+
+def _swapped_in(store: Store, old: RequestFilter) -> None:
+    """Wait for the rebuild `old` started, then let the writer swap it in: it does so
+    after the group following the build's end, before it takes the next job."""
+    assert old.rebuild is not None
+    old.rebuild.join(60)
+    store.append(KEY, _batch("after the build"), None)
+    store.append(KEY, _batch("after the swap"), None)
+    assert store._requests is not old
+
+
+def test_a_key_recorded_while_the_filter_is_rebuilt_is_in_the_new_one(tmp_path: Path) -> None:
+    """The rebuild runs on a thread of its own while the writer goes on: a key recorded
+    after the build read the table is noted and added before the swap, so its retry is
+    still answered from its record. (The real build, held after its scan until the key
+    is recorded: a gate, so the key misses the scan for certain.)"""
+    store = _open(tmp_path / "db.duckdb")
+    try:
+        store.append(KEY, _batch("m0"), AgentSettings())
+        built, release = threading.Event(), threading.Event()
+        build = store._build_request_filter
+
+        def held(journal_keys: list[str]) -> RequestFilter:
+            rebuilt = build(journal_keys)
+            built.set()
+            assert release.wait(60)
+            return rebuilt
+
+        store._build_request_filter = held  # type: ignore[method-assign]
+        small = RequestFilter(capacity=1)  # full after one more key
+        store._requests = small
+        _append_as_the_servicer(store, "before", "m1")  # the writer starts the rebuild
+        assert built.wait(60)
+        during = _append_as_the_servicer(store, "during", "m2")
+        assert store._requests is small  # answered while the build is still held
+        big = _batch(*[f"direct {i}" for i in range(DIRECT_ROWS)])
+        direct = store.append(KEY, big, None, _record("during-direct"))  # committed directly
+        release.set()
+        _swapped_in(store, small)
+        rebuilt = store._requests
+        assert rebuilt.capacity == MIN_CAPACITY and rebuilt.rebuild is None
+        for request_id in ("before", "during", "during-direct"):
+            assert rebuilt.maybe(record_key("default", request_id))
+        with pytest.raises(AlreadyDone) as retry:
+            store.append(KEY, _batch("m2"), None, _record("during"))
+        assert retry.value.payload == repr(during).encode()
+        with pytest.raises(AlreadyDone) as retry:
+            store.append(KEY, big, None, _record("during-direct"))
+        assert retry.value.payload == repr(direct).encode()
     finally:
         store.close()
 

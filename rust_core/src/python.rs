@@ -17,7 +17,7 @@ use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyString, PyTuple};
+use pyo3::types::{PyBytes, PyString, PyTuple};
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
@@ -26,6 +26,7 @@ use crate::error::{catch_panic, CoreError, CoreResult};
 use crate::models;
 use crate::pairs;
 use crate::relevance;
+use crate::request_filter::{self, OffsetWidth};
 use crate::snippet;
 use crate::specifics;
 use crate::text;
@@ -722,6 +723,150 @@ impl PyBm25Index {
     }
 }
 
+/// The bytes of a buffer (e.g. a `pyarrow.Buffer`, whose format is signed bytes), kept
+/// exported for as long as this lives.
+enum ByteBuffer {
+    Unsigned(PyBuffer<u8>),
+    Signed(PyBuffer<i8>),
+}
+
+impl ByteBuffer {
+    fn new(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let buf = match PyBuffer::<u8>::get(obj) {
+            Ok(buf) => ByteBuffer::Unsigned(buf),
+            Err(_) => ByteBuffer::Signed(PyBuffer::<i8>::get(obj).map_err(|err| {
+                PyTypeError::new_err(format!(
+                    "{name} must be a buffer of bytes (e.g. a pyarrow.Buffer): {}",
+                    err.value(obj.py())
+                ))
+            })?),
+        };
+        let (dimensions, contiguous) = match &buf {
+            ByteBuffer::Unsigned(b) => (b.dimensions(), b.is_c_contiguous()),
+            ByteBuffer::Signed(b) => (b.dimensions(), b.is_c_contiguous()),
+        };
+        if dimensions != 1 || !contiguous {
+            return Err(PyBufferError::new_err(format!(
+                "{name} must be a 1-D C-contiguous buffer of bytes"
+            )));
+        }
+        Ok(buf)
+    }
+
+    fn raw(&self) -> (*const u8, usize) {
+        match self {
+            ByteBuffer::Unsigned(b) => (b.buf_ptr() as *const u8, b.item_count()),
+            ByteBuffer::Signed(b) => (b.buf_ptr() as *const u8, b.item_count()),
+        }
+    }
+
+    /// The bytes, read in place.
+    ///
+    /// SAFETY (the caller's promise): nothing writes the buffer while the slice lives,
+    /// also while the interpreter's lock is released. Arrow buffers are immutable once
+    /// built, which is what `RequestFilter.add_column` is documented to take.
+    unsafe fn as_bytes(&self) -> &[u8] {
+        let (ptr, n) = self.raw();
+        if n == 0 {
+            return &[]; // an empty buffer's pointer may be null or dangling
+        }
+        // SAFETY: one dimension, C-contiguous and byte-sized items were checked in `new`,
+        // so `ptr` points at `n` bytes; the export held by `self` keeps them from being
+        // freed or resized for as long as the slice (borrowing `self`) lives.
+        unsafe { std::slice::from_raw_parts(ptr, n) }
+    }
+}
+
+/// A Bloom filter of request keys sized for `capacity` keys at a 1% false-positive rate
+/// (see `request_filter.rs`): `add(key)`, `maybe(key)` (False: never added, certain), and
+/// `add_column` over an Arrow string column's buffers, with the interpreter's lock
+/// released. Any thread may call `maybe` while another adds: bits only ever gain, and a
+/// key's bits are all set when its `add` or `add_column` returns.
+#[pyclass(frozen, name = "RequestFilter", module = "contextd._core")]
+struct PyRequestFilter {
+    inner: request_filter::RequestFilter,
+}
+
+#[pymethods]
+impl PyRequestFilter {
+    #[new]
+    fn new(capacity: u64) -> PyResult<Self> {
+        guarded(|| {
+            Ok(PyRequestFilter {
+                inner: request_filter::RequestFilter::with_capacity(capacity),
+            })
+        })
+    }
+
+    /// Set the bits of `key` (attached: a hash and k bit sets, well under a microsecond).
+    fn add(&self, key: &str) -> PyResult<()> {
+        guarded(|| {
+            self.inner.add(key.as_bytes());
+            Ok(())
+        })
+    }
+
+    /// False: `key` was never added (certain). True: it may have been.
+    fn maybe(&self, key: &str) -> PyResult<bool> {
+        guarded(|| Ok(self.inner.maybe(key.as_bytes())))
+    }
+
+    /// Add every value of an Arrow string column given by its buffers: `data` (the
+    /// values), `offsets` (int64 ones when `large`, else int32) and the array's `offset`
+    /// and `length`. The buffers are read in place with the interpreter's lock released,
+    /// so they must not change meanwhile (Arrow buffers never do). Validity is not read:
+    /// a null slot adds its (empty) range, costing at most a false positive. Offsets that
+    /// do not fit the buffers raise ValueError before any bit is set.
+    #[pyo3(signature = (data, offsets, large, offset, length))]
+    fn add_column(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        offsets: &Bound<'_, PyAny>,
+        large: bool,
+        offset: usize,
+        length: usize,
+    ) -> PyResult<()> {
+        let data = ByteBuffer::new(data, "data")?;
+        let offsets = ByteBuffer::new(offsets, "offsets")?;
+        let width = if large {
+            OffsetWidth::I64
+        } else {
+            OffsetWidth::I32
+        };
+        // SAFETY: see `ByteBuffer::as_bytes`; the method's contract says the buffers do
+        // not change during the call, and both exports outlive the slices.
+        let (data, offsets) = unsafe { (data.as_bytes(), offsets.as_bytes()) };
+        detached(py, || {
+            self.inner.add_column(data, offsets, width, offset, length)
+        })
+    }
+
+    /// The number of keys it was sized for.
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.inner.capacity()
+    }
+
+    /// The bytes its bits take.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+
+    /// The number of probes per key.
+    #[getter]
+    fn probes(&self) -> u32 {
+        self.inner.probes()
+    }
+
+    /// A copy of the bits (for tests comparing two filters).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = guarded(|| Ok(self.inner.to_bytes()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_tokens, m)?)?;
@@ -744,6 +889,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBm25Index>()?;
     m.add_class::<PyModelInfo>()?;
     m.add_class::<PyTrimResult>()?;
+    m.add_class::<PyRequestFilter>()?;
     m.add("UnknownModelError", m.py().get_type::<UnknownModelError>())?;
     m.add("InternalError", m.py().get_type::<InternalError>())?;
     m.add("ENCODINGS", PyTuple::new(m.py(), Encoding::NAMES)?)?;

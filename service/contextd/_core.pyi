@@ -20,6 +20,7 @@ __all__ = [
     "Bm25Index",
     "InternalError",
     "ModelInfo",
+    "RequestFilter",
     "TrimResult",
     "UnknownModelError",
     "__version__",
@@ -262,6 +263,39 @@ class Bm25Index:
     def vocabulary_size(self) -> int: ...
     @property
     def memory_bytes(self) -> int: ...
+
+@final
+class RequestFilter:
+    """A Bloom filter of request keys sized for ``capacity`` keys at a 1% false-positive
+    rate (double hashing over one fixed 64-bit hash of the key's UTF-8 bytes).
+
+    ``maybe(key)`` False means the key was never added (certain). Any thread may call
+    ``maybe`` while another adds: bits only ever gain, and a key's bits are all set when
+    its ``add`` or ``add_column`` returns.
+    """
+
+    def __new__(cls, capacity: int) -> RequestFilter: ...
+    def add(self, key: str) -> None: ...
+    def maybe(self, key: str) -> bool: ...
+    def add_column(
+        self, data: Buffer, offsets: Buffer, large: bool, offset: int, length: int
+    ) -> None:
+        """Add every value of an Arrow string column given by its buffers: ``data`` (the
+        values' bytes), ``offsets`` (int64 when ``large``, else int32) and the array's
+        ``offset`` and ``length``. Read in place with the interpreter's lock released, so
+        the buffers must not change meanwhile (Arrow buffers never do). Validity is not
+        read: a null adds its empty range (at most a false positive). Offsets that do not
+        fit the buffers raise ValueError before any bit is set."""
+
+    def to_bytes(self) -> bytes:
+        """A copy of the bits (for tests comparing two filters)."""
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def probes(self) -> int: ...
 
 def extract_specifics(text: str) -> list[str]:
     """Details a summary must keep verbatim, in order of first appearance, deduplicated.

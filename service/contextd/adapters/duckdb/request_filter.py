@@ -14,96 +14,144 @@ find it (before the commit, or the journal's write, and so before any caller is 
 The filter is built at open from the table's keys (after the journal's replay has put its
 records there) with a capacity of max(MIN_CAPACITY, 2 x rows); once as many keys were added
 since as it holds, the writer builds it again from the table (and the journal's pending
-records), which also sheds the keys the cleanup removed.
+records), which also sheds the keys the cleanup removed. That build runs on a thread of
+its own (`Rebuild`), its scan and its hashing without the interpreter's lock, while the
+writer goes on: every key the writer adds from the moment the build starts is also noted,
+and added to the new filter before the writer swaps it in (between groups). A key
+committed before the build's scan began is in the scan, one journaled then is in the
+journal's keys the build was given, and any later one is noted: none is missed.
 
-Memory: about 9.6 bits per key of capacity (1% false positives, 7 probes), one
-`bytearray`: 1.2 MB at the minimum capacity of a million keys.
+Memory: about 9.6 bits per key of capacity (1% false positives, 7 probes): 1.2 MB at the
+minimum capacity of a million keys.
 
-Hand-written rather than a package: the filter is a few lines over a `bytearray` plus a
-numpy build (numpy is already a dependency), and the one maintained binary package that
-fits (rbloom) would add a dependency for no gain here. Python's `hash()` of a str is salted
-per process, which is fine: the filter never leaves the process.
+The bits live in the Rust core (`contextd.core.RequestFilter`, rust_core/src/
+request_filter.rs): the build (at open, and the writer's rebuild when full) hashes and
+sets the bits of an Arrow string column straight from its buffers with the interpreter's
+lock released, about a tenth of a second per million keys, where the Python build (a
+`str` and a `hash()` per key and numpy scatters) held the lock, and so every write, for
+about a second. Its hash is fixed (not salted per process as Python's `hash()` is), which
+does not matter either way: the filter never leaves the process.
 
 Thread safety: handler threads read while the writer adds. A reader holds one filter
-object (the writer swaps in a rebuilt one by a single assignment) and reads bytes that
-only ever gain bits; a key's bits are all set before its record is visible, so a retry
-of an answered write always finds all of them.
+object (the writer swaps in a rebuilt one by a single assignment) and reads atomic words
+that only ever gain bits; a key's bits are all set before its record is visible, so a
+retry of an answered write always finds all of them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
 
-import numpy as np
+import pyarrow as pa
+
+from contextd.core import RequestFilter as _Bits
 
 MIN_CAPACITY = 1_000_000
-FALSE_POSITIVES = 0.01
-_MASK64 = (1 << 64) - 1
-_LOW32 = (1 << 32) - 1
 
 
 class RequestFilter:
     """A Bloom filter of request keys (see idempotency.record_key): `maybe(key)` False
     means the key was never added."""
 
-    __slots__ = ("_bits", "_k", "_m", "added", "capacity")
+    __slots__ = ("_bits", "added", "capacity", "maybe", "rebuild")
 
-    def __init__(self, keys: Sequence[str] = (), capacity: int | None = None) -> None:
+    maybe: Callable[[str], bool]
+    """False: the key was never added (certain). True: it may have been. (The core's own
+    method, bound here: the handlers' fast path pays no Python frame for it.)"""
+
+    def __init__(self, keys: Iterable[str] = (), capacity: int | None = None) -> None:
         """A filter holding `keys`, sized for `capacity` keys (default max(MIN_CAPACITY,
         2 x len(keys)))."""
+        keys = list(keys)
         if capacity is None:
             capacity = max(MIN_CAPACITY, 2 * len(keys))
         self.capacity = max(1, capacity)
-        # The optimal sizes for FALSE_POSITIVES: m = -n ln p / (ln 2)^2 bits, k = m/n ln 2.
-        m = math.ceil(-self.capacity * math.log(FALSE_POSITIVES) / math.log(2) ** 2)
-        self._m = max(64, (m + 7) // 8 * 8)
-        self._k = max(1, round(self._m / self.capacity * math.log(2)))
-        self._bits = bytearray(self._m // 8)
+        self._bits = _Bits(self.capacity)
+        self.maybe = self._bits.maybe
         self.add_many(keys)
         self.added = 0  # keys added since the build
+        self.rebuild: Rebuild | None = None  # its successor being built, if any
 
     @property
     def nbytes(self) -> int:
-        return len(self._bits)
+        return self._bits.nbytes
 
-    def add_many(self, keys: Sequence[str]) -> None:
-        """Set the bits of `keys` in bulk, not counted in `added` (the build, at open and
-        at a rebuild, on the writer: a million keys take a fraction of a second, where a
-        Python loop would take seconds; its temporaries are a few arrays of 8 bytes a
-        key, so the build reads the keys in chunks)."""
-        if not keys:
-            return
-        hashes = np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).view(np.uint64)
-        low = hashes & np.uint64(_LOW32)
-        step = (hashes >> np.uint64(32)) | np.uint64(1)
-        bits = np.frombuffer(self._bits, dtype=np.uint8)  # a view: writes go to the bytes
-        m = np.uint64(self._m)
-        for i in range(self._k):
-            probe = (low + np.uint64(i) * step) % m
-            masks = np.left_shift(np.uint8(1), (probe & np.uint64(7)).astype(np.uint8))
-            np.bitwise_or.at(bits, probe >> np.uint64(3), masks)
+    def bits(self) -> bytes:
+        """A copy of the bits (tests compare two filters with it)."""
+        return self._bits.to_bytes()
 
-    def _probes(self, key: str) -> Iterable[int]:
-        # Double hashing (Kirsch and Mitzenmacher): the k probes from one 64-bit hash,
-        # the same arithmetic as `add_many` (no probe overflows 64 bits).
-        h = hash(key) & _MASK64
-        low, step, m = h & _LOW32, (h >> 32) | 1, self._m
-        return [(low + i * step) % m for i in range(self._k)]
+    def add_many(self, keys: Iterable[str]) -> None:
+        """Set the bits of a few `keys` (the journal's pending ones at a build), not
+        counted in `added`."""
+        add = self._bits.add
+        for key in keys:
+            add(key)
+
+    def add_arrow(self, column: Any) -> None:
+        """Set the bits of every value of a pyarrow string array or chunked array (the
+        build, at open and at a rebuild), not counted in `added`: read from the arrays'
+        buffers by the core, with the interpreter's lock released."""
+        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+        for chunk in chunks:
+            if pa.types.is_string(chunk.type):
+                large = False
+            elif pa.types.is_large_string(chunk.type):
+                large = True
+            else:  # e.g. string_view: a copy, still without a Python object per key
+                chunk, large = chunk.cast(pa.large_string()), True
+            if len(chunk) == 0:
+                continue
+            _, offsets, data = chunk.buffers()
+            data = data if data is not None else b""  # every value empty: no data buffer
+            self._bits.add_column(data, offsets, large, chunk.offset, len(chunk))
 
     def add(self, key: str) -> None:
         """Note `key` (the writer, before its record is visible)."""
-        bits = self._bits
-        for i in self._probes(key):
-            bits[i >> 3] |= 1 << (i & 7)
+        self._bits.add(key)
         self.added += 1
-
-    def maybe(self, key: str) -> bool:
-        """False: `key` was never added (certain). True: it may have been."""
-        bits = self._bits
-        return all(bits[i >> 3] >> (i & 7) & 1 for i in self._probes(key))
+        if self.rebuild is not None:
+            self.rebuild.noted.append(key)
 
     def full(self) -> bool:
         """Whether as many keys were added since the build as it was sized for: time to
         build it again (larger, and without the keys removed since)."""
         return self.added >= self.capacity
+
+
+class Rebuild:
+    """A new filter built on a thread of its own (`build` scans the table: on a cursor of
+    its own, never the writer's), and the keys the writer added meanwhile (`noted`, only
+    ever touched by the writer), which go into the new filter before it is swapped in."""
+
+    __slots__ = ("_future", "_thread", "noted")
+
+    def __init__(self, build: Callable[[], RequestFilter]) -> None:
+        self.noted: list[str] = []
+        self._future: Future[RequestFilter] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(build,), name="contextd-request-filter", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, build: Callable[[], RequestFilter]) -> None:
+        try:
+            self._future.set_result(build())
+        except BaseException as exc:  # handed to the writer, which logs it
+            self._future.set_exception(exc)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> RequestFilter:
+        """The new filter with the noted keys added (raises what the build raised)."""
+        rebuilt = self._future.result()
+        for key in self.noted:
+            rebuilt.add(key)
+        return rebuilt
+
+    def join(self, timeout: float | None) -> None:
+        """Wait for the build (the store's close: its cursor must be done first)."""
+        self._thread.join(timeout)

@@ -52,7 +52,7 @@ from contextd.adapters.duckdb.journal import (
     DIRECT_ROWS,
     GroupWrite,
 )
-from contextd.adapters.duckdb.request_filter import MIN_CAPACITY, RequestFilter
+from contextd.adapters.duckdb.request_filter import MIN_CAPACITY, Rebuild, RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
     IDLE_FLUSH_S,
@@ -177,34 +177,64 @@ class WriterMixin(DuckDBBase):
         for key in keys:
             requests.add(key)
 
-    def _load_request_filter(self, cur: duckdb.DuckDBPyConnection) -> RequestFilter:
+    def _load_request_filter(
+        self, cur: duckdb.DuckDBPyConnection, journal_keys: list[str] | None = None
+    ) -> RequestFilter:
         """A request filter of every recorded key: the table's (read in chunks, so the
-        build's memory beyond the filter stays a few MB) and the journal's pending ones,
-        sized for twice as many (request_filter.py)."""
+        build's memory beyond the filter stays a few MB; hashed from the Arrow buffers
+        without the GIL) and the journal's pending ones (`journal_keys`, default the
+        journal's now), sized for twice as many (request_filter.py)."""
+        if journal_keys is None:
+            journal_keys = list(self._journal_requests)
         row = _first(cur.execute("SELECT count(*) FROM request_records"))
-        rows = (int(row[0]) if row else 0) + len(self._journal_requests)
+        rows = (int(row[0]) if row else 0) + len(journal_keys)
         requests = RequestFilter(capacity=max(MIN_CAPACITY, 2 * rows))
         for batch in cur.sql("SELECT id_key FROM request_records").to_arrow_reader(100_000):
-            requests.add_many(batch.column(0).to_pylist())
-        requests.add_many(list(self._journal_requests))
+            requests.add_arrow(batch.column(0))
+        requests.add_many(journal_keys)
         return requests
+
+    def _build_request_filter(self, journal_keys: list[str]) -> RequestFilter:
+        """The rebuild's work, on its own thread and cursor (request_filter.Rebuild)."""
+        cur = self._con.cursor()
+        try:
+            return self._load_request_filter(cur, journal_keys)
+        finally:
+            cur.close()
 
     def _rebuild_request_filter(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Build the request filter again once it took as many keys as it was sized for:
         from the keys recorded now (which sheds those the cleanup removed), sized for
-        twice as many (request_filter.py). On the writer, between groups: every key
-        added so far is committed or journaled. A failure keeps the old filter (more
-        false positives, never a wrong answer) and is retried a second later."""
-        if not self._requests.full() or time.monotonic() < self._request_filter_retry_at:
+        twice as many (request_filter.py). Started on the writer, between groups (every
+        key added so far is committed or journaled), and built on a thread of its own
+        while the writer goes on; swapped in, with the keys added meanwhile, between the
+        groups after it is done. A failure keeps the old filter (more false positives,
+        never a wrong answer) and is retried a second later."""
+        requests = self._requests
+        rebuild = requests.rebuild
+        if rebuild is not None:
+            if not rebuild.done():
+                return
+            try:
+                rebuilt = rebuild.result()
+            except Exception:  # whatever failed the build: the writer goes on
+                requests.rebuild = None
+                self._request_filter_retry_at = time.monotonic() + RETRY_AFTER_S
+                log.exception("rebuilding the request filter failed; the old one is kept")
+                return
+            self._requests = rebuilt
             return
-        try:
-            rebuilt = self._load_request_filter(writer)
-        except duckdb.Error:
-            self._rollback(writer)
-            self._request_filter_retry_at = time.monotonic() + RETRY_AFTER_S
-            log.exception("rebuilding the request filter failed; the old one is kept")
+        if not requests.full() or time.monotonic() < self._request_filter_retry_at:
             return
-        self._requests = rebuilt
+        journal_keys = list(self._journal_requests)
+        requests.rebuild = Rebuild(lambda: self._build_request_filter(journal_keys))
+
+    def _wait_request_filter_rebuild(self) -> None:
+        """At the writer's end: a running build's cursor must be done before the store
+        closes its connection (a build takes a fraction of a second)."""
+        rebuild = self._requests.rebuild
+        if rebuild is not None:
+            rebuild.join(self._write_timeout_s)
 
     def _forget_old_requests(self, writer: duckdb.DuckDBPyConnection) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass
@@ -295,6 +325,7 @@ class WriterMixin(DuckDBBase):
                     self._flush_counters(writer)
                 self._writer_waiting()
         finally:
+            self._wait_request_filter_rebuild()
             writer.close()
 
     def _idle_wait(self, flush_wait: float | None) -> float | None:
