@@ -202,7 +202,7 @@ class WriterMixin(DuckDBBase):
         finally:
             cur.close()
 
-    def _rebuild_request_filter(self, writer: duckdb.DuckDBPyConnection) -> None:
+    def _rebuild_request_filter(self) -> None:
         """Build the request filter again once it took as many keys as it was sized for:
         from the keys recorded now (which sheds those the cleanup removed), sized for
         twice as many (request_filter.py). Started on the writer, between groups (every
@@ -317,7 +317,7 @@ class WriterMixin(DuckDBBase):
                 self._last_group_at = time.monotonic()
                 if self._journal_full() and time.monotonic() >= self._journal_retry_at:
                     self._apply_journal_quietly(writer)  # its callers are answered
-                self._rebuild_request_filter(writer)  # when full; its callers are answered
+                self._rebuild_request_filter()  # when full; its callers are answered
                 if stop:
                     self._flush_counters(writer, journal=True)
                     return
