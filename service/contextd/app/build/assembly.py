@@ -402,7 +402,7 @@ def _prepare(
     previous_summary: HistoryItem | None,
 ) -> _Prepared:
     summary, raw = split_summary(history, previous_summary)
-    order = tuple(it.id for it in raw)
+    order = tuple([it.id for it in raw])
     before = len(raw)
     raw, repaired = repair_tool_pairs(raw)
     raw, stubbed = stub_blobs(raw)
@@ -750,6 +750,8 @@ class _Columns:
         tokens = cost(raw) if raw else []
         items = [_counted(it, t) for it, t in zip(raw, tokens, strict=True)]
         chars = [len(it.content) for it in items]
+        if max_chars >= NO_CHAR_LIMIT or max(chars, default=0) <= max_chars:
+            return cls(items, tokens, chars, {}, list(tokens), max_chars)  # nothing to cut
         long = [i for i, c in enumerate(chars) if c > max_chars]
         cut_items = [_cut(items[i], max_chars) for i in long]
         cut_tokens = cost(cut_items) if cut_items else []
@@ -779,11 +781,17 @@ def _trim(
         return [], [], []
     avail = max(0, budget - (summary.token_count if summary is not None else 0))
     roles, groups = trim_columns(items)
-    truncated_tokens = [work.cut[i].token_count if i in work.cut else 0 for i in range(len(items))]
+    truncated_tokens = (
+        [work.cut[i].token_count if i in work.cut else 0 for i in range(len(items))]
+        if work.cut
+        else [0] * len(items)
+    )
     result = core.trim_to_budget(
         roles, work.tokens, work.chars, groups, avail, work.max_chars, truncated_tokens
     )
     cuts = dict(zip(result.truncated, result.truncated_chars, strict=True))
+    if result.kept and not cuts:
+        return [items[i] for i in result.kept], [it.id for it in items[: result.kept[0]]], []
     if result.kept:
         out: list[HistoryItem] = []
         truncated: list[int] = []

@@ -812,7 +812,7 @@ class ContextBuilder:
             wanted = set(kept_ids.tolist())
             loaded = [m for m in loaded if m.id in wanted]
         # Made once per message object (the hot cache keeps them): see `derived`.
-        made = [derived(m) for m in loaded]
+        made = list(map(derived, loaded))
         items, repaired = repair_tool_pairs(
             [item for item, _ in made],
             self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
