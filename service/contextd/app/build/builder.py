@@ -831,6 +831,8 @@ class ContextBuilder:
     ) -> dict[str, ToolCall]:
         """The calls answered by loaded orphan results whose tool_use is stored but outside
         the history being built, by call id, so the repaired result can name its tool."""
+        if not orphaned:  # the usual window: no walk over what was loaded
+            return {}
         heads = {
             m.group_id
             for m in loaded
