@@ -748,7 +748,15 @@ class _Columns:
     @classmethod
     def build(cls, raw: list[HistoryItem], max_chars: int, cost: ItemCost) -> _Columns:
         tokens = cost(raw) if raw else []
-        items = [_counted(it, t) for it, t in zip(raw, tokens, strict=True)]
+        # `_counted`, its kept copy taken inline (all but the new messages of a hot thread).
+        items = [
+            found
+            if (memo := it.cost_memo) is not None
+            and (found := memo[2]) is not None
+            and found.token_count == t
+            else _counted(it, t)
+            for it, t in zip(raw, tokens, strict=True)
+        ]
         chars = [len(it.content) for it in items]
         if max_chars >= NO_CHAR_LIMIT or max(chars, default=0) <= max_chars:
             return cls(items, tokens, chars, {}, list(tokens), max_chars)  # nothing to cut
