@@ -131,3 +131,67 @@ def test_a_build_after_other_agents_commits_sees_every_change_of_its_thread(
 
 def _said(text: str) -> NewMessage:
     return NewMessage(role=Role.USER, content=text)
+
+
+def test_a_build_counts_its_changed_parts_as_counting_afresh_does(
+    store: Store, clock: ManualClock
+) -> None:
+    """What the parts around the history cost is remembered across builds (by the
+    model, the formats and the texts): after each change of the system prompt, the docs,
+    the status block (another thread), the new message, the thread (append, summary,
+    clear), a build equals one that counted everything afresh."""
+    from contextd.app.build import assembly
+    from contextd.app.build.memo import Memo
+    from contextd.domain.model import AgentDoc
+
+    service = ContextService(store, ExtractiveSummarizer())
+    plain = ContextService(store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    service.create_agent("default", "a1", AgentSettings(system_prompt="be brief"))
+    service.append_messages(
+        "default", "a1", "", "main", [_said(f"older words {i} " * 12) for i in range(40)]
+    )
+
+    def build(message: str = "", formats: tuple[str, ...] = ()) -> None:
+        request = BuildRequest(
+            "default",
+            "a1",
+            "",
+            "main",
+            user_message=message,
+            overrides=BuildOverrides(budget_tokens=900, truncate=False),
+            formats=formats,
+        )
+        result = service.build_context(request)
+        remembered = assembly._FRAMES
+        assembly._FRAMES = Memo(1)  # the plain build counts every part afresh
+        try:
+            expected = plain.build_context(request)
+        finally:
+            assembly._FRAMES = remembered
+        assert result.context == expected.context
+        assert result.renderings == expected.renderings
+
+    def settings(**changed: object) -> None:
+        service.update_agent("default", "a1", AgentSettings(**changed), list(changed))  # type: ignore[arg-type]
+        clock.advance(SECOND)
+
+    build()
+    build(formats=("anthropic", "text"))
+    settings(system_prompt="be brief, and kind " * 20)
+    build()
+    settings(docs=(AgentDoc("guide", "read the guide first " * 10),))
+    build()
+    build("what next?")
+    build("what next? " * 30, formats=("anthropic",))
+    service.append_messages("default", "a1", "", "other", [_said("elsewhere")])
+    clock.advance(SECOND)
+    build()
+    service.append_messages("default", "a1", "", "main", [_said("the newest words")])
+    build()
+    service.compact_context("default", "a1", "", "main", "", BuildOverrides(keep_recent_tokens=200))
+    build("and now?")
+    service.clear_context("default", "a1", "", "main")
+    build()
+    settings(system_prompt="")
+    build("after all that")

@@ -39,7 +39,9 @@ class BuildCalls(UseCases):
         unknown = sorted(set(request.formats) - set(FORMATS))
         if unknown:
             raise InvalidArgument(f"unknown formats: {', '.join(unknown)}", field="formats")
-        return self._builder.build(replace(request, thread=request.thread or DEFAULT_THREAD))
+        if not request.thread:
+            request = replace(request, thread=DEFAULT_THREAD)
+        return self._builder.build(request)
 
     def compact_context(
         self,

@@ -56,11 +56,10 @@ class WindowSpec:
 
     def with_retention(self, policy: RetentionPolicy, now_us: int) -> WindowSpec:
         """This window under a scope's retention policy, at `now_us`."""
-        return replace(
-            self,
-            max_messages=policy.max_messages,
-            expire_after_us=now_us - policy.ttl_us if policy.ttl_us else None,
-        )
+        expire = now_us - policy.ttl_us if policy.ttl_us else None
+        if policy.max_messages == self.max_messages and expire == self.expire_after_us:
+            return self  # equal to the copy (frozen), which every build made before
+        return replace(self, max_messages=policy.max_messages, expire_after_us=expire)
 
     def with_thread_clear(self, thread_clear_us: int | None) -> WindowSpec:
         """The window of one thread: the later of the agent's and the thread's marker."""

@@ -1170,6 +1170,10 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
             positions = index[index >= at]
         ids = v.cols["id"][positions]
         positions = positions[(ids >= id_range[0]) & (ids <= id_range[1])]
+        if len(positions) and int(positions[-1]) - int(positions[0]) + 1 == len(positions):
+            # Consecutive (the usual window suffix): one slice of the kept objects.
+            first = int(positions[0]) - v.recent_from
+            return v.recent[first : first + len(positions)]
         return [v.recent[p - v.recent_from] for p in positions.tolist()]
 
     def list_status(

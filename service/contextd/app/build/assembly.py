@@ -45,6 +45,7 @@ from contextd.app.build.compaction import (
     valid_cuts,
 )
 from contextd.app.build.handles import full_text_handle
+from contextd.app.build.memo import Memo
 from contextd.app.build.render import Framing, joined_system, render_docs
 from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer, SummaryResult
 from contextd.domain.context import (
@@ -192,6 +193,7 @@ def assemble(
     formats: Sequence[str] = (),
     cost_key: object = None,
     prepared_memo: dict[Hashable, Any] | None = None,
+    dropped_ranges: bool = True,
 ) -> AssembledContext:
     """Build the context in its documented order within ``budget`` (see the module docstring).
 
@@ -211,6 +213,9 @@ def assemble(
     formats and ``cost_key``, for a caller that assembles the same ``history`` and
     ``previous_summary`` with the same ``count_tokens`` again (a builder's remembered
     window whose status block changed).
+
+    Without ``dropped_ranges`` the stats' ``dropped_ranges`` are left empty, for a caller
+    that makes them over a larger window itself (the builder's stats step).
     """
     opts = options or StrategyOptions()
     limit = budget.prompt_budget if isinstance(budget, Budget) else budget
@@ -218,12 +223,29 @@ def assemble(
     docs = tuple(docs)
     docs_text = render_docs(docs)
     new = new_message if new_message and new_message.strip() else None
-    sys_t, docs_t, status_t, new_t = count_tokens([system_prompt, docs_text, status, new or ""])
-    if framing.formats:
-        parts = framing.parts(joined_system(system_prompt, docs_text), status, new)
-        base, status_c, new_c = parts.base, parts.status, parts.new_message
-    else:
-        base, status_c, new_c = sys_t + docs_t, status_t if status else 0, new_t if new else 0
+
+    def frame(_key: object) -> tuple[int, int, int, int, int, int, int]:
+        sys_t, docs_t, status_t, new_t = count_tokens([system_prompt, docs_text, status, new or ""])
+        if framing.formats:
+            parts = framing.parts(joined_system(system_prompt, docs_text), status, new)
+            return sys_t, docs_t, status_t, new_t, parts.base, parts.status, parts.new_message
+        return (
+            sys_t,
+            docs_t,
+            status_t,
+            new_t,
+            sys_t + docs_t,
+            status_t if status else 0,
+            (new_t if new else 0),
+        )
+
+    if cost_key is None:
+        framed = frame(None)
+    else:  # `count_tokens` is a function of `cost_key`: the whole input is the key
+        framed = _FRAMES.get(
+            (cost_key, framing.formats, system_prompt, docs_text, status, new), frame
+        )
+    sys_t, docs_t, status_t, new_t, base, status_c, new_c = framed
     if base + (1 if new else 0) > limit:
         raise BudgetTooSmallError(
             f"the system prompt and docs need {base} tokens as rendered; the budget is {limit}"
@@ -289,7 +311,7 @@ def assemble(
             messages_before=hist.messages_before,
             messages_after=len(hist.items),
             dropped_ids=hist.dropped_ids,
-            dropped_ranges=id_ranges(hist.order, hist.dropped_ids),
+            dropped_ranges=id_ranges(hist.order, hist.dropped_ids) if dropped_ranges else (),
             truncated_ids=hist.truncated_ids,
             elided_ids=hist.elided_ids,
             repaired_ids=hist.repaired_ids,
@@ -316,6 +338,13 @@ def assemble(
 
 # The stats of a context only counted for its rendering (which does not read them).
 _NO_STATS = BuildStats(budget=0)
+
+# What the parts around the history cost (their bare counts, then as framed in the
+# formats), by cost key, formats and the texts themselves: every build of an agent counts
+# the same system prompt, docs and (mostly) status block again, and counting them (text
+# and rendered JSON) was a tenth of a build that follows an append. Never stale: the key
+# is the whole input (the counter is a function of the cost key, as for the items).
+_FRAMES: Memo[Hashable, tuple[int, int, int, int, int, int, int]] = Memo(256)
 
 
 def compress_history(
@@ -373,7 +402,7 @@ def _prepare(
     previous_summary: HistoryItem | None,
 ) -> _Prepared:
     summary, raw = split_summary(history, previous_summary)
-    order = tuple(it.id for it in raw)
+    order = tuple([it.id for it in raw])
     before = len(raw)
     raw, repaired = repair_tool_pairs(raw)
     raw, stubbed = stub_blobs(raw)
@@ -719,8 +748,18 @@ class _Columns:
     @classmethod
     def build(cls, raw: list[HistoryItem], max_chars: int, cost: ItemCost) -> _Columns:
         tokens = cost(raw) if raw else []
-        items = [_counted(it, t) for it, t in zip(raw, tokens, strict=True)]
+        # `_counted`, its kept copy taken inline (all but the new messages of a hot thread).
+        items = [
+            found
+            if (memo := it.cost_memo) is not None
+            and (found := memo[2]) is not None
+            and found.token_count == t
+            else _counted(it, t)
+            for it, t in zip(raw, tokens, strict=True)
+        ]
         chars = [len(it.content) for it in items]
+        if max_chars >= NO_CHAR_LIMIT or max(chars, default=0) <= max_chars:
+            return cls(items, tokens, chars, {}, list(tokens), max_chars)  # nothing to cut
         long = [i for i, c in enumerate(chars) if c > max_chars]
         cut_items = [_cut(items[i], max_chars) for i in long]
         cut_tokens = cost(cut_items) if cut_items else []
@@ -750,11 +789,17 @@ def _trim(
         return [], [], []
     avail = max(0, budget - (summary.token_count if summary is not None else 0))
     roles, groups = trim_columns(items)
-    truncated_tokens = [work.cut[i].token_count if i in work.cut else 0 for i in range(len(items))]
+    truncated_tokens = (
+        [work.cut[i].token_count if i in work.cut else 0 for i in range(len(items))]
+        if work.cut
+        else [0] * len(items)
+    )
     result = core.trim_to_budget(
         roles, work.tokens, work.chars, groups, avail, work.max_chars, truncated_tokens
     )
     cuts = dict(zip(result.truncated, result.truncated_chars, strict=True))
+    if result.kept and not cuts:
+        return [items[i] for i in result.kept], [it.id for it in items[: result.kept[0]]], []
     if result.kept:
         out: list[HistoryItem] = []
         truncated: list[int] = []

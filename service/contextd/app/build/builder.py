@@ -273,6 +273,7 @@ class ContextBuilder:
                 formats=governing_formats(plan.model, request.formats),
                 cost_key=plan.model,  # the counter is the model's (with stored counts)
                 prepared_memo=window.prepared,
+                dropped_ranges=False,  # made over the whole window by `_account`
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -811,7 +812,7 @@ class ContextBuilder:
             wanted = set(kept_ids.tolist())
             loaded = [m for m in loaded if m.id in wanted]
         # Made once per message object (the hot cache keeps them): see `derived`.
-        made = [derived(m) for m in loaded]
+        made = list(map(derived, loaded))
         items, repaired = repair_tool_pairs(
             [item for item, _ in made],
             self._outside_calls(plan, loaded, set(ids[orphan_at].tolist())),
@@ -830,6 +831,8 @@ class ContextBuilder:
     ) -> dict[str, ToolCall]:
         """The calls answered by loaded orphan results whose tool_use is stored but outside
         the history being built, by call id, so the repaired result can name its tool."""
+        if not orphaned:  # the usual window: no walk over what was loaded
+            return {}
         heads = {
             m.group_id
             for m in loaded
@@ -1138,12 +1141,9 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         if len(lost) or lost_unread:
             intervals.append((0, window.summarized_at.stop or 0))
         if stats.dropped_ids:  # a set over the loaded part: np.isin's setup costs more
-            wanted = set(stats.dropped_ids)
-            at = loaded_from
-            for i in order[loaded_from - window.hidden :].tolist():
-                if i in wanted:
-                    intervals.append((at, at + 1))
-                at += 1
+            intervals.extend(
+                _loaded_runs(order[loaded_from - window.hidden :], loaded_from, stats.dropped_ids)
+            )
         runs = _runs_of_intervals(window.id_at, intervals)
     elif dropped:
         gone = np.zeros(len(order), dtype=bool)
@@ -1160,6 +1160,33 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         dropped_ranges=runs,
         summarized_range=summarized,
     )
+
+
+def _loaded_runs(
+    loaded: npt.NDArray[np.int64], first: int, dropped: Sequence[int]
+) -> list[tuple[int, int]]:
+    """The window positions (``loaded`` starts at position ``first``) of the ids of
+    ``dropped`` found in ``loaded``, as half-open ranges of consecutive positions, oldest
+    first. The walk stops once every dropped id was found: assembly drops the oldest
+    turns, so that is usually after a short prefix of what was loaded."""
+    wanted = set(dropped)
+    left = len(wanted)
+    runs: list[tuple[int, int]] = []
+    start = end = -1
+    for at, i in enumerate(loaded.tolist(), first):
+        if i in wanted:
+            if at == end:
+                end += 1
+            else:
+                if end > start:
+                    runs.append((start, end))
+                start, end = at, at + 1
+            left -= 1
+            if not left:
+                break
+    if end > start:
+        runs.append((start, end))
+    return runs
 
 
 def _runs_of_intervals(

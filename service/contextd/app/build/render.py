@@ -49,7 +49,7 @@ import json
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from contextd import core
 from contextd.app.build.compaction import repair_tool_pairs, trim_columns
@@ -429,14 +429,14 @@ class Framing:
         if self.key is None or not formats or not _PER_ITEM.issuperset(formats):
             return self._costs(formats, items)
         key = (self.key, formats)
-        out = [0] * len(items)
-        missing: list[int] = []
-        for i, item in enumerate(items):
-            memo = item.cost_memo
-            if memo is not None and memo[0] == key:
-                out[i] = memo[1]
-            else:
-                missing.append(i)
+        # Two comprehensions, not one loop: a build after an append finds all but the
+        # new message's costs here, and this is its most repeated loop.
+        held = [
+            memo[1] if memo is not None and memo[0] == key else None
+            for memo in [item.cost_memo for item in items]
+        ]
+        missing = [i for i, cost in enumerate(held) if cost is None]
+        out = cast(list[int], held)  # the missing ones are filled in below
         if missing:
             fresh = self._costs(formats, [items[i] for i in missing])
             for i, cost in zip(missing, fresh, strict=True):
