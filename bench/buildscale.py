@@ -708,7 +708,11 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
         name = ENGINE_NAMES[engine]
         measured = [c for c in cases if f"{engine}/{c.key}" in s]
         p50 = {c.key: _p50(s, f"{engine}/{c.key}") for c in measured}
-        spread = ratio(max(p50.values()), min(p50.values()))
+        # Flat is about history length: the lengths and the interleaved thread are built
+        # in the same pattern (after a commit to another thread); the thread that takes
+        # each round's append is one length, in another pattern, held to the p50 alone.
+        alike = [p50[c.key] for c in measured if c.key != LIVE]
+        spread = ratio(max(alike), min(alike))
         worst = max(p50.values())
         listing = "; ".join(f"{_short(c)}: {fmt_ms(p50[c.key])}" for c in measured)
         left_out = [c.label for c in cases if c not in measured]
@@ -722,8 +726,9 @@ def _scale_section(sz: Sizes, cases: list[Case], raw: dict[str, Any]) -> Section
             Target(
                 f"BuildContext, 8k budget, hot thread, {name}",
                 f"server-side p50 <= 2 ms, flat from 1,000 to 1,000,000 messages (and "
-                f"interleaved); flat: largest p50 within {FLAT:.0f}x of the smallest",
-                f"{listing}; largest / smallest {fmt_ratio(spread)}{note}",
+                f"interleaved); flat: largest p50 of those within {FLAT:.0f}x of the "
+                f"smallest (the thread appended to each round: p50 only)",
+                f"{listing}; largest / smallest of those {fmt_ratio(spread)}{note}",
                 (worst <= P50_GOAL_S and spread <= FLAT) if full else None,
                 why=_flat_why(s, raw, engine, measured, p50),
             )
