@@ -86,7 +86,6 @@ TENANT = "default"
 MODEL = "gpt-4o"
 THREAD = "main"
 MIXED = "mixed"
-ELSEWHERE = "bench-elsewhere"  # the agent the gRPC rounds append to between builds
 LIVE = "live"  # a 10,000-message thread that gets one message before each timed round
 ENGINES = ("duckdb", "postgresql")
 ENGINE_NAMES = {"duckdb": "DuckDB", "postgresql": "PostgreSQL"}
@@ -346,6 +345,7 @@ def _rpc_phase(
     echo of a same-size reply, in turns; ``addresses`` by "duckdb", "postgresql", "echo"."""
     import grpc
 
+    from bench import servers
     from bench.load import CHANNEL_OPTIONS
     from contextd.v1 import context_service_pb2 as pb
     from contextd.v1 import context_service_pb2_grpc as pb_grpc
@@ -391,21 +391,7 @@ def _rpc_phase(
         # Every round follows a commit on each engine (another agent's message), as the
         # in-process rounds do: no build is answered from a result the server remembered.
         engines = [stubs[e] for e in addresses if e != "echo"]
-        for stub in engines:
-            try:
-                stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name=ELSEWHERE, model=MODEL)))
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-        elsewhere = pb.AppendMessagesRequest(
-            agent=ELSEWHERE,
-            thread=THREAD,
-            messages=[pb.Message(role=pb.ROLE_USER, content="meanwhile, elsewhere")],
-        )
-
-        def append_elsewhere() -> None:
-            for stub in engines:
-                stub.AppendMessages(elsewhere)
+        append_elsewhere = servers.append_elsewhere(engines, THREAD, MODEL)
 
         samples = _rounds(fns, rounds, {}, append_elsewhere)
     return samples, shapes

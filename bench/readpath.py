@@ -38,6 +38,7 @@ from typing import Any
 
 from bench import corpus
 from bench.model import Bar, Section, Target
+from bench.servers import ELSEWHERE
 from bench.sizes import Sizes
 from bench.stats import (
     fmt_ms,
@@ -56,7 +57,6 @@ THREAD = "main"
 # Another agent of the same stores gets one message before every timed round (untimed):
 # each build then follows a commit, as on a server in use, so no build is answered from
 # an earlier one's result (the builder remembers results until the store changes).
-ELSEWHERE = "bench-elsewhere"
 BATCH = 10_000
 
 
@@ -132,23 +132,8 @@ def _build_rpcs(
                 f"BuildContext RPC differs by engine: DuckDB kept {len(contents['duckdb'])} "
                 f"messages, PostgreSQL {len(contents['postgresql'])}"
             )
-        for stub in stubs.values():
-            try:  # the PostgreSQL database already has it (written in process)
-                stub.CreateAgent(
-                    pb.CreateAgentRequest(agent=pb.Agent(name=ELSEWHERE, model="gpt-4o"))
-                )
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-        elsewhere = pb.AppendMessagesRequest(
-            agent=ELSEWHERE,
-            thread=THREAD,
-            messages=[pb.Message(role=pb.ROLE_USER, content="meanwhile, elsewhere")],
-        )
-
-        def append_elsewhere() -> None:
-            for stub in stubs.values():
-                stub.AppendMessages(elsewhere)
+        # the PostgreSQL database already has the agent (written in process)
+        append_elsewhere = servers.append_elsewhere(list(stubs.values()), THREAD, "gpt-4o")
 
         seconds = interleaved_medians(
             {

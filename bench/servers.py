@@ -13,10 +13,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.child import REPO
+
+ELSEWHERE = "bench-elsewhere"
+"""The agent a benchmark appends to between timed builds, so that no build is answered
+from a result its server remembered (every commit starts a new state)."""
 
 
 @dataclass
@@ -89,3 +95,29 @@ def start_echo(log_dir: Path, workers: int = 32) -> ServerProcess:
         log_dir / "echo.log",
         '"echo serving"',
     )
+
+
+def append_elsewhere(stubs: Sequence[Any], thread: str, model: str) -> Callable[[], None]:
+    """A function appending one message to the agent ``ELSEWHERE`` through every one of
+    ``stubs`` (ContextService stubs), made after creating that agent where it is missing."""
+    import grpc
+
+    from contextd.v1 import context_service_pb2 as pb
+
+    for stub in stubs:
+        try:
+            stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name=ELSEWHERE, model=model)))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+    request = pb.AppendMessagesRequest(
+        agent=ELSEWHERE,
+        thread=thread,
+        messages=[pb.Message(role=pb.ROLE_USER, content="meanwhile, elsewhere")],
+    )
+
+    def append() -> None:
+        for stub in stubs:
+            stub.AppendMessages(request)
+
+    return append
