@@ -58,8 +58,9 @@ def _turns(prefix: str, n: int) -> list[NewMessage]:
     ]
 
 
-def _round_trips(store: PostgresStore, call: object) -> int:
-    """Round trips the pool's one connection makes while `call()` runs."""
+def _round_trips(store: PostgresStore, call: object, statements: list[str] | None = None) -> int:
+    """Round trips the pool's one connection makes while `call()` runs (and the text of
+    each statement it sends, into `statements`)."""
     assert callable(call)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace"
@@ -74,6 +75,8 @@ def _round_trips(store: PostgresStore, call: object) -> int:
                     conn.pgconn.untrace()
         sent = [line.split("\t") for line in path.read_text(errors="replace").splitlines()]
     sides = [f[0] for f in sent if len(f) > 2 and f[0] in ("F", "B")]
+    if statements is not None:
+        statements += ["\t".join(f) for f in sent if f[0] == "F" and {"Parse", "Query"} & set(f)]
     return sum(1 for a, b in itertools.pairwise(sides) if (a, b) == ("F", "B"))
 
 

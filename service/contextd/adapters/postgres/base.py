@@ -169,6 +169,7 @@ class PostgresBase:
                         self._local.agent_version = None  # likewise
                         self._local.page = None  # read by window_bounds in this block
                         self._local.ref = None  # read by context_ref in this block
+                        self._local.thread_version = None  # likewise
                         self._local.bounds = None  # queued by status_and_activity
                     conn.execute("COMMIT")
             finally:

@@ -152,10 +152,10 @@ SELECT t.last_sequence, t.totals_through, t.message_count, t.min_source_time_us 
          ORDER BY x.sequence DESC LIMIT 1),
        s.sequence, s.ordinal, s.tools_total, a.id, a.sequence,
        g.context_id, g.ordinal, p.oldest_ordinal, p.ids, p.roles, p.tokens, p.chars, p.groups,
-       p.sequences, p.ordinals, p.tools, p.tags, p.fresh
+       p.sequences, p.ordinals, p.tools, p.tags, p.fresh, f.create_time_us
 FROM threads t
 LEFT JOIN LATERAL (
-    SELECT m.sequence, m.id, m.ordinal, m.tools_total,
+    SELECT m.sequence, m.id, m.ordinal, m.tools_total, m.create_time_us,
            (m.group_id >= 0 OR m.role = 4) AS tool
     FROM messages m
     WHERE m.tenant = t.tenant AND m.context_id = t.context_id
@@ -335,6 +335,12 @@ class MessagesMixin(PostgresBase):
     # Runs of threads' ids this replica read, by (tenant, context_id): see `_page_ids`.
     _id_runs: dict[tuple[str, int], IdRun]
     _messages: MessageCache  # messages builds loaded, by thread (message_cache.py)
+    # The windows `window_bounds` read, by (tenant, context_id): the thread row's version
+    # it read them under and the run of the window's lower bound that selects the same
+    # messages of that state (see `build_token`).
+    _windows_seen: dict[tuple[str, int], WindowSeen]
+    # `build_token` names a state once this replica's reads saw it (ContextBuilder).
+    tokens_after_reads = True
 
     def append(
         self,
@@ -686,7 +692,8 @@ class MessagesMixin(PostgresBase):
             row = first(
                 conn,
                 "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
-                f"({AGENT_VERSION_OF_THREAD}), {_SELECT_MESSAGES} "
+                f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
+                f"{_SELECT_MESSAGES} "
                 # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
                 # condition): a plan along the thread's primary key scanned all of it.
                 "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
@@ -699,10 +706,12 @@ class MessagesMixin(PostgresBase):
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
         if getattr(self._local, "conn", None) is not None:
             self._local.ref = ref  # for `_queue_bounds`, in this snapshot
+            # The thread row's version, for `build_token` and `window_bounds`.
+            self._local.thread_version = (ref.context_id, str(row[4]))
             if row[3] is not None:  # for get_agent, in this snapshot
                 self._local.agent_version = (key.tenant, key.agent, str(row[3]))
             if ref.latest_summary_id:
-                summary = message_from_row(row[4:]) if row[4] is not None else None
+                summary = message_from_row(row[5:]) if row[5] is not None else None
                 self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
 
@@ -830,7 +839,10 @@ class MessagesMixin(PostgresBase):
         if row is None:
             return None
         (last_sequence, through, count, no_source, first_sequence) = row[:5]
-        if not no_source or through != last_sequence or first_sequence is None:
+        if not no_source:
+            return None
+        self._saw_window(context, window, row[28])
+        if through != last_sequence or first_sequence is None:
             return None
         if count != last_sequence - first_sequence + 1:
             return None  # a hole: a range's count is not a difference of ordinals
@@ -868,6 +880,60 @@ class MessagesMixin(PostgresBase):
 
     def _in_snapshot(self) -> bool:
         return getattr(self._local, "conn", None) is not None
+
+    def _saw_window(self, context: ContextRef, window: WindowSpec, first_time: int | None) -> None:
+        """Remember what `window_bounds` found of this snapshot's state of the thread: no
+        message of it has a source_time (so the window is every message committed after
+        `window_after`; commit times never go back along a thread), and the first such
+        message was committed at `first_time` (None: none was). The window then selects
+        the same messages of this state at any lower bound from this one up to (not
+        including) `first_time`."""
+        version: tuple[int, str] | None = getattr(self._local, "thread_version", None)
+        if not self._in_snapshot() or version is None or version[0] != context.context_id:
+            return
+        if len(self._windows_seen) >= WINDOWS_SEEN:
+            self._windows_seen.clear()
+        self._windows_seen[(_tenant(context), context.context_id)] = WindowSeen(
+            version[1],
+            window_after(window),
+            _NEVER if first_time is None else int(first_time),
+        )
+
+    def _window_unchanged(self, context: ContextRef, window: WindowSpec) -> WindowSeen | None:
+        """What `_saw_window` remembered of the thread, if it holds in this snapshot: the
+        snapshot reads the thread's row at the version it was seen under (every change
+        to the thread's messages writes that row in its transaction: schema version 14's
+        triggers), and the window's lower bound selects the same messages of it."""
+        version: tuple[int, str] | None = getattr(self._local, "thread_version", None)
+        if window.retains or version is None or version[0] != context.context_id:
+            return None
+        seen = self._windows_seen.get((_tenant(context), context.context_id))
+        if seen is None or seen.version != version[1]:
+            return None
+        if not seen.after_us <= window_after(window) < seen.first_time_us:
+            return None
+        return seen
+
+    def build_token(
+        self, context: ContextRef, window: WindowSpec
+    ) -> tuple[int, tuple[int, str, int, str]] | None:
+        """What this snapshot's reads of the thread and its agent are, for a builder's
+        memos (see `ContextBuilder._read`; the embedded engine's has the same shape):
+        None unless the thread's row, read by `context_ref` in this snapshot, is at a
+        version under which this replica read the window, and the window selects the
+        same messages. Then (0, (context id, the row's version, the window's first commit
+        time, the agent row's version)): equal tokens mean equal reads, on any replica,
+        as the versions are the database's. The first item (the embedded engine's
+        generation) never moves: the second names everything the result depends on
+        besides the request and the status block, which the builder keys by too."""
+        if not self._in_snapshot():
+            return None
+        seen = self._window_unchanged(context, window)
+        agent: tuple[str, str, str] | None = getattr(self._local, "agent_version", None)
+        key = context.key
+        if seen is None or agent is None or key is None or agent[:2] != (key.tenant, key.agent):
+            return None
+        return (0, (context.context_id, seen.version, seen.first_time_us, agent[2]))
 
     def _bounds_params(
         self,
@@ -912,8 +978,8 @@ class MessagesMixin(PostgresBase):
         if (ref.key.tenant, ref.key.agent, ref.key.scope) != (tenant, agent, scope):
             return
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
-        if window.retains:
-            return
+        if window.retains or self._window_unchanged(ref, window) is not None:
+            return  # no bounds to read, or the builder keeps the window (`build_token`)
         summary_last = 0
         read = getattr(self._local, "summary", None)
         if ref.latest_summary_id and read is not None:
@@ -1110,6 +1176,27 @@ class MessagesMixin(PostgresBase):
 
 
 _OPEN_END = 2**61
+_NEVER = 2**63 - 1  # the first commit time of an empty window
+# Threads whose window a replica remembers having seen (`_saw_window`): past this many,
+# it starts over.
+WINDOWS_SEEN = 4_096
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSeen:
+    """A window `window_bounds` read: the thread row's version, the window's lower bound
+    then, and the commit time of its first message (`_NEVER`: it had none)."""
+
+    version: str
+    after_us: int
+    first_time_us: int
+
+
+def window_after(window: WindowSpec) -> int:
+    """The commit time a window's messages are after, in a thread with no source_time."""
+    return max(window.clear_after_us, window.age_after_us)
+
+
 # Threads whose run of ids a replica keeps (each at most about HELD_DROPPED_IDS ids and
 # their sequences, 160 KB); past this many, the cache starts over.
 ID_RUN_THREADS = 256

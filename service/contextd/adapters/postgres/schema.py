@@ -472,6 +472,49 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "EXECUTE FUNCTION contextd_tool_open_delete()",
         ],
     ),
+    (
+        14,
+        [
+            # Every change to a thread's messages writes the thread's row in the same
+            # transaction, so the row's version (xmin and ctid, which `context_ref` reads)
+            # names the state of the thread's messages: a replica keeps a build's window
+            # while the version it read it under is the one its snapshot reads (see
+            # `MessagesMixin.build_token`). The service's writers all update the row
+            # already (appends, retention's deletes, clears); these triggers make it hold
+            # for any writer (an operator's UPDATE or DELETE too) and touch the row only
+            # when this transaction has not written it yet, so an append (whose last
+            # statement updates it) pays nothing for them.
+            """
+            CREATE FUNCTION contextd_touch_threads() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF TG_OP = 'TRUNCATE' THEN
+                    UPDATE threads SET last_sequence = last_sequence;
+                ELSIF TG_OP = 'DELETE' THEN
+                    UPDATE threads t SET last_sequence = t.last_sequence
+                    WHERE (t.tenant, t.context_id) IN (SELECT tenant, context_id FROM old_rows)
+                      AND t.xmin::text <> (pg_current_xact_id()::text::bigint % 4294967296)::text;
+                ELSE
+                    UPDATE threads t SET last_sequence = t.last_sequence
+                    WHERE (t.tenant, t.context_id) IN (SELECT tenant, context_id FROM new_rows)
+                      AND t.xmin::text <> (pg_current_xact_id()::text::bigint % 4294967296)::text;
+                END IF;
+                RETURN NULL;
+            END
+            $$
+            """,
+            "CREATE TRIGGER messages_touch_threads_insert AFTER INSERT ON messages "
+            "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_touch_threads()",
+            "CREATE TRIGGER messages_touch_threads_update AFTER UPDATE ON messages "
+            "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_touch_threads()",
+            "CREATE TRIGGER messages_touch_threads_delete AFTER DELETE ON messages "
+            "REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_touch_threads()",
+            "CREATE TRIGGER messages_touch_threads_truncate AFTER TRUNCATE ON messages "
+            "FOR EACH STATEMENT EXECUTE FUNCTION contextd_touch_threads()",
+        ],
+    ),
 ]
 
 

@@ -64,6 +64,7 @@ class PostgresStore(
         self._local = threading.local()
         self._agent_cache = {}
         self._id_runs = {}
+        self._windows_seen = {}
         self._messages = MessageCache()
         self._closed = False
         self.clock = clock

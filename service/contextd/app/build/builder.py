@@ -228,6 +228,10 @@ class ContextBuilder:
             store, "build_token", None
         )
         self._tokens = tokens
+        # Whether the store can name the state a window was read at after reading it
+        # though it could not before (PostgreSQL: its window reads remember the state they
+        # saw), so that the window of a new state is kept from the first build of it.
+        self._tokens_after_reads: bool = getattr(store, "tokens_after_reads", False)
         # The window's columns as NumPy arrays, where a store can hand them without
         # making an Arrow table (`window_arrays`; None: read `window_columns`).
         arrays: Callable[[ContextRef, WindowSpec], dict[str, npt.NDArray[Any]] | None] | None = (
@@ -358,12 +362,14 @@ class ContextBuilder:
         status = self._status(plan)
         key: Hashable | None = None
         token: tuple[int, Hashable] | None = None
-        if (
+        asked = (
             self.remember_results
             and self._tokens is not None
             and plan.context is not None
             and _pure_read(plan, request)
-        ):
+        )
+        if asked:
+            assert self._tokens is not None and plan.context is not None
             token = self._tokens(plan.context, plan.window)
             if token is not None and token[0] > self._generation:
                 self._generation = token[0]
@@ -395,6 +401,12 @@ class ContextBuilder:
                     key = None  # the window's reads went to SQL: not of the cached state
                 else:
                     self._windows.put(wkey, (token[1], window))
+            elif token is None and self._tokens_after_reads and asked:
+                assert self._tokens is not None and plan.context is not None
+                late = self._tokens(plan.context, plan.window)
+                if late is not None and isinstance(late[1], tuple):
+                    wkey = (late[1][0], plan.model, plan.budget, plan.options)
+                    self._windows.put(wkey, (late[1], window))
         return plan, window, status, key
 
     def _status(self, plan: _Plan) -> str:

@@ -1,0 +1,248 @@
+"""The window a PostgreSQL replica remembers (`MessagesMixin.build_token`): kept while
+the snapshot reads the thread's row at the version it was read under, and the window's
+lower bound selects the same messages; every change made through another replica (or
+by an operator, in SQL) is in the very next build, which equals the build of a builder
+that remembers nothing. And a remembered window costs no read of the window at all.
+
+PostgreSQL only: the embedded engine's remembered windows are its hot cache's
+(tests/contract/test_build_reads.py covers them on both engines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import psycopg
+import pytest
+from test_pg_build_reads import HOT_BUILD_ROUND_TRIPS, _round_trips
+
+from contextd.adapters.postgres.store import PostgresStore
+from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.summarizer import ExtractiveSummarizer
+from contextd.app.service import ContextService
+from contextd.domain.clock import ManualClock
+from contextd.domain.model import (
+    AgentSettings,
+    BuildOverrides,
+    NewMessage,
+    Role,
+)
+from contextd.domain.retention import RetentionPolicy
+
+TENANT, AGENT = "default", "a1"
+SECOND = 1_000_000
+HOUR = 3_600 * SECOND
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1_700_000_000_000_000)
+
+
+@pytest.fixture
+def replicas(postgres_dsn: str, clock: ManualClock) -> Iterator[tuple[PostgresStore, ...]]:
+    """Three stores on one database: A builds (remembering), B writes, C builds
+    remembering nothing (the reference). One clock: the replicas' clocks agree."""
+    # A's one connection: its round trips are counted on it.
+    stores = tuple(PostgresStore.open(postgres_dsn, clock=clock, pool_size=n) for n in (1, 4, 4))
+    yield stores
+    for store in stores:
+        store.close()
+
+
+def remembered(service: ContextService) -> int:
+    """Builds that took a remembered window, or a remembered result (which holds one)."""
+    return service._builder.window_hits + service._builder.memo_hits
+
+
+def _said(text: str, role: Role = Role.USER) -> NewMessage:
+    return NewMessage(role=role, content=text)
+
+
+def _turns(prefix: str, n: int) -> list[NewMessage]:
+    return [
+        _said(f"{prefix} {i} " + "w " * 30, (Role.USER, Role.ASSISTANT)[i % 2]) for i in range(n)
+    ]
+
+
+def test_every_change_through_another_replica_is_in_the_next_build(
+    replicas: tuple[PostgresStore, ...], clock: ManualClock, postgres_dsn: str
+) -> None:
+    a_store, b_store, c_store = replicas
+    a = ContextService(a_store, ExtractiveSummarizer())
+    b = ContextService(b_store, ExtractiveSummarizer())
+    plain = ContextService(c_store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
+    b.append_messages(TENANT, AGENT, "", "main", _turns("older", 60))
+    b.append_messages(TENANT, AGENT, "", "other", _turns("other", 5))
+    request = BuildRequest(
+        TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=800, truncate=False)
+    )
+
+    def build() -> BuildResult:
+        result = a.build_context(request)
+        expected = plain.build_context(request)
+        assert result.context == expected.context
+        assert result.stamps == expected.stamps
+        return result
+
+    def hot() -> BuildResult:
+        """Two builds of an unchanged state: the second takes the remembered window."""
+        build()
+        hits = remembered(a)
+        result = build()
+        assert remembered(a) == hits + 1
+        return result
+
+    def changed(change: Callable[[], object]) -> BuildResult:
+        """A change through B (or SQL), then A's very next build: never the old window."""
+        hot()
+        hits = remembered(a)
+        clock.advance(SECOND)
+        change()
+        result = build()
+        assert remembered(a) == hits
+        return result
+
+    def sql(statement: str, *params: object) -> None:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            conn.execute(statement, list(params))
+
+    before = hot()
+    assert before.context.stats.dropped_ids  # a window longer than the budget
+    # Another thread's commit, and time passing inside the window, keep the window.
+    b.append_messages(TENANT, AGENT, "", "other", _turns("meanwhile", 2))
+    clock.advance(SECOND)
+    hits = remembered(a)
+    assert build().context.history == before.context.history
+    assert remembered(a) == hits + 1
+
+    last = changed(lambda: b.append_messages(TENANT, AGENT, "", "main", [_said("newest")]))
+    assert last.context.history[-1].content == "newest"
+    changed(
+        lambda: b.compact_context(
+            TENANT, AGENT, "", "main", "", BuildOverrides(keep_recent_tokens=200)
+        )
+    )
+    kept = hot().context.history
+    changed(lambda: sql("UPDATE messages SET content = 'rewritten' WHERE id = %s", kept[-1].id))
+    assert hot().context.history[-1].content == "rewritten"
+    changed(lambda: sql("DELETE FROM messages WHERE id = %s", kept[-2].id))
+    assert kept[-2].id not in [m.id for m in hot().context.history]
+    b.append_messages(TENANT, AGENT, "", "main", _turns("more", 4))
+    changed(lambda: b.clear_context(TENANT, AGENT, "", "main"))
+    assert not hot().context.history
+    changed(lambda: b.append_messages(TENANT, AGENT, "", "main", _turns("after clear", 30)))
+    changed(lambda: b.clear_context(TENANT, AGENT, "", ""))  # the scope
+    changed(lambda: b.append_messages(TENANT, AGENT, "", "main", _turns("again", 30)))
+    changed(lambda: b.clear_context(TENANT, AGENT, "", "", all_scopes=True))  # the agent
+    changed(lambda: b.append_messages(TENANT, AGENT, "", "main", _turns("third", 30)))
+    # The agent's settings: its rolling window narrowed, then widened again.
+    changed(
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(rolling_window_us=SECOND), ["rolling_window"]
+        )
+    )
+    changed(
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR), ["rolling_window"]
+        )
+    )
+    changed(
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(system_prompt="be kind"), ["system_prompt"]
+        )
+    )
+    # Messages age out of the rolling window with nothing written: the next build's
+    # window is shorter.
+    b.append_messages(TENANT, AGENT, "", "main", _turns("later", 10))
+    clock.advance(5 * HOUR)
+    b.append_messages(TENANT, AGENT, "", "main", _turns("latest", 10))
+    full = hot()
+    clock.advance(5 * HOUR + SECOND)
+    aged = build()
+    assert aged.context.stats.messages_before < full.context.stats.messages_before
+    # A snapshot restored into the thread.
+    info = b.save_snapshot(TENANT, AGENT, "", "main", "cut")
+    changed(lambda: b.restore_snapshot(TENANT, AGENT, "", info.id, ""))
+    # Retention: a capped window is never remembered; the sweep's deletes, then the cap
+    # lifted, are seen.
+    b.update_agent(
+        TENANT,
+        AGENT,
+        AgentSettings(retention=RetentionPolicy(max_messages=12, delete_overflow=True)),
+        ["retention"],
+    )
+    build()
+    hits = remembered(a)
+    build()
+    assert remembered(a) == hits
+    b.sweep_retention()
+    build()
+    b.update_agent(TENANT, AGENT, AgentSettings(), ["retention"])
+    build()
+
+    # The agent deleted and made again: a new thread of the same name.
+    def recreate() -> None:
+        b.delete_agent(TENANT, AGENT)
+        b.create_agent(TENANT, AGENT, AgentSettings())
+        b.append_messages(TENANT, AGENT, "", "main", [_said("a new life")])
+
+    assert [m.content for m in changed(recreate).context.history] == ["a new life"]
+    hot()
+    # TRUNCATE (an operator's) empties the window of every thread.
+    changed(lambda: sql("TRUNCATE messages"))
+    # A message's own time (source_time) makes the window no plain cut by commit time.
+    b.append_messages(TENANT, AGENT, "", "main", _turns("refill", 30))
+    changed(
+        lambda: b.append_messages(
+            TENANT,
+            AGENT,
+            "",
+            "main",
+            [
+                NewMessage(
+                    role=Role.USER, content="imported", source_time_us=clock.now_us() - 11 * HOUR
+                )
+            ],
+        )
+    )
+    # ... and no window of that thread is remembered since (each build reads it).
+    hits = remembered(a)
+    build()
+    build()
+    assert remembered(a) == hits
+
+
+def test_a_remembered_window_reads_no_bounds_and_no_messages(
+    replicas: tuple[PostgresStore, ...],
+) -> None:
+    """A build of a state this replica built before makes the same round trips, but
+    sends neither the window's bounds nor a read of its messages: the thread's row (with
+    its version) and the status block are all it reads."""
+    a_store, b_store, _ = replicas
+    a = ContextService(a_store, ExtractiveSummarizer())
+    b = ContextService(b_store, ExtractiveSummarizer())
+    b.create_agent(TENANT, AGENT, AgentSettings())
+    b.append_messages(TENANT, AGENT, "", "main", _turns("m", 400))
+    request = BuildRequest(TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000))
+    a.build_context(request)
+    statements: list[str] = []
+    hits = remembered(a)
+    assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
+        HOT_BUILD_ROUND_TRIPS
+    )
+    assert remembered(a) == hits + 1
+    assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
+    assert not [s for s in statements if "FROM messages" in s and "ANY(string_to_array" in s]
+    # Another replica's append: the next build reads the window again (and queues it).
+    b.append_messages(TENANT, AGENT, "", "main", [_said("one more")])
+    statements.clear()
+    assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
+        HOT_BUILD_ROUND_TRIPS
+    )
+    assert remembered(a) == hits + 1
+    assert [s for s in statements if "FROM messages" in s and "string_agg" in s]
+    assert a.build_context(request).context.history[-1].content == "one more"
+    assert remembered(a) == hits + 2
