@@ -20,14 +20,17 @@ from contextd.adapters.postgres.store import PostgresStore
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
+from contextd.domain.batches import prepare_batch
 from contextd.domain.clock import ManualClock
 from contextd.domain.model import (
     AgentSettings,
     BuildOverrides,
+    ContextKey,
     NewMessage,
     Role,
 )
 from contextd.domain.retention import RetentionPolicy
+from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 SECOND = 1_000_000
@@ -246,3 +249,29 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert [s for s in statements if "FROM messages" in s and "string_agg" in s]
     assert a.build_context(request).context.history[-1].content == "one more"
     assert remembered(a) == hits + 2
+
+
+@pytest.mark.parametrize("n", [1, 10])
+def test_an_append_writes_its_threads_row_once(
+    replicas: tuple[PostgresStore, ...], postgres_dsn: str, n: int
+) -> None:
+    """The triggers that make any change to a thread's messages write its row (schema
+    version 14) find an append's row written by its own transaction: one version of the
+    row per append (a batch's COPY comes after the row's update), as before them."""
+    store = replicas[1]
+    service = ContextService(store, ExtractiveSummarizer())
+    service.create_agent(TENANT, AGENT, AgentSettings())
+    service.append_messages(TENANT, AGENT, "", "t", [_said("first")])
+    thread = ContextKey(TENANT, AGENT, "", "t")
+    model = store.get_agent(TENANT, AGENT).model
+    batch = prepare_batch([_said(f"m{i}") for i in range(n)], model, [()] * n)
+    with psycopg.connect(postgres_dsn) as conn:
+        store._append(conn, thread, batch, None)
+        row = conn.execute(
+            "SELECT n_tup_upd FROM pg_stat_xact_user_tables WHERE relname = 'threads'"
+        ).fetchone()
+        conn.commit()
+    assert row == (1,)
+    ref = store.context_ref(thread)
+    assert ref is not None
+    assert store.window_columns(ref, WindowSpec(0, 0)).num_rows == n + 1

@@ -148,8 +148,9 @@ class PostgresBase:
         pipeline, so a snapshot costs no round trip of its own, and a read may queue a
         statement whose result a later read of the block takes (`status_and_activity`
         queues the bounds of the thread `context_ref` read). (No cache of windows on this
-        engine: other replicas write too; the few shortcuts it keeps are validated by
-        reads of the snapshot, see docs/architecture.md, The hot cache.)"""
+        engine: other replicas write too; the few shortcuts it keeps, the windows builds
+        read among them, are validated by reads of the snapshot, see
+        docs/architecture.md, The hot cache.)"""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
