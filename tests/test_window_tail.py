@@ -252,6 +252,9 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
         conn.execute("DROP TRIGGER messages_tool_open_insert ON messages")
         conn.execute("DROP TRIGGER messages_tool_open_delete ON messages")
         conn.execute("DROP FUNCTION contextd_tool_open_insert, contextd_tool_open_delete")
+        for event in ("insert", "update", "delete", "truncate"):  # and 14's
+            conn.execute(f"DROP TRIGGER messages_touch_threads_{event} ON messages")
+        conn.execute("DROP FUNCTION contextd_touch_threads")
         conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
     store = PostgresStore.open(postgres_dsn, clock=clock)
     try:
