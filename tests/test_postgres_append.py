@@ -32,7 +32,15 @@ from contextd.domain.batches import prepare_batch
 from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.domain.errors import StaleModel
 from contextd.domain.idempotency import AlreadyDone, RequestRecord
-from contextd.domain.model import ContextKey, MessageBatch, MessageRange, NewMessage, Role
+from contextd.domain.model import (
+    AgentSettings,
+    ContextKey,
+    MessageBatch,
+    MessageRange,
+    NewMessage,
+    Role,
+)
+from contextd.domain.retention import RetentionPolicy
 from contextd.v1 import context_service_pb2 as pb
 
 TENANT = "default"
@@ -187,6 +195,36 @@ def test_appends_it_does_not_cover_take_the_transaction(postgres_dsn: str) -> No
         assert row.group_id >= 0  # found its call, as the transaction does
         thread = store.get_thread(key)
         assert thread is not None and thread.message_count == 3
+    finally:
+        store.close()
+
+
+def test_appends_of_an_agent_with_retention_take_the_transaction_at_once(
+    postgres_dsn: str, tmp_path: Path
+) -> None:
+    """The one statement leaves agents with retention to the transaction (it does not
+    read their ttl); once an append has read such an agent's settings, the next goes to
+    the transaction without trying the statement first: BEGIN, two statements, COMMIT,
+    not one round trip more."""
+    store = PostgresStore.open(postgres_dsn, pool_size=1)
+    try:
+        settings = AgentSettings(retention=RetentionPolicy(ttl_us=3_600 * 10**6))
+        key = ContextKey(TENANT, "r", "", "t")
+        store.append(key, _prepared(), settings)
+        store.append(key, _prepared(), None)  # the transaction reads the retention
+        trace = tmp_path / "trace"
+        with trace.open("w") as out:
+            with store._pool.connection() as conn:
+                conn.pgconn.trace(out.fileno())
+                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+            try:
+                [receipt] = store.append(key, _prepared(), None)
+            finally:
+                with store._pool.connection() as conn:
+                    conn.pgconn.untrace()
+        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        assert [trip[-1] for trip in trips] == ["Query", "Sync", "Sync", "Query"], trips
+        assert receipt.sequence == 3
     finally:
         store.close()
 

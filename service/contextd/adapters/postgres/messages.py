@@ -6,6 +6,11 @@ thread's row (creating it), take the next sequence numbers and ids, stamp the co
 (never before the thread's newest message or any clear marker that applies to it), COPY
 the rows in, move the thread's counters, and record the request id. Nothing of it lives
 in the process: any replica can append to any thread.
+
+The common one-message append (an existing thread, no tool call, no retention, the
+model's label as counted) does all of that in one statement in autocommit
+(`_ONE_STATEMENT_APPEND`): one round trip and one commit. Whatever it does not cover it
+leaves, having written nothing, to the transaction above.
 """
 
 from __future__ import annotations
@@ -418,6 +423,11 @@ class MessagesMixin(PostgresBase):
     # takes a batch counted under a label only for an agent whose model is among them
     # (the label is a function of the model, so an entry never goes stale).
     _label_models: dict[str, tuple[str, ...]]
+    # Agents whose settings had retention when an append last read them, by (tenant,
+    # name): their appends go to the transaction at once (the one statement would find
+    # the retention and write nothing, a round trip for naught). Each transaction's
+    # append sets its agent's entry from what it read.
+    _retention_agents: set[tuple[str, str]]
 
     def append(
         self,
@@ -451,6 +461,8 @@ class MessagesMixin(PostgresBase):
         tool_result = message.role == Role.TOOL_RESULT
         models = self._label_models.get(batch.tokenizer)
         if not models or (tool_result and message.tool_call_id) or self._closed:
+            return None
+        if (key.tenant, key.agent) in self._retention_agents:
             return None
         self._forget_old_requests()
         commit_time = self.clock.tick()
@@ -562,6 +574,10 @@ class MessagesMixin(PostgresBase):
                 raise agent_missing(key.agent)
         model, agent_clear_us = str(agent[0]), int(agent[1])
         ttl_us = _ttl_of(str(agent[2]), key.scope)
+        if "retention" in str(agent[2]):
+            self._retention_agents.add((tenant, key.agent))
+        else:
+            self._retention_agents.discard((tenant, key.agent))
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
         if model not in self._label_models.get(batch.tokenizer, ()):

@@ -64,6 +64,7 @@ class PostgresStore(
         self._agent_cache = {}
         self._id_runs = {}
         self._label_models = {}
+        self._retention_agents = set()
         self._messages = MessageCache()
         self._closed = False
         self.clock = clock
