@@ -4,9 +4,10 @@
   (adapters/postgres/pending_list.py): no append merges it, whatever its size up to the
   backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows.
 - Searches see rows still in the pending list.
-- A one-message append is BEGIN, two statements and COMMIT (messages.py `_BEGIN_APPEND`
-  and the write after it), request id or not; the look-up of a request id before a
-  write is one statement in autocommit.
+- A one-message append to an existing thread is one statement in autocommit (messages.py
+  `_ONE_STATEMENT_APPEND`), request id or not, and a retry of it is answered by that
+  statement with the first receipts; the look-up of a request id before a write is one
+  statement in autocommit, and an AppendMessages call with a request id makes none.
 """
 
 from __future__ import annotations
@@ -16,16 +17,31 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psycopg
 import pytest
 from psycopg import pq
 
+from conftest import USER, Client, connect
 from contextd.adapters.postgres.store import PostgresStore
+from contextd.api.server import RunningServer, create_server
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
+from contextd.config import Settings
 from contextd.domain.batches import prepare_batch
+from contextd.domain.clock import ManualClock, wall_clock_us
+from contextd.domain.errors import StaleModel
 from contextd.domain.idempotency import AlreadyDone, RequestRecord
-from contextd.domain.model import ContextKey, MessageBatch, MessageRange, NewMessage, Role
+from contextd.domain.model import (
+    AgentSettings,
+    ContextKey,
+    MessageBatch,
+    MessageRange,
+    NewMessage,
+    Role,
+)
+from contextd.domain.retention import RetentionPolicy
+from contextd.v1 import context_service_pb2 as pb
 
 TENANT = "default"
 # PostgreSQL's default gin_pending_list_limit (4 MB) in 8 kB pages: past it, an insert
@@ -113,49 +129,102 @@ def _round_trips(fields: list[list[str]]) -> list[list[str]]:
     return [g for g in groups if g]
 
 
-def test_one_message_append_is_two_statements(postgres_dsn: str, tmp_path: Path) -> None:
-    """Read from libpq's trace of the store's one connection. A one-message append is
-    BEGIN, two statements and COMMIT, request id or not; the look-up of a request id
-    before a write is one statement in autocommit. Before, an append to an existing
-    thread was six (BEGIN, the agent's lock, the thread's lock, the row, the counters,
-    COMMIT), eight with a request id, and the look-up three (BEGIN, the read, COMMIT)."""
+def test_one_message_append_is_one_statement(postgres_dsn: str, tmp_path: Path) -> None:
+    """Read from libpq's trace of the store's one connection. A one-message append to an
+    existing thread is one statement in autocommit, request id or not, and so is its
+    retry; the look-up of a request id before a write is one statement too. Before, an
+    append was BEGIN, two statements and COMMIT (six round trips before that, eight with
+    a request id)."""
     store = PostgresStore.open(postgres_dsn, pool_size=1)
     try:
         service = ContextService(store, ExtractiveSummarizer())
         service.append_messages(TENANT, "a", "", "t", _batch(0, 1), create_agent=True)
         trace = tmp_path / "trace"
         record = RequestRecord(TENANT, "r-1", "contextd.v1.AppendMessagesRequest", "f", _encode)
+        key = ContextKey(TENANT, "a", "", "t")
         with trace.open("w") as out:
             with store._pool.connection() as conn:
                 conn.pgconn.trace(out.fileno())
                 conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
             try:
-                key = ContextKey(TENANT, "a", "", "t")
                 store.append(key, _prepared(), None)
                 assert store.remembered(TENANT, record.request_id) is None
                 receipts = store.append(key, _prepared(), None, record)
+                with pytest.raises(AlreadyDone) as done:
+                    store.append(key, _prepared(), None, record)
             finally:
                 with store._pool.connection() as conn:
                     conn.pgconn.untrace()
         # Lines are "F|B <tab> length <tab> message ..." (F: sent by the client).
         trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
-        kinds = [trip[-1] for trip in trips]
-        # Each append: BEGIN, the locks and ids (with the record), the writes, COMMIT;
-        # between them the look-up: one extended statement, no BEGIN or COMMIT.
-        append = ["Query", "Sync", "Sync", "Query"]
-        assert kinds == [*append, "Sync", *append], trips
-        # The record was written with the row: the same request replays it.
-        again = store.append(key, _prepared(), None, record)
-    except AlreadyDone as done:
-        assert receipts is not None
-        assert done.payload == record.encode(receipts)
-        assert store.remembered(TENANT, record.request_id) is not None
-        # The connection came back from the look-ups usable for writes.
+        # The append, the look-up, the append with its record, the retry: one extended
+        # statement each, no BEGIN or COMMIT.
+        assert [trip[-1] for trip in trips] == ["Sync"] * 4, trips
+        # The retry was answered by the statement: the first receipts, by the retry's
+        # own encoder, and nothing written.
+        assert done.value.payload == record.encode(receipts)
+        assert [r.sequence for r in receipts] == [3]
+        found = store.remembered(TENANT, record.request_id)
+        assert found is not None and found.fingerprint == record.fingerprint
+        assert found.result == receipts
+        # The connection came back from the autocommit statements usable for writes.
         store.append(key, _prepared(), None)
         thread = store.get_thread(key)
         assert thread is not None and thread.message_count == 4
-    else:
-        raise AssertionError(f"not replayed: {again}")
+    finally:
+        store.close()
+
+
+def test_appends_it_does_not_cover_take_the_transaction(postgres_dsn: str) -> None:
+    """The one statement leaves what it does not cover to the transaction, which answers
+    as before: a new thread, a batch counted under another model's label (StaleModel), a tool
+    call and its result (found by the call's id). (Agents with retention: tests/contract.)"""
+    store = PostgresStore.open(postgres_dsn)
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+        key = ContextKey(TENANT, "a", "", "t")
+        service.append_messages(TENANT, "a", "", "t", _batch(0, 1), create_agent=True)
+        stale = prepare_batch(_batch(1, 1), "claude-sonnet-4", [()])
+        with pytest.raises(StaleModel):
+            store.append(key, stale, None)
+        call = NewMessage(role=Role.ASSISTANT, content="x", tool_calls='[{"id": "c1"}]')
+        store.append(key, prepare_batch([call], "", [("c1",)]), None)
+        result = NewMessage(role=Role.TOOL_RESULT, content="y", tool_call_id="c1")
+        [receipt] = store.append(key, prepare_batch([result], "", [()]), None)
+        [row] = store.messages_by_ids(key, [receipt.id])
+        assert row.group_id >= 0  # found its call, as the transaction does
+        thread = store.get_thread(key)
+        assert thread is not None and thread.message_count == 3
+    finally:
+        store.close()
+
+
+def test_appends_of_an_agent_with_retention_take_the_transaction_at_once(
+    postgres_dsn: str, tmp_path: Path
+) -> None:
+    """The one statement leaves agents with retention to the transaction (it does not
+    read their ttl); once an append has read such an agent's settings, the next goes to
+    the transaction without trying the statement first: BEGIN, two statements, COMMIT,
+    not one round trip more."""
+    store = PostgresStore.open(postgres_dsn, pool_size=1)
+    try:
+        settings = AgentSettings(retention=RetentionPolicy(ttl_us=3_600 * 10**6))
+        key = ContextKey(TENANT, "r", "", "t")
+        store.append(key, _prepared(), settings)
+        store.append(key, _prepared(), None)  # the transaction reads the retention
+        trace = tmp_path / "trace"
+        with trace.open("w") as out:
+            with store._pool.connection() as conn:
+                conn.pgconn.trace(out.fileno())
+                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+            try:
+                [receipt] = store.append(key, _prepared(), None)
+            finally:
+                with store._pool.connection() as conn:
+                    conn.pgconn.untrace()
+        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        assert [trip[-1] for trip in trips] == ["Query", "Sync", "Sync", "Query"], trips
+        assert receipt.sequence == 3
     finally:
         store.close()
 
@@ -166,3 +235,85 @@ def _prepared() -> MessageBatch:
 
 def _encode(receipts: Any) -> bytes:
     return repr([(r.id, r.sequence) for r in receipts]).encode()
+
+
+def _serve(postgres_dsn: str, data_dir: Path, **settings: Any) -> tuple[RunningServer, Client]:
+    running = create_server(
+        Settings(
+            addr="127.0.0.1:0",
+            data_dir=data_dir,
+            store=postgres_dsn,
+            sweep_interval_seconds=0,
+            **settings,
+        ),
+        clock=ManualClock(wall_clock_us()),
+    )
+    return running, connect(f"127.0.0.1:{running.port}")
+
+
+def _request(request_id: str, *texts: str) -> pb.AppendMessagesRequest:
+    return pb.AppendMessagesRequest(
+        agent="a",
+        thread="t",
+        request_id=request_id,
+        create_agent_if_missing=True,
+        messages=[pb.Message(role=USER, content=t) for t in texts],
+    )
+
+
+def test_an_append_call_with_a_request_id_is_two_round_trips(
+    postgres_dsn: str, tmp_path: Path
+) -> None:
+    """Over gRPC, an AppendMessages with a request id makes two round trips to
+    PostgreSQL, and so does its retry: whether the server has API keys, and the append's
+    statement. The servicer does not look the id up first (that statement reads it), and
+    the check of keys is one statement in autocommit. Before, a call made eight: the
+    check of keys (BEGIN, the read, COMMIT), the look-up and the append (four)."""
+    running, client = _serve(postgres_dsn, tmp_path / "data", store_pool_size=1)
+    store = running.store
+    assert isinstance(store, PostgresStore)
+    try:
+        client.stub.AppendMessages(_request("", "first"))
+        client.stub.AppendMessages(_request("", "second"))  # the agent is cached now
+        trace = tmp_path / "trace"
+        with trace.open("w") as out:
+            with store._pool.connection() as conn:
+                conn.pgconn.trace(out.fileno())
+                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+            try:
+                first_response = client.stub.AppendMessages(_request("r-1", "hello"))
+                again = client.stub.AppendMessages(_request("r-1", "hello"))
+            finally:
+                with store._pool.connection() as conn:
+                    conn.pgconn.untrace()
+        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        # Each call: the check of keys (a simple Query, no parameters), the append.
+        assert [trip[-1] for trip in trips] == ["Query", "Sync"] * 2, trips
+        assert all(trip[0] == 'Parse "WITH' for trip in trips[1::2]), trips
+        assert again == first_response
+        assert [r.sequence for r in first_response.receipts] == [3]
+        assert [m.content for m in client.history("a", thread="t")] == ["first", "second", "hello"]
+    finally:
+        client.channel.close()
+        running.stop(grace=1)
+
+
+def test_a_retry_the_servicer_refuses_before_the_store_replays_the_first(
+    postgres_dsn: str, tmp_path: Path
+) -> None:
+    """A retry that fails before the store is reached (here another replica's limits
+    refuse the batch) is looked up then: the first response, not the error."""
+    first_replica, first_client = _serve(postgres_dsn, tmp_path / "one")
+    second_replica, second_client = _serve(postgres_dsn, tmp_path / "two", max_batch_messages=1)
+    try:
+        first_client.stub.AppendMessages(_request("", "first"))
+        response = first_client.stub.AppendMessages(_request("r-1", "a", "b"))
+        assert second_client.stub.AppendMessages(_request("r-1", "a", "b")) == response
+        with pytest.raises(grpc.RpcError) as info:
+            second_client.stub.AppendMessages(_request("r-2", "a", "b"))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [m.content for m in first_client.history("a", thread="t")] == ["first", "a", "b"]
+    finally:
+        for replica, client in ((first_replica, first_client), (second_replica, second_client)):
+            client.channel.close()
+            replica.stop(grace=1)

@@ -125,6 +125,48 @@ def test_concurrent_duplicates_write_once(client: Client) -> None:
     assert client.contents(client.history("a1")) == ["once"]
 
 
+def test_concurrent_duplicates_on_an_existing_thread_write_once(client: Client) -> None:
+    """As above, on a thread that exists (on PostgreSQL each attempt is then the
+    one-statement append: the losers conflict on the record and replay it)."""
+    client.stub.AppendMessages(_append_request("", "first"))
+    results: list[Any] = []
+    barrier = threading.Barrier(8)
+
+    def send() -> None:
+        barrier.wait()
+        results.append(client.stub.AppendMessages(_append_request("same", "once")))
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 8 and all(r == results[0] for r in results)
+    assert [r.sequence for r in results[0].receipts] == [2]
+    assert client.contents(client.history("a1")) == ["first", "once"]
+
+
+def test_a_retried_append_after_its_agent_was_deleted_returns_the_first_receipts(
+    client: Client,
+) -> None:
+    """A retry gets the first response though the agent is gone since (on PostgreSQL
+    the append's own statement reads the record before it looks at the agent); a new
+    request is NOT_FOUND."""
+    client.stub.AppendMessages(_append_request("", "first"))
+    request = _append_request("r-1", "hello")
+    request.create_agent_if_missing = False
+    first = client.stub.AppendMessages(request)
+    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
+    assert client.stub.AppendMessages(request) == first
+    with pytest.raises(grpc.RpcError) as info:
+        client.stub.AppendMessages(
+            pb.AppendMessagesRequest(
+                agent="a1", thread="t1", request_id="r-2", messages=request.messages
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_a_retry_after_a_restart_is_deduplicated(spawn_server: SpawnServer) -> None:
     server = spawn_server()
     client = server.start()

@@ -43,6 +43,7 @@ from contextd.api.tenant import caller_tenant
 from contextd.app.build.builder import BuildRequest
 from contextd.app.service import ContextService
 from contextd.app.snapshots import RestoreResult
+from contextd.domain.errors import ContextdError
 from contextd.domain.idempotency import (
     AlreadyDone,
     RequestRecord,
@@ -96,19 +97,25 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         response_type: type[R],
         to_response: Callable[[Any], R],
         write: Callable[[RequestRecord | None], Any],
+        *,
+        look_up_first: bool = True,
     ) -> R:
         """Run a write; with a request_id, a retry returns the first call's response.
 
-        The stored payload is the serialized response, written in the write's own
-        transaction; a retry is answered from it (here when it is already recorded, or
-        by the store when two attempts race) without writing anything.
+        The stored payload is the serialized response (or the result it is built from),
+        written in the write's own transaction; a retry is answered from it (here when it
+        is already recorded, or by the store when two attempts race) without writing
+        anything.
+
+        `look_up_first=False`: the write itself reads the request id's record before it
+        writes anything (the PostgreSQL append does, in its one statement), so the
+        look-up here would only cost a round trip. A write that fails before the store
+        answers (the agent deleted since, a quota now full) still replays a recorded
+        first response: the record is looked up then.
         """
         record = self._record(request, context)
         if record is None:
             return to_response(write(None))
-        found = self._service.remembered(record.tenant, record.request_id)
-        if found is not None:
-            return response_type.FromString(replay(record, found))
         # The store encodes the response to record it; the response built for that is the
         # one returned when the write's result is the object it was built from (else it is
         # built again), so a call with a request id builds its response once.
@@ -120,10 +127,21 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             return response.SerializeToString()
 
         record = record.with_encoder(encode)
+        if look_up_first:
+            found = self._service.remembered(record.tenant, record.request_id)
+            if found is not None:
+                return response_type.FromString(replay(record, found))
         try:
             result = write(record)
         except AlreadyDone as done:
             return response_type.FromString(done.payload)
+        except ContextdError:
+            if look_up_first:
+                raise
+            found = self._service.remembered(record.tenant, record.request_id)
+            if found is None:
+                raise
+            return response_type.FromString(replay(record, found))
         if built and built[-1][0] is result:
             return built[-1][1]
         return to_response(result)
@@ -203,6 +221,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
                 request.create_agent_if_missing,
                 record,
             ),
+            look_up_first=not self._service.append_answers_retries(messages),
         )
 
     def ListMessages(

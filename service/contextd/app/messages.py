@@ -26,6 +26,7 @@ from contextd.domain.model import (
     MessageRange,
     MessageReceipt,
     NewMessage,
+    Role,
 )
 from contextd.domain.quota import stored_bytes
 from contextd.domain.validation import (
@@ -79,6 +80,17 @@ class MessageCalls(UseCases):
         raise Unavailable(
             "the agent's model kept changing during this append; retry",
             retry_after_s=0.1,
+        )
+
+    def append_answers_retries(self, messages: Sequence[NewMessage]) -> bool:
+        """Whether `append_messages` may run a request without looking its id up first:
+        the store reads the record in its own first statement and no step before it
+        writes or refuses anything a retry must not redo (TOOL_RESULTs may be stored
+        aside, and a quota admits before the store answers)."""
+        return (
+            self._store.append_reads_record
+            and not self._quota.limit
+            and all(m.role != Role.TOOL_RESULT for m in messages)
         )
 
     def list_messages(

@@ -67,11 +67,16 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class Remembered:
-    """A recorded request: what it was and the payload of its response."""
+    """A recorded request: what it was and the payload of its response, or the write's
+    result itself (`result`, when not None), from which `replay` encodes the payload with
+    the retry's own encoder: a store that records a write in the very statement that
+    makes it cannot run the encoder on values the database assigns (see the PostgreSQL
+    one-statement append)."""
 
     method: str
     fingerprint: str
     payload: bytes
+    result: Any = None
 
 
 class AlreadyDone(Exception):
@@ -106,4 +111,6 @@ def replay(record: RequestRecord, found: Remembered) -> bytes:
             reason="REQUEST_ID_REUSED",
             field="request_id",
         )
+    if found.result is not None:
+        return record.encode(found.result)
     return found.payload

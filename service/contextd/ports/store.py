@@ -509,6 +509,10 @@ class MessageSearch(Protocol):
 
 
 class RequestLog(Protocol):
+    # Whether `append` reads the request id's record before it writes anything, in a
+    # statement it makes anyway: the caller's own look-up beforehand is then only a cost.
+    append_reads_record: bool
+
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
         """The recorded request of this id (the fast path of a retry)."""
 

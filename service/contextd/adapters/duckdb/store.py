@@ -91,6 +91,9 @@ class Store(
     longer than the write timeout) and when it can again.
     """
 
+    # The writer thread looks request ids up in its journal after the caller's look-up.
+    append_reads_record = False
+
     def __init__(
         self,
         con: duckdb.DuckDBPyConnection,

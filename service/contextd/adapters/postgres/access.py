@@ -24,7 +24,7 @@ class AccessMixin(PostgresBase):
         return self._write(insert, record)
 
     def find_key(self, key_id: str) -> tuple[ApiKey, str] | None:
-        with self._reading() as conn:
+        with self._reading_once() as conn:  # every call with a key reads it
             row = first(
                 conn,
                 f"SELECT {KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = %s",
@@ -62,7 +62,7 @@ class AccessMixin(PostgresBase):
         return self._write(revoke, record)
 
     def any_active_key(self) -> bool:
-        with self._reading() as conn:
+        with self._reading_once() as conn:  # every call without a key asks
             row = first(
                 conn, "SELECT EXISTS (SELECT 1 FROM api_keys WHERE revoke_time_us IS NULL)", []
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from contextd.domain.errors import (
     Unavailable,
 )
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
-from contextd.domain.model import Agent
+from contextd.domain.model import Agent, MessageReceipt
 from contextd.domain.window import WindowSpec
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,25 @@ class PostgresBase:
             )
         with self._pool.connection() as conn:
             yield conn
+
+    @contextmanager
+    def _reading_once(self) -> Iterator[Conn]:
+        """A connection for a read of one statement: the snapshot's inside `snapshot`,
+        else one from the pool in autocommit, so the read is one round trip where a
+        transaction of its own makes it three (BEGIN, the read, COMMIT). For the reads
+        every call makes (whether the server has API keys, a caller's key, a request
+        id's record)."""
+        if getattr(self._local, "conn", None) is not None:  # inside a snapshot: join it
+            with self._reading() as pinned:
+                yield pinned
+            return
+        with self._reading() as conn:
+            conn.autocommit = True
+            try:
+                yield conn
+            finally:
+                if conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    conn.autocommit = False
 
     @contextmanager
     def snapshot(self) -> Iterator[None]:
@@ -265,16 +285,46 @@ REMEMBERED = (
 )
 
 
+# The fingerprint of a record whose payload holds an append's receipts rather than its
+# response (the one-statement append writes it: messages.py `_ONE_STATEMENT_APPEND`):
+# the prefix, then the request's fingerprint. A replica of an earlier version finds the
+# fingerprints differ and refuses the retry (REQUEST_ID_REUSED) rather than answer with
+# bytes it cannot read.
+RECEIPTS_RECORD = "receipts/1:"
+# Each receipt in such a payload: id, sequence, commit time, token estimate, token count
+# (int8send's big-endian bytes).
+_RECEIPT = struct.Struct(">5q")
+
+
+def remembered_of(method: str, fingerprint: str, payload: bytes) -> Remembered:
+    """A record as read: a receipts record gives the receipts, which `replay` encodes."""
+    if not fingerprint.startswith(RECEIPTS_RECORD):
+        return Remembered(method, fingerprint, payload)
+    receipts = [
+        MessageReceipt(i, time_us, estimate, count, sequence)
+        for i, sequence, time_us, estimate, count in _RECEIPT.iter_unpack(payload)
+    ]
+    return Remembered(method, fingerprint.removeprefix(RECEIPTS_RECORD), b"", receipts)
+
+
+def receipt_tail(receipt: MessageReceipt) -> bytes:
+    """What a receipts record holds of a receipt after its id and sequence (which the
+    database assigns in the statement that writes the record)."""
+    return _RECEIPT.pack(0, 0, receipt.create_time_us, receipt.token_estimate, receipt.token_count)[
+        16:
+    ]
+
+
 def check_remembered(record: RequestRecord | None, found: Any) -> None:
     """Raise AlreadyDone (or REQUEST_ID_REUSED) when `found`, the (method, fingerprint,
     payload) a write that `records_itself` read for `record`, holds a request record."""
     if record is not None and found is not None and found[0] is not None:
-        raise AlreadyDone(replay(record, Remembered(found[0], found[1], bytes(found[2]))))
+        raise AlreadyDone(replay(record, remembered_of(found[0], found[1], bytes(found[2]))))
 
 
 def _remembered(conn: Conn, tenant: str, request_id: str) -> Remembered | None:
     row = conn.execute(REMEMBERED, [tenant, request_id]).fetchone()
-    return Remembered(row[0], row[1], bytes(row[2])) if row else None
+    return remembered_of(row[0], row[1], bytes(row[2])) if row else None
 
 
 def first(conn: Conn, sql: str, params: list[Any] | dict[str, Any]) -> Any:

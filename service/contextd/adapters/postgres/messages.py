@@ -6,6 +6,11 @@ thread's row (creating it), take the next sequence numbers and ids, stamp the co
 (never before the thread's newest message or any clear marker that applies to it), COPY
 the rows in, move the thread's counters, and record the request id. Nothing of it lives
 in the process: any replica can append to any thread.
+
+The common one-message append (an existing thread, no tool call, no retention, the
+model's label as counted) does all of that in one statement in autocommit
+(`_ONE_STATEMENT_APPEND`): one round trip and one commit. Whatever it does not cover it
+leaves, having written nothing, to the transaction above.
 """
 
 from __future__ import annotations
@@ -19,15 +24,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+from psycopg import errors as pg_errors
+from psycopg import pq
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import (
+    RECEIPTS_RECORD,
     RECORD_VALUES,
     Conn,
     PostgresBase,
     agent_missing,
     check_remembered,
     first,
+    receipt_tail,
     thread_gone,
 )
 from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
@@ -320,6 +329,78 @@ FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
 """
 
 
+# The whole of a one-message append in one statement, run in autocommit: one round trip
+# and one commit, where the transaction (BEGIN, `_BEGIN_APPEND`, the writes, COMMIT) takes
+# four. It covers the common case only and leaves the rest to that transaction (it then
+# writes nothing and returns no id): the thread exists; the agent's model is one whose
+# label the batch was counted under; its settings have no retention (no ttl to expire the
+# thread); the commit time this replica took is past the thread's newest message and
+# every clear marker that applies to it; the message declares no tool call and names
+# none. With a request id, its record is read first (a record: nothing is written, the
+# record comes back) and written with the message, its payload the receipt's values
+# (`remembered_of`): the id and sequence are the database's, taken here under the
+# thread's lock. The CTEs are materialized so each runs once, in the order written; the
+# data-modifying ones run whether or not the final SELECT reads them.
+_ONE_STATEMENT_APPEND = f"""
+WITH r AS MATERIALIZED (
+    SELECT method, fingerprint, payload FROM request_records
+    WHERE tenant = %(tenant)s AND request_id = %(request_id)s::text
+), a AS MATERIALIZED (
+    SELECT model, last_clear_us, settings_json FROM agents
+    WHERE tenant = %(tenant)s AND name = %(agent)s FOR KEY SHARE
+), t AS MATERIALIZED (
+    SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total,
+           tools_total, totals_through FROM threads
+    WHERE tenant = %(tenant)s AND agent = %(agent)s AND scope = %(scope)s
+      AND thread = %(thread)s
+    FOR UPDATE
+), ok AS MATERIALIZED (
+    SELECT t.context_id, t.last_sequence + 1 AS sequence, nextval('message_ids') AS id,
+           t.ordinal_total, t.tools_total, t.totals_through = t.last_sequence AS exact,
+           set_config('gin_pending_list_limit',
+                      coalesce(%(pending_kb)s::text, current_setting('gin_pending_list_limit')),
+                      true)
+    FROM a, t
+    WHERE NOT EXISTS (SELECT FROM r) AND a.model = ANY(%(models)s::text[])
+      AND strpos(a.settings_json, 'retention') = 0
+      AND a.last_clear_us < %(commit)s AND t.last_message_time_us < %(commit)s
+      AND coalesce(t.last_clear_us, 0) < %(commit)s
+), m AS (
+    INSERT INTO messages ({_COPY_COLUMNS})
+    SELECT %(tenant)s, ok.context_id, ok.sequence, ok.id, %(role)s::smallint, %(content)s::text,
+           %(tool_calls)s::text, %(tool_call_id)s::text, %(external_id)s::text,
+           %(metadata)s::text, %(token_estimate)s::integer, %(commit)s::bigint,
+           %(source_time_us)s::bigint, %(token_count)s::integer, %(tokenizer)s::text,
+           %(chars)s::integer, -1, '', false, 0, 0, %(restored_from)s::text, NULL,
+           %(search_tsv)s::tsvector,
+           CASE WHEN ok.exact THEN ok.ordinal_total + 1 END,
+           CASE WHEN ok.exact THEN ok.tools_total + %(tool)s::bigint END
+    FROM ok
+), u AS (
+    UPDATE threads x SET last_sequence = ok.sequence, message_count = x.message_count + 1,
+           token_estimate = x.token_estimate + %(token_estimate)s::integer,
+           last_message_time_us = %(commit)s::bigint,
+           min_source_time_us = least(x.min_source_time_us, %(source_time_us)s::bigint),
+           stored_bytes = x.stored_bytes + %(stored_bytes)s::bigint,
+           ordinal_total = ok.ordinal_total + 1, tools_total = ok.tools_total + %(tool)s::bigint,
+           totals_through = CASE WHEN ok.exact THEN ok.sequence ELSE x.totals_through END
+    FROM ok WHERE x.tenant = %(tenant)s AND x.context_id = ok.context_id
+), q AS (
+    INSERT INTO request_records (tenant, request_id, method, fingerprint, payload,
+                                 create_time_us)
+    SELECT %(tenant)s, %(request_id)s::text, %(method)s::text, %(fingerprint)s::text,
+           int8send(ok.id) || int8send(ok.sequence) || %(receipt_tail)s::bytea,
+           %(record_time_us)s::bigint
+    FROM ok WHERE %(request_id)s::text IS NOT NULL
+)
+SELECT ok.id, ok.sequence, r.method, r.fingerprint, r.payload
+FROM (SELECT) AS one LEFT JOIN ok ON true LEFT JOIN r ON true
+"""
+# Sent without its runs of blanks: psycopg keeps its conversion of a query of at most
+# 4,096 characters.
+_ONE_STATEMENT_APPEND = " ".join(_ONE_STATEMENT_APPEND.split())
+
+
 def _model_label(model: str) -> str:
     return stored_tokenizer(model) if model else "estimate"
 
@@ -342,6 +423,18 @@ class MessagesMixin(PostgresBase):
     # `build_token` names a state once this replica's reads saw it (ContextBuilder).
     tokens_after_reads = True
 
+    # The stores' append reads the request id's record in its own first statement.
+    append_reads_record = True
+    # The models seen under each batch label (`_model_label`): the one-statement append
+    # takes a batch counted under a label only for an agent whose model is among them
+    # (the label is a function of the model, so an entry never goes stale).
+    _label_models: dict[str, tuple[str, ...]]
+    # Agents whose settings had retention when an append last read them, by (tenant,
+    # name): their appends go to the transaction at once (the one statement would find
+    # the retention and write nothing, a round trip for naught). Each transaction's
+    # append sets its agent's entry from what it read.
+    _retention_agents: set[tuple[str, str]]
+
     def append(
         self,
         key: ContextKey,
@@ -349,15 +442,84 @@ class MessagesMixin(PostgresBase):
         default_settings: AgentSettings | None,
         record: RequestRecord | None = None,
     ) -> list[MessageReceipt]:
-        # The append reads the request id's record in its first statement and writes it
-        # in its last: a one-message append is BEGIN, two statements and COMMIT.
-        receipts = self._write(
-            lambda conn: self._append(conn, key, batch, default_settings, record),
-            record,
-            records_itself=True,
-        )
+        receipts = self._append_in_one_statement(key, batch, record)
+        if receipts is None:
+            # The append reads the request id's record in its first statement and writes
+            # it in its last: a one-message append is BEGIN, two statements and COMMIT.
+            receipts = self._write(
+                lambda conn: self._append(conn, key, batch, default_settings, record),
+                record,
+                records_itself=True,
+            )
         self._pending.appended(len(receipts))
         return receipts
+
+    def _append_in_one_statement(
+        self, key: ContextKey, batch: MessageBatch, record: RequestRecord | None
+    ) -> list[MessageReceipt] | None:
+        """A one-message append as `_ONE_STATEMENT_APPEND`, or None when it does not apply
+        (or conflicted): the transaction of `_append` then does it, and answers as ever
+        (creates what is missing, raises StaleModel, expires the thread, replays a record
+        written meanwhile)."""
+        if len(batch) != 1 or batch.summarized_ids is not None or batch.tool_call_ids[0]:
+            return None
+        message = batch.messages[0]
+        tool_result = message.role == Role.TOOL_RESULT
+        models = self._label_models.get(batch.tokenizer)
+        if not models or (tool_result and message.tool_call_id) or self._closed:
+            return None
+        if (key.tenant, key.agent) in self._retention_agents:
+            return None
+        self._forget_old_requests()
+        commit_time = self.clock.tick()
+        receipt = MessageReceipt(0, commit_time, batch.token_estimates[0], batch.token_counts[0])
+        params = {
+            "tenant": key.tenant,
+            "agent": key.agent,
+            "scope": key.scope,
+            "thread": key.thread,
+            "request_id": record.request_id if record is not None else None,
+            "models": list(models),
+            "pending_kb": self._pending.limit_kb,
+            "commit": commit_time,
+            "role": int(message.role),
+            "content": message.content,
+            "tool_calls": message.tool_calls,
+            "tool_call_id": message.tool_call_id,
+            "external_id": message.external_id,
+            "metadata": message.metadata,
+            "token_estimate": receipt.token_estimate,
+            "source_time_us": message.source_time_us,
+            "token_count": receipt.token_count,
+            "tokenizer": batch.tokenizer,
+            "chars": batch.chars[0],
+            "restored_from": batch.restored_from,
+            # None: the database's trigger computes it (search_vector.py).
+            "search_tsv": search_vectors(batch.messages)[0] if self._search_vectors else None,
+            "tool": int(tool_result),
+            "stored_bytes": stored_bytes(batch.messages),
+            "method": record.method if record is not None else None,
+            "fingerprint": RECEIPTS_RECORD + record.fingerprint if record is not None else None,
+            "receipt_tail": receipt_tail(receipt),
+            "record_time_us": self.clock.tick() if record is not None else None,
+        }
+        with self._pool.connection() as conn:
+            conn.autocommit = True  # the statement is its own transaction
+            try:
+                row = first(conn, _ONE_STATEMENT_APPEND, params)
+            except (
+                pg_errors.DeadlockDetected,
+                pg_errors.SerializationFailure,
+                pg_errors.UniqueViolation,  # a concurrent attempt of the request committed
+            ):
+                return None
+            finally:
+                if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
+                    conn.autocommit = False
+        check_remembered(record, row[2:5])
+        if row[0] is None:
+            return None
+        return [replace(receipt, id=int(row[0]), sequence=int(row[1]))]
 
     def append_many(
         self,
@@ -418,8 +580,15 @@ class MessagesMixin(PostgresBase):
                 raise agent_missing(key.agent)
         model, agent_clear_us = str(agent[0]), int(agent[1])
         ttl_us = _ttl_of(str(agent[2]), key.scope)
+        if "retention" in str(agent[2]):
+            self._retention_agents.add((tenant, key.agent))
+        else:
+            self._retention_agents.discard((tenant, key.agent))
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
+        if model not in self._label_models.get(batch.tokenizer, ()):
+            label = _model_label(model)
+            self._label_models[label] = (*self._label_models.get(label, ()), model)
         row, ids = (tuple(locked[:7]), [int(i) for i in locked[7]]) if locked else (None, [])
         commit_time = 0  # stamped below, or here when this append creates the thread
         if row is None:

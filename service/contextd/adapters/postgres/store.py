@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import psycopg
 import psycopg_pool
-from psycopg import pq
 
 from contextd.adapters.postgres.access import AccessMixin
 from contextd.adapters.postgres.agents import AgentsMixin
@@ -65,6 +64,8 @@ class PostgresStore(
         self._agent_cache = {}
         self._id_runs = {}
         self._windows_seen = {}
+        self._label_models = {}
+        self._retention_agents = set()
         self._messages = MessageCache()
         self._closed = False
         self.clock = clock
@@ -158,22 +159,14 @@ class PostgresStore(
         return bytes(row[0])
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
-        """The record of a request id, read by one statement in autocommit: one round
-        trip, where a transaction of its own made it three (BEGIN, the read, COMMIT), on
-        every write that carries a request id. Writes look the id up again in their own
+        """The record of a request id, read by one statement in autocommit (one round
+        trip, see `_reading_once`), on every write that carries a request id but the
+        append (whose statement reads it). Writes look the id up again in their own
         transaction (`PostgresBase._write`), so this read is only the fast path of
         retries."""
         self._forget_old_requests()
-        if getattr(self._local, "conn", None) is not None:  # inside a snapshot: join it
-            with self._reading() as pinned:
-                return _remembered(pinned, tenant, request_id)
-        with self._reading() as conn:
-            conn.autocommit = True
-            try:
-                return _remembered(conn, tenant, request_id)
-            finally:
-                if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
-                    conn.autocommit = False
+        with self._reading_once() as conn:
+            return _remembered(conn, tenant, request_id)
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, at most CLEANUP_CHUNK per pass,
