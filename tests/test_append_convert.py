@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf import timestamp_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from contextd.api.convert import new_message_of, new_messages_of, receipt_pb, receipts_pb
+from contextd import core
+from contextd.api.convert import (
+    new_message_of,
+    new_messages_of,
+    receipt_pb,
+    receipts_bytes,
+    receipts_pb,
+)
 from contextd.domain.errors import ContextdError, InvalidArgument
 from contextd.domain.limits import check_message, check_messages
 from contextd.domain.model import MessageReceipt, NewMessage, Role
@@ -70,6 +79,35 @@ def test_receipts_pb_equals_a_list_of_receipt_pb() -> None:
     assert fast.SerializeToString(deterministic=True) == plain.SerializeToString(deterministic=True)
     assert all(r.HasField("create_time") for r in fast.receipts)
     assert receipts_pb([]) == pb.AppendMessagesResponse()
+
+
+_INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# Times whose Timestamp protobuf can hold (years 1 to 9999), before the epoch included.
+_TIME_US = st.integers(min_value=-62_135_596_800_000_000, max_value=253_402_300_799_999_999)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.builds(MessageReceipt, _INT64, _TIME_US, _INT64, _INT64, _INT64),
+        max_size=40,
+    )
+)
+def test_receipts_encoded_in_rust_are_the_protobuf_runtimes_bytes(
+    receipts: list[MessageReceipt],
+) -> None:
+    """The Rust encoder (rust_core/src/wire.rs) against the runtime's serialization of the
+    plain per-receipt build, over any int64 (negative ones take ten bytes) and any time a
+    Timestamp can hold (before the epoch: negative seconds, positive nanos)."""
+    plain = pb.AppendMessagesResponse(receipts=[receipt_pb(r) for r in receipts])
+    assert receipts_bytes(receipts) == plain.SerializeToString(deterministic=True)
+    assert receipts_bytes(receipts) == plain.SerializeToString()
+    assert receipts_pb(receipts) == plain
+
+
+def test_encode_receipts_refuses_columns_of_different_lengths() -> None:
+    with pytest.raises(ValueError, match="token_estimates"):
+        core.encode_receipts([1, 2], [1, 2], [1], [1, 2], [1, 2])
 
 
 def _checked(

@@ -32,6 +32,7 @@ use crate::specifics;
 use crate::text;
 use crate::tokens::{self, Encoding};
 use crate::trim;
+use crate::wire;
 
 create_exception!(
     contextd._core,
@@ -103,6 +104,30 @@ fn search_vectors(
             })
             .collect()
     })
+}
+
+/// The serialized `contextd.v1.AppendMessagesResponse` of an append's receipts, one per
+/// row of the five columns (see `wire.rs`). Attached: about 20 us for 1,000 receipts,
+/// less than handing the GIL over.
+#[pyfunction]
+fn encode_receipts<'py>(
+    py: Python<'py>,
+    ids: Vec<i64>,
+    create_time_us: Vec<i64>,
+    token_estimates: Vec<i64>,
+    token_counts: Vec<i64>,
+    sequences: Vec<i64>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let bytes = guarded(|| {
+        Ok(wire::encode_receipts(&wire::Receipts {
+            ids: &ids,
+            create_time_us: &create_time_us,
+            token_estimates: &token_estimates,
+            token_counts: &token_counts,
+            sequences: &sequences,
+        })?)
+    })?;
+    Ok(PyBytes::new(py, &bytes))
 }
 
 /// Below this many bytes of input a call runs attached: handing the GIL over and taking
@@ -872,6 +897,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(estimate_tokens_batch, m)?)?;
     m.add_function(wrap_pyfunction!(search_vectors, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_receipts, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens_batch, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens_for_model_batch, m)?)?;

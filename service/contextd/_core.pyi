@@ -27,6 +27,7 @@ __all__ = [
     "count_tokens",
     "count_tokens_batch",
     "count_tokens_for_model_batch",
+    "encode_receipts",
     "estimate_tokens",
     "estimate_tokens_batch",
     "extract_specifics",
@@ -58,6 +59,18 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_tokens_batch(texts: list[str]) -> list[int]:
     """:func:`estimate_tokens` for each text, in one call (one crossing into Rust)."""
+
+def encode_receipts(
+    ids: list[int],
+    create_time_us: list[int],
+    token_estimates: list[int],
+    token_counts: list[int],
+    sequences: list[int],
+) -> bytes:
+    """The serialized ``contextd.v1.AppendMessagesResponse`` holding one ``MessageReceipt``
+    per row of the five columns, in order: the protobuf runtime's own bytes for it (zero
+    fields omitted, ``create_time`` always present, microseconds split as ``divmod``).
+    Raises ``ValueError`` when the columns differ in length."""
 
 def search_vectors(contents: list[str], tool_calls: list[str]) -> list[str | None]:
     """The PostgreSQL search vector literal of each message (its content and tool_calls),
