@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import timestamp_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -162,6 +163,62 @@ def test_undecodable_body_is_invalid_argument(client: Client) -> None:
     # The server is fine afterwards.
     client.append("a1", "still serving")
     assert client.contents(client.window("a1")) == ["still serving"]
+
+
+def test_a_batch_decoded_by_the_core_reports_its_first_bad_message(client: Client) -> None:
+    """A batch long enough for the Rust decoding (api/convert.py) fails as a short one:
+    INVALID_ARGUMENT naming the first bad message, and nothing of it is stored."""
+    client.append("a1", "first")
+    messages = [pb.Message(role=pb.ROLE_USER, content=f"m{i}") for i in range(1_000)]
+    messages[700] = pb.Message(content="no role")
+    messages[900] = pb.Message(role=pb.ROLE_USER, source_time=timestamp_pb2.Timestamp(nanos=-1))
+    error = _error(lambda: _append(client, *messages))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "ROLE_USER" in (error.details() or "")
+    assert _details(error)["fields"] == ["messages[700].role"]
+    assert client.contents(client.history("a1")) == ["first"]
+
+
+def test_a_batch_with_unknown_fields_is_stored_as_protobuf_reads_it(client: Client) -> None:
+    """Raw bytes from a newer client: unknown fields in the request and its messages, a
+    field given twice (the last wins). Every message is stored as the runtime parsed it."""
+    raw = client.channel.unary_unary(
+        "/contextd.v1.ContextService/AppendMessages",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.AppendMessagesResponse.FromString,
+    )
+    messages = [
+        pb.Message(role=pb.ROLE_ASSISTANT, content="old").SerializeToString()
+        + b"\xf8\x06\x07"  # field 111, a varint: unknown
+        + pb.Message(content=f"m{i} ü", metadata="{}").SerializeToString()
+        for i in range(64)
+    ]
+    body = (
+        pb.AppendMessagesRequest(
+            agent="a1", thread="t1", create_agent_if_missing=True
+        ).SerializeToString()
+        + b"\xfa\x06\x03abc"  # field 111, bytes: unknown
+        + b"".join(b"\x22" + bytes([len(m)]) + m for m in messages)
+    )
+    response = raw(body)
+    assert len(response.receipts) == 64
+    stored = client.history("a1")
+    assert [m.content for m in stored] == [f"m{i} ü" for i in range(64)]
+    assert {(m.role, m.metadata) for m in stored} == {(pb.ROLE_ASSISTANT, "{}")}
+
+
+def test_a_cut_batch_body_is_invalid_argument(client: Client) -> None:
+    raw = client.channel.unary_unary(
+        "/contextd.v1.ContextService/AppendMessages",
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    body = pb.AppendMessagesRequest(
+        agent="a1", messages=[pb.Message(role=pb.ROLE_USER, content="x" * 100)] * 1_000
+    ).SerializeToString()
+    error = _error(lambda: raw(body[:-50]))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert _details(error)["reason"] == "MALFORMED_REQUEST"
 
 
 # ----------------------------------------------------------------- page tokens

@@ -19,6 +19,7 @@ pub mod specifics;
 pub mod text;
 pub mod tokens;
 pub mod trim;
+pub mod wire;
 
 #[cfg(feature = "python")]
 mod python;

@@ -17,7 +17,7 @@ use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
@@ -32,6 +32,7 @@ use crate::specifics;
 use crate::text;
 use crate::tokens::{self, Encoding};
 use crate::trim;
+use crate::wire;
 
 create_exception!(
     contextd._core,
@@ -102,6 +103,110 @@ fn search_vectors(
                 ))
             })
             .collect()
+    })
+}
+
+/// The serialized `contextd.v1.AppendMessagesResponse` of an append's receipts, one per
+/// row of the five columns (see `wire.rs`). Attached: about 20 us for 1,000 receipts,
+/// less than handing the GIL over.
+#[pyfunction]
+fn encode_receipts<'py>(
+    py: Python<'py>,
+    ids: Vec<i64>,
+    create_time_us: Vec<i64>,
+    token_estimates: Vec<i64>,
+    token_counts: Vec<i64>,
+    sequences: Vec<i64>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let bytes = guarded(|| {
+        Ok(wire::encode_receipts(&wire::Receipts {
+            ids: &ids,
+            create_time_us: &create_time_us,
+            token_estimates: &token_estimates,
+            token_counts: &token_counts,
+            sequences: &sequences,
+        })?)
+    })?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// The messages of an AppendMessagesRequest, read from its serialized bytes (see
+/// `wire::decode_append_messages`), as instances of `new_message` (the domain's
+/// NewMessage), and the indices of the messages the caller must convert one by one (a
+/// role outside 1..=4, a tool output reference or a source time), which are None in the
+/// list. `roles` maps a role's number (1..=4) to its Role; `fields` names the seven slots
+/// to fill, in the order role, content, tool_calls, tool_call_id, external_id, metadata,
+/// source_time_us (None here).
+///
+/// Why the instances are made here: building 1,000 frozen dataclasses through their
+/// `__init__` costs about 1 ms of Python (seven `object.__setattr__` calls each), five
+/// times the decoding. They are made as `copy` and `pickle` make them: allocated by the
+/// type and their slots set with `object.__setattr__` (`PyObject_GenericSetAttr`, which a
+/// frozen dataclass's own `__init__` calls), so an instance is exactly what `__init__`
+/// gives for these values; the caller checks the type has no `__post_init__` and the
+/// fields named, and tests hold the result equal to the plain conversion.
+#[pyfunction]
+fn decode_append_messages<'py>(
+    py: Python<'py>,
+    data: &Bound<'py, PyBytes>,
+    roles: Vec<Bound<'py, PyAny>>,
+    new_message: &Bound<'py, PyType>,
+    fields: Vec<Bound<'py, PyString>>,
+) -> PyResult<(Bound<'py, PyList>, Vec<usize>)> {
+    if roles.len() != 5 {
+        return Err(PyValueError::new_err(
+            "roles must hold 5 entries (role numbers 0 to 4)",
+        ));
+    }
+    if fields.len() != 7 {
+        return Err(PyValueError::new_err("fields must name 7 slots"));
+    }
+    let buf = data.as_bytes();
+    let messages = run_sized(py, buf.len(), || wire::decode_append_messages(buf))?;
+    guarded(|| {
+        let none = py.None().into_bound(py);
+        let mut odd: Vec<usize> = Vec::new();
+        let mut out = Vec::with_capacity(messages.len());
+        let tp = new_message.as_type_ptr();
+        for (i, m) in messages.iter().enumerate() {
+            let regular =
+                (1..=4).contains(&m.role) && m.tool_output_id.is_empty() && !m.has_source_time;
+            if !regular {
+                odd.push(i);
+                out.push(none.clone());
+                continue;
+            }
+            let values: [Bound<'py, PyAny>; 7] = [
+                roles[m.role as usize].clone(),
+                PyString::new(py, m.content).into_any(),
+                PyString::new(py, m.tool_calls).into_any(),
+                PyString::new(py, m.tool_call_id).into_any(),
+                PyString::new(py, m.external_id).into_any(),
+                PyString::new(py, m.metadata).into_any(),
+                none.clone(),
+            ];
+            // SAFETY: `tp` is a live type object (borrowed from `new_message` for this
+            // call); PyType_GenericAlloc returns a new reference or NULL with an
+            // exception set, and PyObject_GenericSetAttr borrows its arguments.
+            let obj = unsafe {
+                let raw = pyo3::ffi::PyType_GenericAlloc(tp, 0);
+                if raw.is_null() {
+                    return Err(PyErr::fetch(py));
+                }
+                Bound::from_owned_ptr(py, raw)
+            };
+            for (name, value) in fields.iter().zip(&values) {
+                // SAFETY: as above; all three pointers are live for the call.
+                let status = unsafe {
+                    pyo3::ffi::PyObject_GenericSetAttr(obj.as_ptr(), name.as_ptr(), value.as_ptr())
+                };
+                if status < 0 {
+                    return Err(PyErr::fetch(py));
+                }
+            }
+            out.push(obj);
+        }
+        Ok((PyList::new(py, out)?, odd))
     })
 }
 
@@ -872,6 +977,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(estimate_tokens_batch, m)?)?;
     m.add_function(wrap_pyfunction!(search_vectors, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_receipts, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_append_messages, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens_batch, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens_for_model_batch, m)?)?;

@@ -27,6 +27,8 @@ __all__ = [
     "count_tokens",
     "count_tokens_batch",
     "count_tokens_for_model_batch",
+    "decode_append_messages",
+    "encode_receipts",
     "estimate_tokens",
     "estimate_tokens_batch",
     "extract_specifics",
@@ -58,6 +60,32 @@ def estimate_tokens(text: str) -> int:
 
 def estimate_tokens_batch(texts: list[str]) -> list[int]:
     """:func:`estimate_tokens` for each text, in one call (one crossing into Rust)."""
+
+def decode_append_messages(
+    data: bytes, roles: list[Any], new_message: type[Any], fields: list[str]
+) -> tuple[list[Any], list[int]]:
+    """The messages of a serialized ``contextd.v1.AppendMessagesRequest`` as instances of
+    ``new_message`` (a slotted dataclass without ``__post_init__``: they are made as
+    ``copy`` makes them, the seven ``fields`` set in the order role, content, tool_calls,
+    tool_call_id, external_id, metadata, source_time_us (None)), and the indices of the
+    messages to convert one by one (a role outside 1 to 4, a ``tool_output_id`` or a
+    ``source_time``), which are None in the list. ``roles[v]`` is the role value for
+    role number ``v`` (5 entries). Every other field is skipped, unknown ones included;
+    where a field repeats the last one wins. Raises ``ValueError`` for bytes that are
+    not such a request (cut short, bad lengths or varints, text that is not UTF-8, proto2
+    groups) or arguments of another length."""
+
+def encode_receipts(
+    ids: list[int],
+    create_time_us: list[int],
+    token_estimates: list[int],
+    token_counts: list[int],
+    sequences: list[int],
+) -> bytes:
+    """The serialized ``contextd.v1.AppendMessagesResponse`` holding one ``MessageReceipt``
+    per row of the five columns, in order: the protobuf runtime's own bytes for it (zero
+    fields omitted, ``create_time`` always present, microseconds split as ``divmod``).
+    Raises ``ValueError`` when the columns differ in length."""
 
 def search_vectors(contents: list[str], tool_calls: list[str]) -> list[str | None]:
     """The PostgreSQL search vector literal of each message (its content and tool_calls),

@@ -20,7 +20,7 @@ from contextd.api.convert import (
     formats_of,
     message_pb,
     micros,
-    new_messages_of,
+    new_messages_of_request,
     overrides_of,
     present_fields,
     range_of,
@@ -205,7 +205,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
     def AppendMessages(
         self, request: pb.AppendMessagesRequest, context: grpc.ServicerContext
     ) -> pb.AppendMessagesResponse:
-        messages = new_messages_of(request.messages)
+        messages = new_messages_of_request(request)
         tenant, scope = caller_tenant(context), scope_of(request.scope)
         return self.idempotent(
             request,
