@@ -297,16 +297,14 @@ _LOCK_THREAD = (
 )
 
 
-# The first statement of an append: the request id's record (see `PostgresBase._write`,
-# `records_itself`), the agent's row locked FOR KEY SHARE, the thread's
-# row locked FOR UPDATE (in that order, as everywhere), and, when the thread exists, the
-# append's message ids, taken after its lock (ids grow along a thread) by a subquery
-# evaluated per output row. The CTEs are materialized so each runs once, as written. It
-# also sets this transaction's gin_pending_list_limit (see pending_list.py).
-_BEGIN_APPEND = """
+# The head of both ways of appending (`_BEGIN_APPEND`, `_ONE_STATEMENT_APPEND`): the
+# request id's record (r), the agent's row locked FOR KEY SHARE (a), then the thread's row
+# locked FOR UPDATE (t): in that order, as everywhere, so that appends never deadlock
+# with each other whichever way each takes.
+_APPEND_HEAD = """
 WITH r AS MATERIALIZED (
     SELECT method, fingerprint, payload FROM request_records
-    WHERE tenant = %(tenant)s AND request_id = %(request_id)s
+    WHERE tenant = %(tenant)s AND request_id = %(request_id)s::text
 ), a AS MATERIALIZED (
     SELECT model, last_clear_us, settings_json FROM agents
     WHERE tenant = %(tenant)s AND name = %(agent)s FOR KEY SHARE
@@ -316,7 +314,18 @@ WITH r AS MATERIALIZED (
     WHERE tenant = %(tenant)s AND agent = %(agent)s AND scope = %(scope)s
       AND thread = %(thread)s
     FOR UPDATE
-)
+)"""
+
+
+# The first statement of an append: the request id's record (see `PostgresBase._write`,
+# `records_itself`), the agent's row locked FOR KEY SHARE, the thread's
+# row locked FOR UPDATE (in that order, as everywhere), and, when the thread exists, the
+# append's message ids, taken after its lock (ids grow along a thread) by a subquery
+# evaluated per output row. The CTEs are materialized so each runs once, as written. It
+# also sets this transaction's gin_pending_list_limit (see pending_list.py).
+_BEGIN_APPEND = (
+    _APPEND_HEAD
+    + """
 SELECT r.method, r.fingerprint, r.payload, a.model, a.last_clear_us, a.settings_json,
        t.context_id, t.last_sequence, t.last_message_time_us, t.last_clear_us,
        t.ordinal_total, t.tools_total, t.totals_through,
@@ -327,6 +336,7 @@ SELECT r.method, r.fingerprint, r.payload, a.model, a.last_clear_us, a.settings_
                   true)
 FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
 """
+)
 
 
 # The whole of a one-message append in one statement, run in autocommit: one round trip
@@ -341,20 +351,9 @@ FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
 # (`remembered_of`): the id and sequence are the database's, taken here under the
 # thread's lock. The CTEs are materialized so each runs once, in the order written; the
 # data-modifying ones run whether or not the final SELECT reads them.
-_ONE_STATEMENT_APPEND = f"""
-WITH r AS MATERIALIZED (
-    SELECT method, fingerprint, payload FROM request_records
-    WHERE tenant = %(tenant)s AND request_id = %(request_id)s::text
-), a AS MATERIALIZED (
-    SELECT model, last_clear_us, settings_json FROM agents
-    WHERE tenant = %(tenant)s AND name = %(agent)s FOR KEY SHARE
-), t AS MATERIALIZED (
-    SELECT context_id, last_sequence, last_message_time_us, last_clear_us, ordinal_total,
-           tools_total, totals_through FROM threads
-    WHERE tenant = %(tenant)s AND agent = %(agent)s AND scope = %(scope)s
-      AND thread = %(thread)s
-    FOR UPDATE
-), ok AS MATERIALIZED (
+_ONE_STATEMENT_APPEND = (
+    _APPEND_HEAD
+    + f""", ok AS MATERIALIZED (
     SELECT t.context_id, t.last_sequence + 1 AS sequence, nextval('message_ids') AS id,
            t.ordinal_total, t.tools_total, t.totals_through = t.last_sequence AS exact,
            set_config('gin_pending_list_limit',
@@ -396,6 +395,7 @@ WITH r AS MATERIALIZED (
 SELECT ok.id, ok.sequence, r.method, r.fingerprint, r.payload
 FROM (SELECT) AS one LEFT JOIN ok ON true LEFT JOIN r ON true
 """
+)
 # Sent without its runs of blanks: psycopg keeps its conversion of a query of at most
 # 4,096 characters.
 _ONE_STATEMENT_APPEND = " ".join(_ONE_STATEMENT_APPEND.split())
