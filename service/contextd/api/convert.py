@@ -535,9 +535,17 @@ _NEW_MESSAGE_FIELDS = (
     "metadata",
     "source_time_us",
 )
-assert set(_ROLES) == {1, 2, 3, 4}, "the Rust decoder reads roles 1 to 4 only"
-assert tuple(f.name for f in dataclasses.fields(NewMessage)) == _NEW_MESSAGE_FIELDS
-assert not hasattr(NewMessage, "__post_init__")
+# Checked at import, not by `assert` (which `python -O` drops): a NewMessage made by the
+# core with other fields would be wrong silently.
+if (
+    set(_ROLES) != {1, 2, 3, 4}
+    or tuple(f.name for f in dataclasses.fields(NewMessage)) != _NEW_MESSAGE_FIELDS
+    or hasattr(NewMessage, "__post_init__")
+):
+    raise ImportError(
+        "NewMessage or the roles changed: update the Rust decoder (rust_core/src/wire.rs) "
+        "and _NEW_MESSAGE_FIELDS together"
+    )
 # From this many messages an append is decoded by the Rust core: below it the request's
 # serialization and the call cost about what they save, and a single message keeps the
 # one-pass path unchanged.
