@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,6 +130,24 @@ def _round_trips(fields: list[list[str]]) -> list[list[str]]:
     return [g for g in groups if g]
 
 
+@contextlib.contextmanager
+def _traced(store: PostgresStore, path: Path) -> Iterator[list[list[str]]]:
+    """The round trips (`_round_trips`) of the pool's one connection while the block
+    runs, in the list yielded (filled when the block ends), read from libpq's trace."""
+    trips: list[list[str]] = []
+    with path.open("w") as out:
+        with store._pool.connection() as conn:
+            conn.pgconn.trace(out.fileno())
+            conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            yield trips
+        finally:
+            with store._pool.connection() as conn:
+                conn.pgconn.untrace()
+    # Lines are "F|B <tab> length <tab> message ..." (F: sent by the client).
+    trips += _round_trips([line.split("\t") for line in path.read_text().splitlines()])
+
+
 def test_one_message_append_is_one_statement(postgres_dsn: str, tmp_path: Path) -> None:
     """Read from libpq's trace of the store's one connection. A one-message append to an
     existing thread is one statement in autocommit, request id or not, and so is its
@@ -142,21 +161,12 @@ def test_one_message_append_is_one_statement(postgres_dsn: str, tmp_path: Path) 
         trace = tmp_path / "trace"
         record = RequestRecord(TENANT, "r-1", "contextd.v1.AppendMessagesRequest", "f", _encode)
         key = ContextKey(TENANT, "a", "", "t")
-        with trace.open("w") as out:
-            with store._pool.connection() as conn:
-                conn.pgconn.trace(out.fileno())
-                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-            try:
-                store.append(key, _prepared(), None)
-                assert store.remembered(TENANT, record.request_id) is None
-                receipts = store.append(key, _prepared(), None, record)
-                with pytest.raises(AlreadyDone) as done:
-                    store.append(key, _prepared(), None, record)
-            finally:
-                with store._pool.connection() as conn:
-                    conn.pgconn.untrace()
-        # Lines are "F|B <tab> length <tab> message ..." (F: sent by the client).
-        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        with _traced(store, trace) as trips:
+            store.append(key, _prepared(), None)
+            assert store.remembered(TENANT, record.request_id) is None
+            receipts = store.append(key, _prepared(), None, record)
+            with pytest.raises(AlreadyDone) as done:
+                store.append(key, _prepared(), None, record)
         # The append, the look-up, the append with its record, the retry: one extended
         # statement each, no BEGIN or COMMIT.
         assert [trip[-1] for trip in trips] == ["Sync"] * 4, trips
@@ -213,16 +223,8 @@ def test_appends_of_an_agent_with_retention_take_the_transaction_at_once(
         store.append(key, _prepared(), settings)
         store.append(key, _prepared(), None)  # the transaction reads the retention
         trace = tmp_path / "trace"
-        with trace.open("w") as out:
-            with store._pool.connection() as conn:
-                conn.pgconn.trace(out.fileno())
-                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-            try:
-                [receipt] = store.append(key, _prepared(), None)
-            finally:
-                with store._pool.connection() as conn:
-                    conn.pgconn.untrace()
-        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        with _traced(store, trace) as trips:
+            [receipt] = store.append(key, _prepared(), None)
         assert [trip[-1] for trip in trips] == ["Query", "Sync", "Sync", "Query"], trips
         assert receipt.sequence == 3
     finally:
@@ -276,17 +278,9 @@ def test_an_append_call_with_a_request_id_is_two_round_trips(
         client.stub.AppendMessages(_request("", "first"))
         client.stub.AppendMessages(_request("", "second"))  # the agent is cached now
         trace = tmp_path / "trace"
-        with trace.open("w") as out:
-            with store._pool.connection() as conn:
-                conn.pgconn.trace(out.fileno())
-                conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-            try:
-                first_response = client.stub.AppendMessages(_request("r-1", "hello"))
-                again = client.stub.AppendMessages(_request("r-1", "hello"))
-            finally:
-                with store._pool.connection() as conn:
-                    conn.pgconn.untrace()
-        trips = _round_trips([line.split("\t") for line in trace.read_text().splitlines()])
+        with _traced(store, trace) as trips:
+            first_response = client.stub.AppendMessages(_request("r-1", "hello"))
+            again = client.stub.AppendMessages(_request("r-1", "hello"))
         # Each call: the check of keys (a simple Query, no parameters), the append.
         assert [trip[-1] for trip in trips] == ["Query", "Sync"] * 2, trips
         assert all(trip[0] == 'Parse "WITH' for trip in trips[1::2]), trips

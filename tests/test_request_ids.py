@@ -108,19 +108,25 @@ def test_the_reuse_error_names_the_first_method(client: Client) -> None:
     assert "different AppendMessages request" in (info.value.details() or "")
 
 
-def test_concurrent_duplicates_write_once(client: Client) -> None:
+def _eight_at_once(client: Client, request: pb.AppendMessagesRequest) -> list[Any]:
+    """The responses of eight attempts of `request` sent at one moment."""
     results: list[Any] = []
     barrier = threading.Barrier(8)
 
     def send() -> None:
         barrier.wait()
-        results.append(client.stub.AppendMessages(_append_request("same", "once")))
+        results.append(client.stub.AppendMessages(request))
 
     threads = [threading.Thread(target=send) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    return results
+
+
+def test_concurrent_duplicates_write_once(client: Client) -> None:
+    results = _eight_at_once(client, _append_request("same", "once"))
     assert len(results) == 8 and all(r == results[0] for r in results)
     assert client.contents(client.history("a1")) == ["once"]
 
@@ -129,18 +135,7 @@ def test_concurrent_duplicates_on_an_existing_thread_write_once(client: Client) 
     """As above, on a thread that exists (on PostgreSQL each attempt is then the
     one-statement append: the losers conflict on the record and replay it)."""
     client.stub.AppendMessages(_append_request("", "first"))
-    results: list[Any] = []
-    barrier = threading.Barrier(8)
-
-    def send() -> None:
-        barrier.wait()
-        results.append(client.stub.AppendMessages(_append_request("same", "once")))
-
-    threads = [threading.Thread(target=send) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    results = _eight_at_once(client, _append_request("same", "once"))
     assert len(results) == 8 and all(r == results[0] for r in results)
     assert [r.sequence for r in results[0].receipts] == [2]
     assert client.contents(client.history("a1")) == ["first", "once"]

@@ -294,6 +294,7 @@ RECEIPTS_RECORD = "receipts/1:"
 # Each receipt in such a payload: id, sequence, commit time, token estimate, token count
 # (int8send's big-endian bytes).
 _RECEIPT = struct.Struct(">5q")
+_RECEIPT_TAIL = struct.Struct(">3q")  # its last three
 
 
 def remembered_of(method: str, fingerprint: str, payload: bytes) -> Remembered:
@@ -310,9 +311,7 @@ def remembered_of(method: str, fingerprint: str, payload: bytes) -> Remembered:
 def receipt_tail(receipt: MessageReceipt) -> bytes:
     """What a receipts record holds of a receipt after its id and sequence (which the
     database assigns in the statement that writes the record)."""
-    return _RECEIPT.pack(0, 0, receipt.create_time_us, receipt.token_estimate, receipt.token_count)[
-        16:
-    ]
+    return _RECEIPT_TAIL.pack(receipt.create_time_us, receipt.token_estimate, receipt.token_count)
 
 
 def check_remembered(record: RequestRecord | None, found: Any) -> None:
