@@ -7,6 +7,7 @@ own, so only the test's reads and writes apply it (no sleeps)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -102,6 +103,25 @@ def test_acknowledged_journaled_appends_survive_a_crash_once(tmp_path: Path) -> 
         assert receipt.id > max(m.id for m in store.list_messages(WHERE, None, None, 4))
     finally:
         store.close()
+
+
+def test_a_journal_write_is_on_disk_when_it_returns(tmp_path: Path) -> None:
+    """Callers are answered as soon as their group's record is written, with no sync
+    call after it: the file must be open for synchronous writes (O_DSYNC), or an
+    acknowledged append could be lost in a power cut. Also a journal reopened from a
+    previous run."""
+    path = tmp_path / "db.duckdb"
+    for _ in range(2):
+        store = _open(path)
+        try:
+            journal = store._journal
+            assert journal is not None
+            assert fcntl.fcntl(journal._fd, fcntl.F_GETFL) & os.O_DSYNC == os.O_DSYNC
+            store.append(KEY, _batch("m"), AgentSettings())
+            store.append(KEY, _batch("journaled"), None)
+            assert len(journal.records()) == 1  # it wrote the record it synced
+        finally:
+            store.close()
 
 
 @pytest.mark.parametrize("damage", ["torn", "checksum"])

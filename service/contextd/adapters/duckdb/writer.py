@@ -276,7 +276,13 @@ class WriterMixin(DuckDBBase):
                         # After a failed flush (a full disk, say) retry less eagerly.
                         wait = FLUSH_INTERVAL_S if self._flush_failed else IDLE_FLUSH_S
                         flush = len(self._pending) and self._fatal is None
-                        job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
+                        # Work queued meanwhile is taken without computing the idle wait,
+                        # whose WAL size check is a system call: each releases the GIL,
+                        # which the writer must then win back from the handler threads.
+                        try:
+                            job = self._queue.get_nowait()
+                        except Empty:
+                            job = self._queue.get(timeout=self._idle_wait(wait if flush else None))
                     except Empty:
                         self._busy_since = time.monotonic()
                         if time.monotonic() >= self._journal_due_at():
@@ -335,10 +341,14 @@ class WriterMixin(DuckDBBase):
         if self._journal_pending:
             left = max(0.0, self._journal_due_at() - time.monotonic())
             flush_wait = left if flush_wait is None else min(flush_wait, left)
-        if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
-            return flush_wait
         due = max(self._last_group_at + IDLE_CHECKPOINT_S, self._next_checkpoint_at)
         left = max(0.0, due - time.monotonic())
+        # The WAL's size (a stat, which releases the GIL) matters only when the idle
+        # checkpoint would come first; with the journal pending it hardly ever does.
+        if flush_wait is not None and flush_wait <= left:
+            return flush_wait
+        if self._fatal is not None or wal_bytes(self._wal_path) < IDLE_CHECKPOINT_BYTES:
+            return flush_wait
         return left if flush_wait is None else min(flush_wait, left)
 
     def _checkpoint_due(self) -> bool:
@@ -624,7 +634,7 @@ class WriterMixin(DuckDBBase):
     # ----------------------------------------------------------------- the journal
 
     def _journal_append(self, group: GroupWrite) -> None:
-        """Make `group` durable in the journal (one write, one fdatasync); on return its
+        """Make `group` durable in the journal (one synchronous write); on return its
         callers may be answered. A failed write is cut back out of the file, so it is
         never replayed; if it cannot be, the store stops serving (a restart reads the
         file and keeps only whole records)."""
