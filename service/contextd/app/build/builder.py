@@ -182,6 +182,10 @@ class _Window:
     # Its items made ready to fit, by options and formats (`assemble`'s prepared_memo):
     # a remembered window assembled again (its status block changed) reuses them.
     prepared: dict[Hashable, Any] = field(default_factory=dict)
+    # A window extended from a remembered one (`ContextBuilder._extended`): that one's
+    # `prepared`, and how many of its items this one left out (`assemble`'s
+    # prepared_base: the items kept are made ready once, not again after each append).
+    prepared_base: tuple[dict[Hashable, Any], int] | None = None
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
@@ -249,6 +253,11 @@ class ContextBuilder:
         self._generation = -1
         self.memo_hits = 0  # builds answered from `_built`: for tests and probes
         self.window_hits = 0  # ... and windows from `_windows`
+        self.window_extensions = 0  # ... and windows extended from one there (`_extended`)
+        appended: (
+            Callable[[ContextRef, WindowSpec, Hashable], tuple[dict[str, Any], int] | None] | None
+        ) = getattr(store, "appended_window", None)
+        self._appended = appended
         # Off: every build reads and assembles (tests comparing read paths on one store).
         self.remember_results = True
 
@@ -278,6 +287,7 @@ class ContextBuilder:
                 cost_key=plan.model,  # the counter is the model's (with stored counts)
                 prepared_memo=window.prepared,
                 dropped_ranges=False,  # made over the whole window by `_account`
+                prepared_base=window.prepared_base,
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -389,12 +399,18 @@ class ContextBuilder:
             else None
         )
         found_window = self._windows.peek(wkey) if wkey is not None else None
-        window: _Window
+        window: _Window | None = None
         if found_window is not None and token is not None and found_window[0] == token[1]:
             self.window_hits += 1
             window = found_window[1]
         else:
-            window = self._load_history(plan)
+            if found_window is not None:
+                # The thread's state moved since: by appends alone, the window extends.
+                window = self._extended(plan, *found_window)
+                if window is not None:
+                    self.window_extensions += 1
+            if window is None:
+                window = self._load_history(plan)
             if wkey is not None:
                 assert self._tokens is not None and plan.context is not None and token
                 if self._tokens(plan.context, plan.window) != token:
@@ -604,6 +620,98 @@ class ContextBuilder:
             slice(rest.start or 0, (rest.start or 0) + start)
             if isinstance(rest, slice)
             else rest[:start],
+        )
+
+    def _extended(self, plan: _Plan, since: Hashable, old: _Window) -> _Window | None:
+        """`_load_history` of a plain build (no summarizing) from `old`, the window a
+        build of the same thread and parameters read at the state `since` names, when
+        the store tells that the thread changed since by appended messages alone and
+        the window still starts where it did (`appended_window`); None otherwise (the
+        caller reads the window afresh). A thread an agent appends to before every
+        build then loads and derives only the appended messages.
+
+        It answers what `_load_history` answers: the trimmer still walks the whole
+        window's columns (in Rust, as there). The rest is taken from `old` only where it
+        cannot differ, else the window is read afresh: `old` had no stored summary in
+        effect (none, or one whose last message is not in the window: a summary stored
+        since ends the store's run of ancestors, and appended messages are none of
+        that one's) and no orphan (nothing its repair changed, loaded or not), and the
+        appended rows are plain messages (no tool call, no tool result), so the window
+        still has no orphan and its columns need no repair; the kept part starts no
+        earlier than `old`'s, so it is a suffix of `old`'s loaded items followed by the
+        appended messages."""
+        if (
+            self._appended is None
+            or plan.context is None
+            or plan.options.summarize
+            or old.previous_summary is not None
+            or old.orphaned_ids
+            or old.hidden
+            or not isinstance(old.not_loaded_at, slice)
+            or not isinstance(old.summarized_at, slice)
+            or (old.summarized_at.stop or 0) != 0
+        ):
+            return None
+        found = self._appended(plan.context, plan.window, since)
+        if found is None:
+            return None
+        cols, old_n = found
+        ids = cols["id"]
+        n = len(ids)
+        old_start = old.not_loaded_at.stop or 0
+        if n < old_n or len(old.items) != old_n - old_start or len(old.window_ids) != old_n:
+            return None
+        groups = cols["group_id"]
+        roles = cols["role"]
+        if n > old_n and (
+            bool((groups[old_n:] >= 0).any())
+            or bool((roles[old_n:] == int(Role.TOOL_RESULT)).any())
+        ):
+            return None  # tool rows appended: their pairs are read afresh
+        start = self._candidates(plan, roles, cols["token_count"], cols["chars"], groups)
+        if start < old_start:
+            return None
+        kept = old.items[start - old_start :] if start < old_n else []
+        # The stored summary's stamp, as `_load_history` gives it even when it applies
+        # to none of the window (it is the same summary: see above).
+        summary_id = plan.context.latest_summary_id
+        stamps = {summary_id: old.stamps[summary_id]} if summary_id in old.stamps else {}
+        stamps |= {it.id: old.stamps[it.id] for it in kept}
+        # The kept ones' stored counts (by counted text, as `_load_kept` keys them): not
+        # all of `old`'s, which would grow by each append's.
+        held = old.known_counts
+        known = {t: held[t] for it in kept if (t := it.counted_text) in held}
+        first_new = max(start, old_n)
+        if first_new < n:
+            fresh = ids[first_new:]
+            loaded = self._store.window_messages_from(
+                plan.context,
+                plan.window,
+                int(cols["sequence"][first_new]),
+                (int(fresh.min()), int(fresh.max())),
+            )
+            if [m.id for m in loaded] != fresh.tolist():
+                return None
+            made = list(map(derived, loaded))
+            kept = [*kept, *(item for item, _ in made)]
+            stamps |= {item.id: stamp for item, stamp in made}
+            label = stored_tokenizer(plan.model)
+            known |= {
+                m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label
+            }
+        items, repaired = repair_tool_pairs(kept)
+        if repaired:
+            return None
+        return _Window(
+            items,
+            None,
+            stamps,
+            known,
+            (),
+            ids,
+            slice(0, 0),
+            slice(0, start),
+            prepared_base=(old.prepared, start - old_start),
         )
 
     def _load_tail(
