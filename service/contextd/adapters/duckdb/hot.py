@@ -1173,12 +1173,15 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
 
     def appended_window(
         self, context: ContextRef, window: WindowSpec, since: Hashable
-    ) -> tuple[dict[str, npt.NDArray[Any]], int] | None:
-        """`window_arrays` of this snapshot's state of the thread, and how many of its
-        first rows are the whole window `since` named (the second item of an earlier
-        `build_token`), when that window ran to the thread's newest message and this
-        one starts at the same message and differs from it by appended non-summary
-        messages alone; None otherwise (the caller reads the window afresh).
+    ) -> tuple[dict[str, npt.NDArray[Any]], int, list[StoredMessage]] | None:
+        """`window_arrays` of this snapshot's state of the thread, how many of its first
+        rows are the whole window `since` named (the second item of an earlier
+        `build_token`), and the messages after those (what `window_messages_from` reads
+        of them: the cached objects, which the writer derived when it took them in),
+        when that window ran to the thread's newest message, this one starts at the
+        same message and differs from it by appended non-summary messages alone, and
+        those are among the cached content; None otherwise (the caller reads the window
+        afresh).
 
         Only appends change a cached thread in place (`HotCache._extend`); every other
         change (a clear, a delete, an update, a retention pass, a stored summary, agent
@@ -1200,10 +1203,14 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         n = len(v.cols["id"])
         if not isinstance(index, slice) or (index.start or 0) != start:
             return None  # the window's start moved (its clock, its settings)
-        if (n if index.stop is None else index.stop) != n:
-            return None
+        if (n if index.stop is None else index.stop) != n or stop < v.recent_from:
+            return None  # not a suffix of the thread, or older than the cached content
         cols = v.cols
-        return {name: cols[name][index] for name in WINDOW_COLUMNS}, stop - start
+        return (
+            {name: cols[name][index] for name in WINDOW_COLUMNS},
+            stop - start,
+            v.recent[stop - v.recent_from :],
+        )
 
     def window_messages_from(
         self,

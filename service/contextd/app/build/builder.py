@@ -255,7 +255,11 @@ class ContextBuilder:
         self.window_hits = 0  # ... and windows from `_windows`
         self.window_extensions = 0  # ... and windows extended from one there (`_extended`)
         appended: (
-            Callable[[ContextRef, WindowSpec, Hashable], tuple[dict[str, Any], int] | None] | None
+            Callable[
+                [ContextRef, WindowSpec, Hashable],
+                tuple[dict[str, Any], int, list[StoredMessage]] | None,
+            ]
+            | None
         ) = getattr(store, "appended_window", None)
         self._appended = appended
         # Off: every build reads and assembles (tests comparing read paths on one store).
@@ -655,50 +659,49 @@ class ContextBuilder:
         found = self._appended(plan.context, plan.window, since)
         if found is None:
             return None
-        cols, old_n = found
+        cols, old_n, appended = found
         ids = cols["id"]
         n = len(ids)
         old_start = old.not_loaded_at.stop or 0
-        if n < old_n or len(old.items) != old_n - old_start or len(old.window_ids) != old_n:
-            return None
-        groups = cols["group_id"]
-        roles = cols["role"]
-        if n > old_n and (
-            bool((groups[old_n:] >= 0).any())
-            or bool((roles[old_n:] == int(Role.TOOL_RESULT)).any())
+        if (
+            n - old_n != len(appended)
+            or len(old.items) != old_n - old_start
+            or len(old.window_ids) != old_n
+            or len(old.stamps) - len(old.items) not in (0, 1)  # the items' and a summary's
         ):
-            return None  # tool rows appended: their pairs are read afresh
-        start = self._candidates(plan, roles, cols["token_count"], cols["chars"], groups)
-        if start < old_start:
             return None
-        kept = old.items[start - old_start :] if start < old_n else []
-        # The stored summary's stamp, as `_load_history` gives it even when it applies
-        # to none of the window (it is the same summary: see above).
-        summary_id = plan.context.latest_summary_id
-        stamps = {summary_id: old.stamps[summary_id]} if summary_id in old.stamps else {}
-        stamps |= {it.id: old.stamps[it.id] for it in kept}
-        # The kept ones' stored counts (by counted text, as `_load_kept` keys them): not
-        # all of `old`'s, which would grow by each append's.
-        held = old.known_counts
-        known = {t: held[t] for it in kept if (t := it.counted_text) in held}
-        first_new = max(start, old_n)
-        if first_new < n:
-            fresh = ids[first_new:]
-            loaded = self._store.window_messages_from(
-                plan.context,
-                plan.window,
-                int(cols["sequence"][first_new]),
-                (int(fresh.min()), int(fresh.max())),
-            )
-            if [m.id for m in loaded] != fresh.tolist():
-                return None
-            made = list(map(derived, loaded))
-            kept = [*kept, *(item for item, _ in made)]
-            stamps |= {item.id: stamp for item, stamp in made}
-            label = stored_tokenizer(plan.model)
-            known |= {
-                m.content + m.tool_calls: m.token_count for m in loaded if m.tokenizer == label
-            }
+        for m in appended:  # a few: an agent's append (cheaper than NumPy on the columns)
+            if m.group_id >= 0 or m.role is Role.TOOL_RESULT:
+                return None  # tool rows appended: their pairs are read afresh
+        start = self._candidates(
+            plan, cols["role"], cols["token_count"], cols["chars"], cols["group_id"]
+        )
+        if start < old_start or start > old_n:
+            return None  # (past every remembered item: rare, read afresh)
+        dropped = old.items[: start - old_start]
+        kept = old.items[start - old_start :]
+        # `old`'s stamps (its items' and the stored summary's, which `_load_history`
+        # gives even when it applies to none of the window: the same summary, see
+        # above) less the dropped items', plus the appended ones': a copy, then a step
+        # per changed message only.
+        stamps = old.stamps.copy()
+        for it in dropped:
+            del stamps[it.id]
+        # Stored counts by counted text, as `_load_kept` keys them: `old`'s and the
+        # appended messages'. A dropped message's count stays (a count of the very text
+        # under the build's tokenizer answers what counting it does), until they are
+        # more than the items: then the window is read afresh, which keeps the loaded
+        # messages' alone (a bound on what a remembered window holds).
+        known = old.known_counts.copy()
+        if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+            return None
+        label = stored_tokenizer(plan.model)
+        made = list(map(derived, appended))
+        for m, (item, stamp) in zip(appended, made, strict=True):
+            stamps[item.id] = stamp
+            if m.tokenizer == label:
+                known[m.content + m.tool_calls] = m.token_count
+        kept += [item for item, _ in made]
         items, repaired = repair_tool_pairs(kept)
         if repaired:
             return None
@@ -1044,6 +1047,8 @@ class ContextBuilder:
 
 
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+# Stored counts an extended window may hold beyond twice its items (`_extended`).
+_KNOWN_SLACK = 64
 _NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
 _WINDOW_COLUMNS = ("id", "role", "token_count", "chars", "group_id", "sequence")
 _EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
