@@ -23,6 +23,7 @@ need be, never dropped without being recorded in the stats.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
@@ -347,6 +348,8 @@ def assemble(
         return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
     raise BudgetTooSmallError(f"the rendered request needs more than the budget of {limit} tokens")
 
+
+_ID_OF = operator.attrgetter("id")
 
 # The stats of a context only counted for its rendering (which does not read them).
 _NO_STATS = BuildStats(budget=0)
@@ -769,7 +772,8 @@ def _extend_prepared(
     kept = len(base.order) - dropped
     if dropped < 0 or kept < 0 or kept > len(history) or base.before != len(base.order):
         return None
-    if tuple([it.id for it in history[:kept]]) != base.order[dropped:]:
+    ids = tuple(map(_ID_OF, history))
+    if ids[:kept] != base.order[dropped:]:
         return None
     added = list(history[kept:])
     if any(it.is_summary for it in added):
@@ -783,20 +787,20 @@ def _extend_prepared(
     if options.elide_tool_results and any(it.role is Role.TOOL_RESULT for it in history):
         return None
     max_chars = options.max_chars_per_message if options.truncate else NO_CHAR_LIMIT
-    if max_chars != base.work.max_chars:
+    old = base.work
+    if max_chars != old.max_chars:
         return None
-    old = base.work.tail(dropped)
     new = _Columns.build(added, max_chars, framing.items)
+    cut = {i - dropped: it for i, it in old.cut.items() if i >= dropped} if old.cut else {}
     work = _Columns(
-        old.items + new.items,
-        old.tokens + new.tokens,
-        old.chars + new.chars,
-        {**old.cut, **{i + kept: it for i, it in new.cut.items()}},
-        old.costs + new.costs,
+        old.items[dropped:] + new.items,
+        old.tokens[dropped:] + new.tokens,
+        old.chars[dropped:] + new.chars,
+        cut | {i + kept: it for i, it in new.cut.items()} if new.cut else cut,
+        old.costs[dropped:] + new.costs,
         max_chars,
     )
-    order = base.order[dropped:] + tuple([it.id for it in added])
-    return _Prepared(None, work, len(order), [], [], order)
+    return _Prepared(None, work, len(ids), [], [], ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ compaction, render, summarizer) then do the rest on plain values.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -1278,13 +1279,32 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
             gone |= np.isin(order, np.asarray(stats.dropped_ids, dtype=np.int64))
         runs = _runs_of(order, gone)
-    return replace(
+    return _stats_with(
         stats,
         messages_before=stats.messages_before + not_loaded,
         dropped_ids=dropped,
         dropped_ranges=runs,
         summarized_range=summarized,
     )
+
+
+# BuildStats' fields in their order, and a getter of them all (`_stats_with`).
+_STATS_FIELDS = tuple(f.name for f in fields(BuildStats))
+_STATS_VALUES = operator.attrgetter(*_STATS_FIELDS)
+_STATS_AT = {name: at for at, name in enumerate(_STATS_FIELDS)}
+if not all(f.init for f in fields(BuildStats)):  # pragma: no cover
+    raise ImportError("BuildStats has a field its constructor does not take: see _stats_with")
+
+
+def _stats_with(stats: BuildStats, **changed: Any) -> BuildStats:
+    """``replace(stats, **changed)`` about twice cheaper (every build makes its stats
+    over the whole window: ``dataclasses.replace`` plumbs 29 fields by keyword, 13 us).
+    The same constructor call, its arguments by position (checked at import: every
+    field is one)."""
+    values = list(_STATS_VALUES(stats))
+    for name, value in changed.items():
+        values[_STATS_AT[name]] = value
+    return BuildStats(*values)
 
 
 def _loaded_runs(
