@@ -144,6 +144,23 @@ class ContextView:
     # views have none (`appended_window` extends a remembered window only from these).
     ancestors: dict[int, int] = field(default_factory=dict)
 
+    # The windows' positions (`window_index`) asked of this view, the contiguous ones:
+    # a build after an append asks for them twice (its token, then its columns).
+    indexes: dict[WindowSpec, slice] = field(default_factory=dict)
+
+    def index(self, window: WindowSpec) -> slice | npt.NDArray[np.intp]:
+        """`window_index(self, window)`, a contiguous one kept (a function of the view,
+        which never changes, and the window)."""
+        found = self.indexes.get(window)
+        if found is not None:
+            return found
+        index = window_index(self, window)
+        if isinstance(index, slice):
+            if len(self.indexes) >= _VIEW_TABLES:
+                self.indexes.clear()
+            self.indexes[window] = index
+        return index
+
     def window_table(self, index: slice | npt.NDArray[np.intp]) -> pa.Table:
         """`window_table` of this view, made once per contiguous window."""
         if not isinstance(index, slice):
@@ -320,7 +337,7 @@ def window_index(v: ContextView, window: WindowSpec) -> slice | npt.NDArray[np.i
 
 def window_count(v: ContextView, window: WindowSpec) -> int:
     """How many messages of the thread, stored summaries included, are in `window`."""
-    index = window_index(v, window)
+    index = v.index(window)
     n = len(v.cols["id"])
     count = len(range(*index.indices(n))) if isinstance(index, slice) else len(index)
     for create, own, gs in v.summary_rows:
@@ -1035,7 +1052,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None or view.began:
             return None
-        index = window_index(v, window)
+        index = v.index(window)
         if not isinstance(index, slice):
             return None
         token = (view.g0, (context.context_id, index.start, index.stop, v.serial))
@@ -1153,7 +1170,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None:
             return super().window_columns(context, window)
-        return v.window_table(window_index(v, window))
+        return v.window_table(v.index(window))
 
     def window_arrays(
         self, context: ContextRef, window: WindowSpec
@@ -1167,7 +1184,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None:
             return None
-        index = window_index(v, window)
+        index = v.index(window)
         cols = v.cols
         return {name: cols[name][index] for name in WINDOW_COLUMNS}
 
@@ -1199,7 +1216,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         rows = v.ancestors.get(serial)
         if rows is None or rows != stop:
             return None  # not an ancestor, or its window ended before its newest row
-        index = window_index(v, window)
+        index = v.index(window)
         n = len(v.cols["id"])
         if not isinstance(index, slice) or (index.start or 0) != start:
             return None  # the window's start moved (its clock, its settings)
@@ -1225,7 +1242,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         at = int(np.searchsorted(v.cols["sequence"], from_sequence, side="left"))
         if at < v.recent_from:  # older than the cached content: read by SQL
             return super().window_messages_from(context, window, from_sequence, id_range)
-        index = window_index(v, window)
+        index = v.index(window)
         n = len(v.cols["id"])
         if isinstance(index, slice):
             positions = np.arange(max(at, index.start or 0), n)
