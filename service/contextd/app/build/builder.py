@@ -687,7 +687,8 @@ class ContextBuilder:
         # per changed message only.
         stamps = old.stamps.copy()
         for it in dropped:
-            del stamps[it.id]
+            if stamps.pop(it.id, None) is None:
+                return None  # not a window `_load_history` or this made: read afresh
         # Stored counts by counted text, as `_load_kept` keys them: `old`'s and the
         # appended messages'. A dropped message's count stays (a count of the very text
         # under the build's tokenizer answers what counting it does), until they are
