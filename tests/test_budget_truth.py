@@ -465,3 +465,60 @@ def test_wrapped_base64_and_binary_text_are_stubbed_and_the_words_around_them_st
     assert ctx.history[1].content.startswith("[binary data, 600 chars, about ")
     assert ctx.history[1].content.endswith("full text: message:4]")
     assert ctx.stats.elided_ids == (3, 4)
+
+
+def _blob_texts() -> list[str]:
+    """Texts around the blob patterns' edges: runs of base64 and hex characters just
+    under and over their lengths, broken by a space, a non-ASCII letter or a line break,
+    wrapped and prefixed blobs, binary and near-binary text, ASCII and not."""
+    pick = random.Random(11)
+    b64 = base64.b64encode(pick.randbytes(400)).decode()
+    hexrun = pick.randbytes(300).hex()
+    out = [
+        "",
+        "plain words " * 40,
+        "a" * 255,
+        "a" * 256,
+        "é" + "a" * 256 + "é",
+        "a" * 128 + "é" + "a" * 128,
+        "a" * 128 + " " + "a" * 128,
+        "a" * 128 + "\n" + "a" * 128,
+        "x " + b64[:255] + " y",
+        "x " + b64[:256] + " y",
+        "x " + b64 + " y",
+        "données: " + b64 + " ☃",
+        "data:image/png;base64," + b64,
+        base64.encodebytes(pick.randbytes(900)).decode(),
+        "hex " + hexrun[:511] + " end",
+        "hex " + hexrun[:512] + " end",
+        "hex " + hexrun + " end",
+        "".join(chr(c) for c in pick.randbytes(600)),
+        "ok " * 90 + "\x01" * 30,
+        "ok " * 90 + "\x01" * 20,
+        "okü " * 90 + "\x01\x85\ufffd" * 12,
+    ]
+    alphabet = "ab01+/= \n\x01é"
+    out += [
+        "".join(pick.choice(alphabet) for _ in range(pick.randrange(200, 800))) for _ in range(40)
+    ]
+    out += ["Ab1" * pick.randrange(80, 120) for _ in range(5)]
+    return out
+
+
+def test_blob_scans_answer_what_the_patterns_alone_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The byte-level checks (`_may_hold_blob`, the ASCII count of `_is_binary`) only
+    skip work: every text is stubbed exactly as by the patterns over the whole text."""
+    from contextd.app.build import blobs
+
+    texts = _blob_texts()
+    fast = [blobs.replace_blobs(t, "message:9") for t in texts]
+    monkeypatch.setattr(blobs, "_may_hold_blob", lambda text: True)
+    monkeypatch.setattr(
+        blobs,
+        "_is_binary",
+        lambda text: (
+            len(text) >= blobs.MIN_BINARY_CHARS and len(blobs._ODD.findall(text)) * 10 >= len(text)
+        ),
+    )
+    assert fast == [blobs.replace_blobs(t, "message:9") for t in texts]
+    assert sum(f != t for f, t in zip(fast, texts, strict=True)) >= 8  # some were stubbed

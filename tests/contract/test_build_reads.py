@@ -217,9 +217,9 @@ def _tool_turn(call: str) -> list[NewMessage]:
 def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
     store: Store, clock: ManualClock, budget: int, formats: tuple[str, ...]
 ) -> None:
-    """A builder that remembers a thread's window may extend it with the messages
-    appended since only when appends of plain messages are all that changed; each build
-    here, after each kind of change of the thread, mixed
+    """A builder that remembers a thread's window extends it with the messages appended
+    since (DuckDB: `ContextBuilder._extended`) only when appends of plain messages are
+    all that changed; each build here, after each kind of change of the thread, mixed
     with appends, equals the build of a builder that remembers nothing, and the builds
     that follow any other change (a tool row appended, a clear, a stored summary, the
     agent deleted, a retention cap or sweep, the window's start moving with the clock,
@@ -232,9 +232,7 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
     plain = ContextService(store, ExtractiveSummarizer())
     plain._builder.remember_results = False
     builder = service._builder
-    # Engines whose builder extends a remembered window by appended rows: none yet (a
-    # branch tried it on DuckDB, with little gain); the count is checked when one does.
-    extends = hasattr(store, "appended_window")
+    extends = hasattr(store, "appended_window")  # engines that can tell appends apart
     request = BuildRequest(
         "default",
         "a1",
@@ -257,10 +255,10 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
             out.append(_said(f"words {n[0]} " * 12))
         return out
 
-    def build(extended: bool) -> BuildResult:
+    def build(extended: bool | None) -> BuildResult:
         """The build, checked against one afresh; `extended`: whether it may extend
-        the remembered window (False: it must read it afresh)."""
-        before = getattr(builder, "window_extensions", 0)
+        the remembered window (False: it must read it afresh; None: either)."""
+        before = builder.window_extensions
         result = service.build_context(request)
         expected = plain.build_context(request)
         assert result.context == expected.context
@@ -269,8 +267,9 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
         assert result.orphaned_ids == expected.orphaned_ids
         assert result.stamps == expected.stamps
         assert result.renderings == expected.renderings
-        grew = getattr(builder, "window_extensions", 0) - before
-        assert grew == (1 if extended and extends else 0)
+        grew = builder.window_extensions - before
+        if extended is not None:
+            assert grew == (1 if extended and extends else 0)
         return result
 
     def appends(rounds: int = 3) -> None:
@@ -284,6 +283,14 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
 
     append(*words(50))
     build(False)
+    appends()
+    # A snapshot restored into the thread appends copies of its messages (plain ones:
+    # extended or read afresh, equal either way), then plain appends extend again.
+    saved = service.save_snapshot("default", "a1", "", "main", "plain words")
+    clock.advance(SECOND)
+    service.restore_snapshot("default", "a1", "", saved.id, "")
+    clock.advance(SECOND)
+    build(None)
     appends()
     # A tool turn straddling an append: the tool rows are read afresh, then plain
     # appends extend a window holding the pair (kept whole or left out whole).
@@ -351,3 +358,50 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
     append(*words(40))
     build(False)
     appends()
+
+
+def test_a_long_run_of_appends_extends_the_window_within_its_bounds(
+    store: Store, clock: ManualClock
+) -> None:
+    """An agent that appends before every build: each build equals one of a builder that
+    remembers nothing. On DuckDB the builder extends its remembered window by the
+    appended messages, carrying the stored counts of those that left it until they
+    outnumber its items past a bound: then it reads the window afresh, so what a
+    remembered window holds stays bounded however long the run."""
+    from contextd.app.build import builder as builder_module
+
+    service = ContextService(store, ExtractiveSummarizer())
+    plain = ContextService(store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    builder = service._builder
+    request = BuildRequest(
+        "default", "a1", "", "main", overrides=BuildOverrides(budget_tokens=400, truncate=False)
+    )
+    service.create_agent("default", "a1", AgentSettings())
+    service.append_messages(
+        "default", "a1", "", "main", [_said(f"older words {i} " * 12) for i in range(30)]
+    )
+    service.build_context(request)
+    steps = 150
+    most = 0
+    for i in range(steps):
+        role = Role.ASSISTANT if i % 2 else Role.USER
+        service.append_messages(
+            "default", "a1", "", "main", [NewMessage(role=role, content=f"step {i} " * 12)]
+        )
+        clock.advance(SECOND)
+        result = service.build_context(request)
+        expected = plain.build_context(request)
+        assert result.context == expected.context
+        assert result.stamps == expected.stamps
+        assert result.messages_loaded == expected.messages_loaded
+        for _, window in builder._windows._found.values():
+            assert len(window.stamps) <= len(window.items) + 1
+            held = len(window.known_counts) - 2 * len(window.items)
+            assert held <= builder_module._KNOWN_SLACK + 1
+            most = max(most, held)
+    if hasattr(store, "appended_window"):
+        # Most builds extended the window; the counts reached their bound, and a few
+        # builds read it afresh (each of those keeps the loaded messages' counts alone).
+        assert steps - 10 <= builder.window_extensions < steps
+        assert most > builder_module._KNOWN_SLACK - 8

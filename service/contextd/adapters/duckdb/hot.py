@@ -33,7 +33,7 @@ import itertools
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -138,6 +138,28 @@ class ContextView:
     # its thread and never changes, so equal serials mean equal reads of the thread
     # (`build_token` carries it: a builder's window memo outlives other threads' commits).
     serial: int = 0
+    # Earlier views of this thread that this one differs from by appends of non-summary
+    # messages alone, by serial: how many rows each had (its columns are this view's
+    # first rows). Any other change drops the cached thread, so a reloaded thread's
+    # views have none (`appended_window` extends a remembered window only from these).
+    ancestors: dict[int, int] = field(default_factory=dict)
+
+    # The windows' positions (`window_index`) asked of this view, the contiguous ones:
+    # a build after an append asks for them twice (its token, then its columns).
+    indexes: dict[WindowSpec, slice] = field(default_factory=dict)
+
+    def index(self, window: WindowSpec) -> slice | npt.NDArray[np.intp]:
+        """`window_index(self, window)`, a contiguous one kept (a function of the view,
+        which never changes, and the window)."""
+        found = self.indexes.get(window)
+        if found is not None:
+            return found
+        index = window_index(self, window)
+        if isinstance(index, slice):
+            if len(self.indexes) >= _VIEW_TABLES:
+                self.indexes.clear()
+            self.indexes[window] = index
+        return index
 
     def window_table(self, index: slice | npt.NDArray[np.intp]) -> pa.Table:
         """`window_table` of this view, made once per contiguous window."""
@@ -155,6 +177,10 @@ class ContextView:
 # The numbers of views (`ContextView.serial`): one count for the process, so that no two
 # views of any thread, before or after a drop and reload, share one.
 _VIEW_SERIALS = itertools.count(1)
+
+# Earlier views a view names as its ancestors (`ContextView.ancestors`): a builder
+# remembers the window of the last build of a thread, made one or a few views ago.
+_VIEW_ANCESTORS = 4
 
 # Window tables kept per view (windows of one thread differ only by the agent's clear
 # markers and ages, so one or two are in use).
@@ -185,6 +211,10 @@ class _Context:
     # The view of the current state, made at the first read after a change (`_extend`
     # drops it): the reads of a build, and every build until the next append, share it.
     current: ContextView | None = None
+    # The views made since the thread was loaded whose state this one extends by appends
+    # of non-summary messages alone (serial: rows), the newest last; emptied when an
+    # append stores a summary (the thread's summary changed, not only its rows).
+    ancestors: dict[int, int] = field(default_factory=dict)
 
     def view(self) -> ContextView:
         if self.current is None:
@@ -192,6 +222,13 @@ class _Context:
         return self.current
 
     def _new_view(self) -> ContextView:
+        view = self._make_view()
+        if len(self.ancestors) >= _VIEW_ANCESTORS:
+            del self.ancestors[next(iter(self.ancestors))]
+        self.ancestors[view.serial] = self.n
+        return view
+
+    def _make_view(self) -> ContextView:
         return ContextView(
             self.key,
             self.context_id,
@@ -206,6 +243,7 @@ class _Context:
             self.recent,
             self.recent_from,
             serial=next(_VIEW_SERIALS),
+            ancestors=dict(self.ancestors),
         )
 
     def size(self) -> int:
@@ -299,7 +337,7 @@ def window_index(v: ContextView, window: WindowSpec) -> slice | npt.NDArray[np.i
 
 def window_count(v: ContextView, window: WindowSpec) -> int:
     """How many messages of the thread, stored summaries included, are in `window`."""
-    index = window_index(v, window)
+    index = v.index(window)
     n = len(v.cols["id"])
     count = len(range(*index.indices(n))) if isinstance(index, slice) else len(index)
     for create, own, gs in v.summary_rows:
@@ -629,6 +667,7 @@ class HotCache:
             newest if entry.newest_create is None else max(entry.newest_create, newest)
         )
         if summary.any():
+            entry.ancestors = {}  # not only rows: the thread's summary changed
             srows = rows[summary]
             entry.summary_rows += tuple(
                 (int(arrays["create"][r]), int(arrays["own"][r]), int(arrays["gs"][r]))
@@ -1013,7 +1052,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None or view.began:
             return None
-        index = window_index(v, window)
+        index = v.index(window)
         if not isinstance(index, slice):
             return None
         token = (view.g0, (context.context_id, index.start, index.stop, v.serial))
@@ -1131,7 +1170,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None:
             return super().window_columns(context, window)
-        return v.window_table(window_index(v, window))
+        return v.window_table(v.index(window))
 
     def window_arrays(
         self, context: ContextRef, window: WindowSpec
@@ -1145,9 +1184,50 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None:
             return None
-        index = window_index(v, window)
+        index = v.index(window)
         cols = v.cols
         return {name: cols[name][index] for name in WINDOW_COLUMNS}
+
+    def appended_window(
+        self, context: ContextRef, window: WindowSpec, since: Hashable
+    ) -> tuple[dict[str, npt.NDArray[Any]], int, list[StoredMessage]] | None:
+        """`window_arrays` of this snapshot's state of the thread, how many of its first
+        rows are the whole window `since` named (the second item of an earlier
+        `build_token`), and the messages after those (what `window_messages_from` reads
+        of them: the cached objects, which the writer derived when it took them in),
+        when that window ran to the thread's newest message, this one starts at the
+        same message and differs from it by appended non-summary messages alone, and
+        those are among the cached content; None otherwise (the caller reads the window
+        afresh).
+
+        Only appends change a cached thread in place (`HotCache._extend`); every other
+        change (a clear, a delete, an update, a retention pass, a stored summary, agent
+        settings) drops it, and a reloaded thread's views name no ancestors. So a view
+        that names `since`'s view as its ancestor holds that view's rows as its first
+        rows, unchanged, and the same summary and clear marker."""
+        if not self._hot.enabled or not isinstance(since, tuple) or len(since) != 4:
+            return None
+        context_id, start, stop, serial = since
+        if context_id != context.context_id or start is None or stop is None:
+            return None
+        v = self._context_of(context)
+        if v is None or v.context_id != context_id:
+            return None
+        rows = v.ancestors.get(serial)
+        if rows is None or rows != stop:
+            return None  # not an ancestor, or its window ended before its newest row
+        index = v.index(window)
+        n = len(v.cols["id"])
+        if not isinstance(index, slice) or (index.start or 0) != start:
+            return None  # the window's start moved (its clock, its settings)
+        if (n if index.stop is None else index.stop) != n or stop < v.recent_from:
+            return None  # not a suffix of the thread, or older than the cached content
+        cols = v.cols
+        return (
+            {name: cols[name][index] for name in WINDOW_COLUMNS},
+            stop - start,
+            v.recent[stop - v.recent_from :],
+        )
 
     def window_messages_from(
         self,
@@ -1162,7 +1242,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         at = int(np.searchsorted(v.cols["sequence"], from_sequence, side="left"))
         if at < v.recent_from:  # older than the cached content: read by SQL
             return super().window_messages_from(context, window, from_sequence, id_range)
-        index = window_index(v, window)
+        index = v.index(window)
         n = len(v.cols["id"])
         if isinstance(index, slice):
             positions = np.arange(max(at, index.start or 0), n)

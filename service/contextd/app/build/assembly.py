@@ -23,7 +23,8 @@ need be, never dropped without being recorded in the stats.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import operator
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -46,7 +47,7 @@ from contextd.app.build.compaction import (
 )
 from contextd.app.build.handles import full_text_handle
 from contextd.app.build.memo import Memo
-from contextd.app.build.render import Framing, joined_system, render_docs
+from contextd.app.build.render import _PER_ITEM, Framing, joined_system, render_docs
 from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer, SummaryResult
 from contextd.domain.context import (
     AssembledContext,
@@ -194,6 +195,7 @@ def assemble(
     cost_key: object = None,
     prepared_memo: dict[Hashable, Any] | None = None,
     dropped_ranges: bool = True,
+    prepared_base: tuple[Mapping[Hashable, Any], int] | None = None,
 ) -> AssembledContext:
     """Build the context in its documented order within ``budget`` (see the module docstring).
 
@@ -216,6 +218,13 @@ def assemble(
 
     Without ``dropped_ranges`` the stats' ``dropped_ranges`` are left empty, for a caller
     that makes them over a larger window itself (the builder's stats step).
+
+    ``prepared_base`` is the ``prepared_memo`` of an earlier assembly of a history that
+    this one extends, and how many of that history's first items this one leaves out:
+    its other items are this ``history``'s first ones, the same objects, and the items
+    after them were appended (a builder's window extended after an append, see
+    `ContextBuilder._extended`). The history is then made ready from that one's where
+    that is what preparing afresh gives (`_extend_prepared`), else afresh.
     """
     opts = options or StrategyOptions()
     limit = budget.prompt_budget if isinstance(budget, Budget) else budget
@@ -263,9 +272,13 @@ def assemble(
     else:
         pkey = (opts, framing.formats, cost_key)
         found: _Prepared | None = prepared_memo.get(pkey)
+        if found is None and prepared_base is not None and previous_summary is None:
+            earlier: _Prepared | None = prepared_base[0].get(pkey)
+            if earlier is not None:
+                found = _extend_prepared(earlier, prepared_base[1], history, opts, framing)
         if found is None:
-            found = prepared_memo[pkey] = _prepare(history, opts, framing.items, previous_summary)
-        prepared = found
+            found = _prepare(history, opts, framing.items, previous_summary)
+        prepared = prepared_memo[pkey] = found
     status_dropped = status_truncated = False
     if status:
         keep = room - prepared.protected_cost(with_request=new is None)
@@ -335,6 +348,8 @@ def assemble(
         return AssembledContext(system_prompt, docs, status, hist.items, new, stats, hist.summary)
     raise BudgetTooSmallError(f"the rendered request needs more than the budget of {limit} tokens")
 
+
+_ID_OF = operator.attrgetter("id")
 
 # The stats of a context only counted for its rendering (which does not read them).
 _NO_STATS = BuildStats(budget=0)
@@ -732,6 +747,60 @@ def _copy_counted(item: HistoryItem, tokens: int) -> HistoryItem:
         item.metadata,
         item.summary_of,
     )
+
+
+def _extend_prepared(
+    base: _Prepared,
+    dropped: int,
+    history: Sequence[HistoryItem],
+    options: StrategyOptions,
+    framing: Framing,
+) -> _Prepared | None:
+    """`_prepare` of ``history`` (no previous summary) from ``base``, that of a history
+    whose first ``dropped`` items ``history`` leaves out and whose other items are
+    ``history``'s first, the same objects; None when preparing afresh could give
+    another answer. Each step of `_prepare` is then a function of each item alone: no
+    summary, nothing repaired (checked over the whole of ``history``), stubbed or elided
+    in ``base`` nor among the appended items, no tool result to elide, and each item
+    costed alone (`_PER_ITEM` formats, or bare counts). The old items keep their
+    prepared copies and costs; only the appended ones are made ready (a thread's build
+    after an append prepared its whole window again, a third of the assembly)."""
+    if base.summary is not None or base.repaired or base.elided:
+        return None
+    if framing.formats and not _PER_ITEM.issuperset(framing.formats):
+        return None
+    kept = len(base.order) - dropped
+    if dropped < 0 or kept < 0 or kept > len(history) or base.before != len(base.order):
+        return None
+    ids = tuple(map(_ID_OF, history))
+    if ids[:kept] != base.order[dropped:]:
+        return None
+    added = list(history[kept:])
+    if any(it.is_summary for it in added):
+        return None
+    _, repaired = repair_tool_pairs(history)
+    if repaired:
+        return None
+    added, stubbed = stub_blobs(added)
+    if stubbed:
+        return None
+    if options.elide_tool_results and any(it.role is Role.TOOL_RESULT for it in history):
+        return None
+    max_chars = options.max_chars_per_message if options.truncate else NO_CHAR_LIMIT
+    old = base.work
+    if max_chars != old.max_chars:
+        return None
+    new = _Columns.build(added, max_chars, framing.items)
+    cut = {i - dropped: it for i, it in old.cut.items() if i >= dropped} if old.cut else {}
+    work = _Columns(
+        old.items[dropped:] + new.items,
+        old.tokens[dropped:] + new.tokens,
+        old.chars[dropped:] + new.chars,
+        cut | {i + kept: it for i, it in new.cut.items()} if new.cut else cut,
+        old.costs[dropped:] + new.costs,
+        max_chars,
+    )
+    return _Prepared(None, work, len(ids), [], [], ids)
 
 
 @dataclass(frozen=True, slots=True)

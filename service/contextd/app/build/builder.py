@@ -10,6 +10,7 @@ compaction, render, summarizer) then do the rest on plain values.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -182,6 +183,10 @@ class _Window:
     # Its items made ready to fit, by options and formats (`assemble`'s prepared_memo):
     # a remembered window assembled again (its status block changed) reuses them.
     prepared: dict[Hashable, Any] = field(default_factory=dict)
+    # A window extended from a remembered one (`ContextBuilder._extended`): that one's
+    # `prepared`, and how many of its items this one left out (`assemble`'s
+    # prepared_base: the items kept are made ready once, not again after each append).
+    prepared_base: tuple[dict[Hashable, Any], int] | None = None
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
@@ -249,6 +254,15 @@ class ContextBuilder:
         self._generation = -1
         self.memo_hits = 0  # builds answered from `_built`: for tests and probes
         self.window_hits = 0  # ... and windows from `_windows`
+        self.window_extensions = 0  # ... and windows extended from one there (`_extended`)
+        appended: (
+            Callable[
+                [ContextRef, WindowSpec, Hashable],
+                tuple[dict[str, Any], int, list[StoredMessage]] | None,
+            ]
+            | None
+        ) = getattr(store, "appended_window", None)
+        self._appended = appended
         # Off: every build reads and assembles (tests comparing read paths on one store).
         self.remember_results = True
 
@@ -278,6 +292,7 @@ class ContextBuilder:
                 cost_key=plan.model,  # the counter is the model's (with stored counts)
                 prepared_memo=window.prepared,
                 dropped_ranges=False,  # made over the whole window by `_account`
+                prepared_base=window.prepared_base,
             )
         except BudgetTooSmallError as exc:
             raise InvalidArgument(str(exc), reason="BUDGET_TOO_SMALL") from exc
@@ -389,12 +404,18 @@ class ContextBuilder:
             else None
         )
         found_window = self._windows.peek(wkey) if wkey is not None else None
-        window: _Window
+        window: _Window | None = None
         if found_window is not None and token is not None and found_window[0] == token[1]:
             self.window_hits += 1
             window = found_window[1]
         else:
-            window = self._load_history(plan)
+            if found_window is not None:
+                # The thread's state moved since: by appends alone, the window extends.
+                window = self._extended(plan, *found_window)
+                if window is not None:
+                    self.window_extensions += 1
+            if window is None:
+                window = self._load_history(plan)
             if wkey is not None:
                 assert self._tokens is not None and plan.context is not None and token
                 if self._tokens(plan.context, plan.window) != token:
@@ -604,6 +625,98 @@ class ContextBuilder:
             slice(rest.start or 0, (rest.start or 0) + start)
             if isinstance(rest, slice)
             else rest[:start],
+        )
+
+    def _extended(self, plan: _Plan, since: Hashable, old: _Window) -> _Window | None:
+        """`_load_history` of a plain build (no summarizing) from `old`, the window a
+        build of the same thread and parameters read at the state `since` names, when
+        the store tells that the thread changed since by appended messages alone and
+        the window still starts where it did (`appended_window`); None otherwise (the
+        caller reads the window afresh). A thread an agent appends to before every
+        build then loads and derives only the appended messages.
+
+        It answers what `_load_history` answers: the trimmer still walks the whole
+        window's columns (in Rust, as there). The rest is taken from `old` only where it
+        cannot differ, else the window is read afresh: `old` had no stored summary in
+        effect (none, or one whose last message is not in the window: a summary stored
+        since ends the store's run of ancestors, and appended messages are none of
+        that one's) and no orphan (nothing its repair changed, loaded or not), and the
+        appended rows are plain messages (no tool call, no tool result), so the window
+        still has no orphan and its columns need no repair; the kept part starts no
+        earlier than `old`'s, so it is a suffix of `old`'s loaded items followed by the
+        appended messages."""
+        if (
+            self._appended is None
+            or plan.context is None
+            or plan.options.summarize
+            or old.previous_summary is not None
+            or old.orphaned_ids
+            or old.hidden
+            or not isinstance(old.not_loaded_at, slice)
+            or not isinstance(old.summarized_at, slice)
+            or (old.summarized_at.stop or 0) != 0
+        ):
+            return None
+        found = self._appended(plan.context, plan.window, since)
+        if found is None:
+            return None
+        cols, old_n, appended = found
+        ids = cols["id"]
+        n = len(ids)
+        old_start = old.not_loaded_at.stop or 0
+        if (
+            n - old_n != len(appended)
+            or len(old.items) != old_n - old_start
+            or len(old.window_ids) != old_n
+            or len(old.stamps) - len(old.items) not in (0, 1)  # the items' and a summary's
+        ):
+            return None
+        for m in appended:  # a few: an agent's append (cheaper than NumPy on the columns)
+            if m.group_id >= 0 or m.role is Role.TOOL_RESULT:
+                return None  # tool rows appended: their pairs are read afresh
+        start = self._candidates(
+            plan, cols["role"], cols["token_count"], cols["chars"], cols["group_id"]
+        )
+        if start < old_start or start > old_n:
+            return None  # (past every remembered item: rare, read afresh)
+        dropped = old.items[: start - old_start]
+        kept = old.items[start - old_start :]
+        # `old`'s stamps (its items' and the stored summary's, which `_load_history`
+        # gives even when it applies to none of the window: the same summary, see
+        # above) less the dropped items', plus the appended ones': a copy, then a step
+        # per changed message only.
+        stamps = old.stamps.copy()
+        for it in dropped:
+            if stamps.pop(it.id, None) is None:
+                return None  # not a window `_load_history` or this made: read afresh
+        # Stored counts by counted text, as `_load_kept` keys them: `old`'s and the
+        # appended messages'. A dropped message's count stays (a count of the very text
+        # under the build's tokenizer answers what counting it does), until they are
+        # more than the items: then the window is read afresh, which keeps the loaded
+        # messages' alone (a bound on what a remembered window holds).
+        known = old.known_counts.copy()
+        if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+            return None
+        label = stored_tokenizer(plan.model)
+        made = list(map(derived, appended))
+        for m, (item, stamp) in zip(appended, made, strict=True):
+            stamps[item.id] = stamp
+            if m.tokenizer == label:
+                known[m.content + m.tool_calls] = m.token_count
+        kept += [item for item, _ in made]
+        items, repaired = repair_tool_pairs(kept)
+        if repaired:
+            return None
+        return _Window(
+            items,
+            None,
+            stamps,
+            known,
+            (),
+            ids,
+            slice(0, 0),
+            slice(0, start),
+            prepared_base=(old.prepared, start - old_start),
         )
 
     def _load_tail(
@@ -936,6 +1049,8 @@ class ContextBuilder:
 
 
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+# Stored counts an extended window may hold beyond twice its items (`_extended`).
+_KNOWN_SLACK = 64
 _NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
 _WINDOW_COLUMNS = ("id", "role", "token_count", "chars", "group_id", "sequence")
 _EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
@@ -1165,13 +1280,32 @@ def _account(context: AssembledContext, window: _Window) -> BuildStats:
         if stats.dropped_ids:  # what assembly dropped of the loaded part: a few
             gone |= np.isin(order, np.asarray(stats.dropped_ids, dtype=np.int64))
         runs = _runs_of(order, gone)
-    return replace(
+    return _stats_with(
         stats,
         messages_before=stats.messages_before + not_loaded,
         dropped_ids=dropped,
         dropped_ranges=runs,
         summarized_range=summarized,
     )
+
+
+# BuildStats' fields in their order, and a getter of them all (`_stats_with`).
+_STATS_FIELDS = tuple(f.name for f in fields(BuildStats))
+_STATS_VALUES = operator.attrgetter(*_STATS_FIELDS)
+_STATS_AT = {name: at for at, name in enumerate(_STATS_FIELDS)}
+if not all(f.init for f in fields(BuildStats)):  # pragma: no cover
+    raise ImportError("BuildStats has a field its constructor does not take: see _stats_with")
+
+
+def _stats_with(stats: BuildStats, **changed: Any) -> BuildStats:
+    """``replace(stats, **changed)`` about twice cheaper (every build makes its stats
+    over the whole window: ``dataclasses.replace`` plumbs 29 fields by keyword, 13 us).
+    The same constructor call, its arguments by position (checked at import: every
+    field is one)."""
+    values = list(_STATS_VALUES(stats))
+    for name, value in changed.items():
+        values[_STATS_AT[name]] = value
+    return BuildStats(*values)
 
 
 def _loaded_runs(
