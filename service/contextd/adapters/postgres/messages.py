@@ -227,11 +227,6 @@ WHERE t.tenant = %s AND t.context_id = %s
 # the server parses less.
 _BOUNDS = " ".join(re.sub(r"--[^\n]*", "", _BOUNDS).split())
 
-# `_BOUNDS` sent ahead of the build's need (`plan_build_reads`): no row when the thread's
-# row is at the version given (the build then keeps the window it read under it, and the
-# statement costs one index lookup); `window_bounds` sends `_BOUNDS` when it needs it.
-_BOUNDS_IF_MOVED = _BOUNDS + " AND (t.xmin::text || ':' || t.ctid::text) IS DISTINCT FROM %s"
-
 # `window_page`: the narrow columns and running counts of the newest rows of a range,
 # newest first (see `_page_table`).
 _PAGE = (
@@ -428,6 +423,9 @@ class MessagesMixin(PostgresBase):
     # The ref and summary's last id of each thread's last `window_bounds` call, by key:
     # what `_send_planned` sends the next build's bounds for.
     _bounds_guess: dict[ContextKey, tuple[ContextRef, int]]
+    # Threads this replica appended to since its last build of them, by key (see
+    # `_appended_here`).
+    _moved_here: set[ContextKey]
     # `build_token` names a state once this replica's reads saw it (ContextBuilder).
     tokens_after_reads = True
 
@@ -460,7 +458,16 @@ class MessagesMixin(PostgresBase):
                 records_itself=True,
             )
         self._pending.appended(len(receipts))
+        self._appended_here(key)
         return receipts
+
+    def _appended_here(self, key: ContextKey) -> None:
+        """Note that this replica appended to the thread: its next build here reads the
+        window's bounds (the window it kept is of an older state), which
+        `_send_planned` then sends with the thread's read."""
+        if len(self._moved_here) >= WINDOWS_SEEN:
+            self._moved_here.clear()
+        self._moved_here.add(key)
 
     def _append_in_one_statement(
         self, key: ContextKey, batch: MessageBatch, record: RequestRecord | None
@@ -544,6 +551,8 @@ class MessagesMixin(PostgresBase):
             return []
         receipts = self._write(run, record)
         self._pending.appended(len(receipts))
+        for key, _ in parts:
+            self._appended_here(key)
         return receipts
 
     def _append(
@@ -907,13 +916,15 @@ class MessagesMixin(PostgresBase):
         """Queue the reads `plan_build_reads` announced for the build of `key`, behind
         the ref's statement: the status block's, with the agent's window from this
         replica's cache of agents (its settings as last read; the build computes the
-        window from the agent as the snapshot reads it), and the window's bounds, for
-        the thread's ref, window and summary as this replica's last build of it read
-        them (`_bounds_guess`), unless the thread's row is still at the version this
-        replica read the window under (`_BOUNDS_IF_MOVED`). Each read is taken only by a
-        call with the very arguments it was sent with (`status_and_activity`,
-        `window_bounds`), so a wrong guess costs a statement's server time, never a
-        wrong answer."""
+        window from the agent as the snapshot reads it); and, when this replica
+        appended to the thread since its last build of it (an agent's turn: append,
+        then build), the window's bounds, for the thread's ref, window and summary as
+        that build read them (`_bounds_guess`). (Not otherwise: a build of a state
+        it read the window of reads no bounds, and the bounds of one another replica
+        moved travel with the status block's read when that one is not sent ahead.)
+        Each read is taken only by a call with the very arguments it was sent with
+        (`status_and_activity`, `window_bounds`), so a wrong guess costs a statement's
+        server time, never a wrong answer."""
         reads: BuildReads | None = getattr(self._local, "planned", None)
         self._local.planned = None
         if reads is None or reads.key != key:
@@ -933,19 +944,16 @@ class MessagesMixin(PostgresBase):
             reads.status_threads,
         )
         guess = self._bounds_guess.get(key)
-        if guess is None:
+        if guess is None or key not in self._moved_here:
             return
         ref, summary_last = guess
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains:
             return
         params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
-        seen = self._windows_seen.get((key.tenant, ref.context_id))
-        cursor = conn.execute(
-            _BOUNDS_IF_MOVED, [*params, seen.version if seen else None], binary=True
-        )
+        cursor = conn.execute(_BOUNDS, params, binary=True)
         match = (ref, window, summary_last, reads.first_page, reads.held)
-        self._local.bounds = (match, cursor, tags, True)
+        self._local.bounds = (match, cursor, tags)
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window's narrow columns as one row of six binary arrays (PostgreSQL's
@@ -1061,14 +1069,14 @@ class MessagesMixin(PostgresBase):
         if len(self._bounds_guess) >= WINDOWS_SEEN and key not in self._bounds_guess:
             self._bounds_guess.clear()
         self._bounds_guess[key] = (context, summary_last_id)  # for `_send_planned`
+        self._moved_here.discard(key)
         queued = getattr(self._local, "bounds", None)
         self._local.bounds = None
-        row = None
         if queued is not None and queued[0] == match and self._in_snapshot():
-            # Queued in this snapshot, with these arguments (by `_send_planned`, when
-            # the thread's row had moved, or by `status_and_activity`).
+            # Queued in this snapshot, with these arguments (with the thread's read by
+            # `_send_planned`, or with the status block's by `status_and_activity`).
             row, cached = queued[1].fetchone(), queued[2]
-        if row is None and (queued is None or queued[0] != match or queued[3]):
+        else:
             params, cached = self._bounds_params(context, window, summary_last_id, first_page, held)
             with self._reading() as conn:
                 row = conn.execute(_BOUNDS, params, binary=True).fetchone()
@@ -1231,7 +1239,7 @@ class MessagesMixin(PostgresBase):
             return  # sent with the thread's read (`_send_planned`)
         params, cached = self._bounds_params(ref, window, summary_last, *shape)
         cursor = conn.execute(_BOUNDS, params, binary=True)
-        self._local.bounds = (match, cursor, cached, False)
+        self._local.bounds = (match, cursor, cached)
 
     def _page_messages(
         self,
