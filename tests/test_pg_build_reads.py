@@ -12,6 +12,7 @@ PostgreSQL only: the embedded engine reads in process.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import tempfile
 from collections.abc import Iterator
@@ -32,9 +33,10 @@ from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 # A hot build: the thread (with its summary and agent's version, after the snapshot's
-# queued BEGIN); the status block with the window's bounds and its newest page (and the
-# kept messages among them); COMMIT.
-HOT_BUILD_ROUND_TRIPS = 3
+# queued BEGIN), and with it the status block and the window's bounds and its newest page
+# (and the kept messages among them), sent with the arguments the replica's last build
+# of the thread had (`plan_build_reads`); COMMIT.
+HOT_BUILD_ROUND_TRIPS = 2
 
 
 @pytest.fixture
@@ -80,13 +82,19 @@ def _round_trips(store: PostgresStore, call: object, statements: list[str] | Non
     return sum(1 for a, b in itertools.pairwise(sides) if (a, b) == ("F", "B"))
 
 
+def _build_into(service: ContextService, request: BuildRequest, into: list[Any]) -> None:
+    into.append(service.build_context(request))
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
-def test_a_hot_build_makes_three_round_trips(
+def test_a_hot_build_makes_two_round_trips(
     store: PostgresStore, service: ContextService, interleaved: bool
 ) -> None:
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
-    a hot build makes the same three round trips, and they do not grow with the thread."""
+    a hot build makes the same two round trips, and they do not grow with the thread;
+    the build right after an append too, written alone (three before
+    `plan_build_reads`)."""
     for step in range(6):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
         if interleaved:
@@ -100,6 +108,14 @@ def test_a_hot_build_makes_three_round_trips(
     service.append_messages(TENANT, AGENT, "", "main", _turns("later", 300))
     service.build_context(request)
     assert _round_trips(store, lambda: service.build_context(request)) == HOT_BUILD_ROUND_TRIPS
+    for step in range(3):
+        service.append_messages(TENANT, AGENT, "", "main", _turns(f"after{step}", 1))
+        after: list[Any] = []
+        trips = _round_trips(store, functools.partial(_build_into, service, request, after))
+        assert after[0].context.history[-1].content.startswith(f"after{step} 0 ")
+        # Interleaved, the ids left out that moved past the replica's run of them
+        # (`_page_ids`: the run ends where the last build's first page began) are read.
+        assert trips == HOT_BUILD_ROUND_TRIPS + int(interleaved)
 
 
 def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(

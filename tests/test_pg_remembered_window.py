@@ -22,6 +22,7 @@ from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.batches import prepare_batch
 from contextd.domain.clock import ManualClock
+from contextd.domain.context import StatusEntry, StatusKind
 from contextd.domain.model import (
     AgentSettings,
     BuildOverrides,
@@ -221,9 +222,11 @@ def test_every_change_through_another_replica_is_in_the_next_build(
 def test_a_remembered_window_reads_no_bounds_and_no_messages(
     replicas: tuple[PostgresStore, ...],
 ) -> None:
-    """A build of a state this replica built before makes the same round trips, but
-    sends neither the window's bounds nor a read of its messages: the thread's row (with
-    its version) and the status block are all it reads."""
+    """A build of a state this replica built before sends neither the window's bounds
+    nor a read of its messages: the thread's row (with its version) and the status
+    block are all it reads. After another replica's append, the bounds are read in a
+    round trip of their own (after one of its own, they go with the thread's read:
+    `test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments`)."""
     a_store, b_store, _ = replicas
     a = ContextService(a_store, ExtractiveSummarizer())
     b = ContextService(b_store, ExtractiveSummarizer())
@@ -243,7 +246,7 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     b.append_messages(TENANT, AGENT, "", "main", [_said("one more")])
     statements.clear()
     assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
-        HOT_BUILD_ROUND_TRIPS
+        HOT_BUILD_ROUND_TRIPS + 1
     )
     assert remembered(a) == hits + 1
     assert [s for s in statements if "FROM messages" in s and "string_agg" in s]
@@ -275,3 +278,107 @@ def test_an_append_writes_its_threads_row_once(
     ref = store.context_ref(thread)
     assert ref is not None
     assert store.window_columns(ref, WindowSpec(0, 0)).num_rows == n + 1
+
+
+def test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments(
+    replicas: tuple[PostgresStore, ...], clock: ManualClock
+) -> None:
+    """A build sends its status block's read with the thread's read, and, after an
+    append through its own replica, its window's bounds, with the arguments its
+    replica's last build of the thread had (the agent's window from its cache of
+    agents, the thread's clear and summary as last read): `plan_build_reads`. A change
+    through another replica that makes any of those wrong (the agent's window, the
+    thread's clear, its summary) costs a read made again, never an answer of the wrong
+    arguments; a change they do not name (a status entry, another thread's activity,
+    appends) is in what they read, from the build's own snapshot. Every build equals
+    the build of a replica that remembers nothing."""
+    a_store, b_store, c_store = replicas
+    a = ContextService(a_store, ExtractiveSummarizer())
+    b = ContextService(b_store, ExtractiveSummarizer())
+    plain = ContextService(c_store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
+    b.append_messages(TENANT, AGENT, "", "main", _turns("older", 80))
+    b.append_messages(TENANT, AGENT, "", "other", _turns("other", 3))
+    request = BuildRequest(
+        TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=800, truncate=False)
+    )
+
+    def build() -> tuple[BuildResult, int]:
+        got: list[BuildResult] = []
+        trips = _round_trips(a_store, lambda: got.append(a.build_context(request)))
+        expected = plain.build_context(request)
+        assert got[0].context == expected.context
+        assert got[0].stamps == expected.stamps
+        return got[0], trips
+
+    build()
+    build()
+    # Changes the sent reads' arguments do not name: read by them, in two round trips.
+    changes: tuple[tuple[Callable[[], object], int], ...] = (
+        (
+            lambda: b.set_status(
+                TENANT,
+                AGENT,
+                "",
+                StatusEntry("deploy", StatusKind.PROCESS, "running", "v2", 0),
+                None,
+            ),
+            0,
+        ),
+        (lambda: b.append_messages(TENANT, AGENT, "", "other", _turns("meanwhile", 2)), 0),
+        # Another replica's append: the bounds in a round trip of their own.
+        (lambda: b.append_messages(TENANT, AGENT, "", "main", [_said("newer")]), 1),
+        # This replica's: with the thread's read.
+        (lambda: a.append_messages(TENANT, AGENT, "", "main", [_said("newest")]), 0),
+    )
+    for change, more in changes:
+        clock.advance(SECOND)
+        change()
+        result, trips = build()
+        assert trips == HOT_BUILD_ROUND_TRIPS + more
+    assert [m.content for m in result.context.history[-2:]] == ["newer", "newest"]
+    assert "deploy" in result.context.status
+    # Changes that make a sent read's arguments wrong: the read is made again. The
+    # agent's window narrowed: the older messages and the other thread leave it.
+    clock.advance(2 * HOUR)
+    b.append_messages(TENANT, AGENT, "", "main", _turns("recent", 30))
+    wrong_guesses: tuple[Callable[[], object], ...] = (
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(rolling_window_us=HOUR), ["rolling_window"]
+        ),
+        lambda: b.compact_context(
+            TENANT, AGENT, "", "main", "", BuildOverrides(keep_recent_tokens=200)
+        ),
+        lambda: a.append_messages(TENANT, AGENT, "", "main", _turns("after summary", 3)),
+        lambda: b.clear_context(TENANT, AGENT, "", "main"),
+        lambda: a.append_messages(TENANT, AGENT, "", "main", _turns("after clear", 3)),
+        # Appended here, then cleared elsewhere: the bounds sent ahead are of the
+        # thread's clear as last read.
+        lambda: (
+            a.append_messages(TENANT, AGENT, "", "main", _turns("cleared", 3)),
+            b.clear_context(TENANT, AGENT, "", "main"),
+            a.append_messages(TENANT, AGENT, "", "main", _turns("after clear", 3)),
+        ),
+        # ... and compacted elsewhere: of its summary as last read.
+        lambda: (
+            a.append_messages(TENANT, AGENT, "", "main", _turns("more", 20)),
+            b.compact_context(
+                TENANT, AGENT, "", "main", "", BuildOverrides(keep_recent_tokens=200)
+            ),
+            a.append_messages(TENANT, AGENT, "", "main", _turns("after summary", 3)),
+        ),
+        # ... and its agent's window changed elsewhere.
+        lambda: (
+            a.append_messages(TENANT, AGENT, "", "main", _turns("wider", 3)),
+            b.update_agent(
+                TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR), ["rolling_window"]
+            ),
+        ),
+    )
+    for wrong in wrong_guesses:
+        build()  # the window of the state before the change, remembered
+        clock.advance(SECOND)
+        wrong()
+        build()
+    assert build()[0].context.history[-1].content.startswith("wider 2 ")

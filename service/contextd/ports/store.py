@@ -112,6 +112,21 @@ class ContextRef:
     key: ContextKey | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class BuildReads:
+    """What a build will read after the thread's ref, as far as the builder knows it
+    before that read (an engine with optional `plan_build_reads` may send those reads
+    with the ref's, when it can tell the rest of their arguments from what it read
+    before; a read is taken only when called with the very arguments it was sent with)."""
+
+    key: ContextKey
+    now_us: int  # the build's time (its status block's and window's)
+    status_entries: int  # `status_and_activity`'s entries
+    status_threads: int  # ... and threads
+    first_page: int  # `window_bounds`' first_page
+    held: int  # ... and held
+
+
 class AgentStore(Protocol):
     """Agents and their settings."""
 

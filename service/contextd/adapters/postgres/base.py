@@ -192,6 +192,8 @@ class PostgresBase:
                         self._local.ref = None  # read by context_ref in this block
                         self._local.thread_version = None  # likewise
                         self._local.bounds = None  # queued by status_and_activity
+                        self._local.status = None  # sent with context_ref's read
+                        self._local.planned = None  # by plan_build_reads
                     conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
@@ -205,6 +207,19 @@ class PostgresBase:
         self, conn: Conn, tenant: str, agent: str, scope: str, agent_window: WindowSpec
     ) -> None:
         """Queue the window bounds read the build will make next (see messages.py)."""
+
+    def _send_status(
+        self,
+        conn: Conn,
+        tenant: str,
+        agent: str,
+        scope: str,
+        live_at_us: int,
+        entries: int,
+        window: WindowSpec,
+        threads: int,
+    ) -> None:
+        """Queue the status block's read a build will make (see status.py)."""
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""

@@ -57,7 +57,7 @@ from contextd.domain.model import (
 from contextd.domain.quota import stored_bytes
 from contextd.domain.retention import policy_for, retention_of
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, ThreadFilter, WindowBounds
+from contextd.ports.store import BuildReads, ContextRef, ThreadFilter, WindowBounds
 
 _COPY_COLUMNS = (
     "tenant, context_id, sequence, id, role, content, tool_calls, tool_call_id, external_id, "
@@ -420,6 +420,12 @@ class MessagesMixin(PostgresBase):
     # it read them under and the run of the window's lower bound that selects the same
     # messages of that state (see `build_token`).
     _windows_seen: dict[tuple[str, int], WindowSeen]
+    # The ref and summary's last id of each thread's last `window_bounds` call, by key:
+    # what `_send_planned` sends the next build's bounds for.
+    _bounds_guess: dict[ContextKey, tuple[ContextRef, int]]
+    # Threads this replica appended to since its last build of them, by key (see
+    # `_appended_here`).
+    _moved_here: set[ContextKey]
     # `build_token` names a state once this replica's reads saw it (ContextBuilder).
     tokens_after_reads = True
 
@@ -452,7 +458,16 @@ class MessagesMixin(PostgresBase):
                 records_itself=True,
             )
         self._pending.appended(len(receipts))
+        self._appended_here(key)
         return receipts
+
+    def _appended_here(self, key: ContextKey) -> None:
+        """Note that this replica appended to the thread: its next build here reads the
+        window's bounds (the window it kept is of an older state), which
+        `_send_planned` then sends with the thread's read."""
+        if len(self._moved_here) >= WINDOWS_SEEN:
+            self._moved_here.clear()
+        self._moved_here.add(key)
 
     def _append_in_one_statement(
         self, key: ContextKey, batch: MessageBatch, record: RequestRecord | None
@@ -536,6 +551,8 @@ class MessagesMixin(PostgresBase):
             return []
         receipts = self._write(run, record)
         self._pending.appended(len(receipts))
+        for key, _ in parts:
+            self._appended_here(key)
         return receipts
 
     def _append(
@@ -860,8 +877,7 @@ class MessagesMixin(PostgresBase):
         the version of its agent's row, with which `get_agent` may answer from this
         replica's cache of agents (see agents.py)."""
         with self._reading() as conn:
-            row = first(
-                conn,
+            cursor = conn.execute(
                 "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
                 f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
                 f"{_SELECT_MESSAGES} "
@@ -872,6 +888,9 @@ class MessagesMixin(PostgresBase):
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
                 [key.tenant, key.agent, key.scope, key.thread],
             )
+            if getattr(self._local, "conn", None) is conn:
+                self._send_planned(conn, key)  # in this round trip
+            row = cursor.fetchone()
         if row is None:
             return None
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
@@ -885,6 +904,56 @@ class MessagesMixin(PostgresBase):
                 summary = message_from_row(row[5:]) if row[5] is not None else None
                 self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
+
+    def plan_build_reads(self, reads: BuildReads) -> None:
+        """Inside a snapshot, the build's next read is its thread's ref (`context_ref`):
+        with it, in its round trip, go the status block's read and the window's bounds,
+        with the arguments this replica can tell they will have (`_send_planned`)."""
+        if self._in_snapshot():
+            self._local.planned = reads
+
+    def _send_planned(self, conn: Conn, key: ContextKey) -> None:
+        """Queue the reads `plan_build_reads` announced for the build of `key`, behind
+        the ref's statement: the status block's, with the agent's window from this
+        replica's cache of agents (its settings as last read; the build computes the
+        window from the agent as the snapshot reads it); and, when this replica
+        appended to the thread since its last build of it (an agent's turn: append,
+        then build), the window's bounds, for the thread's ref, window and summary as
+        that build read them (`_bounds_guess`). (Not otherwise: a build of a state
+        it read the window of reads no bounds, and the bounds of one another replica
+        moved travel with the status block's read when that one is not sent ahead.)
+        Each read is taken only by a call with the very arguments it was sent with
+        (`status_and_activity`, `window_bounds`), so a wrong guess costs a statement's
+        server time, never a wrong answer."""
+        reads: BuildReads | None = getattr(self._local, "planned", None)
+        self._local.planned = None
+        if reads is None or reads.key != key:
+            return
+        cached = self._agent_cache.get((key.tenant, key.agent))
+        if cached is None:
+            return
+        agent_window = cached[1].window_at(key.scope, reads.now_us)
+        self._send_status(
+            conn,
+            key.tenant,
+            key.agent,
+            key.scope,
+            reads.now_us,
+            reads.status_entries,
+            agent_window,
+            reads.status_threads,
+        )
+        guess = self._bounds_guess.get(key)
+        if guess is None or key not in self._moved_here:
+            return
+        ref, summary_last = guess
+        window = agent_window.with_thread_clear(ref.last_clear_time_us)
+        if window.retains:
+            return
+        params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
+        cursor = conn.execute(_BOUNDS, params, binary=True)
+        match = (ref, window, summary_last, reads.first_page, reads.held)
+        self._local.bounds = (match, cursor, tags)
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window's narrow columns as one row of six binary arrays (PostgreSQL's
@@ -997,10 +1066,15 @@ class MessagesMixin(PostgresBase):
         key = context.key
         assert key is not None, "a PostgreSQL ContextRef carries its key"
         match = (context, window, summary_last_id, first_page, held)
+        if len(self._bounds_guess) >= WINDOWS_SEEN and key not in self._bounds_guess:
+            self._bounds_guess.clear()
+        self._bounds_guess[key] = (context, summary_last_id)  # for `_send_planned`
+        self._moved_here.discard(key)
         queued = getattr(self._local, "bounds", None)
         self._local.bounds = None
         if queued is not None and queued[0] == match and self._in_snapshot():
-            # Queued by `status_and_activity` in this snapshot, with these arguments.
+            # Queued in this snapshot, with these arguments (with the thread's read by
+            # `_send_planned`, or with the status block's by `status_and_activity`).
             row, cached = queued[1].fetchone(), queued[2]
         else:
             params, cached = self._bounds_params(context, window, summary_last_id, first_page, held)
@@ -1159,9 +1233,13 @@ class MessagesMixin(PostgresBase):
                 summary_last = summary.summarized_ids[1]
                 if summary_last > summary.id:
                     return  # the build reads the whole window
+        match = (ref, window, summary_last, *shape)
+        queued = getattr(self._local, "bounds", None)
+        if queued is not None and queued[0] == match:
+            return  # sent with the thread's read (`_send_planned`)
         params, cached = self._bounds_params(ref, window, summary_last, *shape)
         cursor = conn.execute(_BOUNDS, params, binary=True)
-        self._local.bounds = ((ref, window, summary_last, *shape), cursor, cached)
+        self._local.bounds = (match, cursor, cached)
 
     def _page_messages(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from contextd.adapters.postgres.agents import require_agent
@@ -24,6 +24,38 @@ _LIST_STATUS = (
     "AND scope = %(scope)s AND key > %(after)s AND (%(live_at)s::bigint IS NULL "
     "OR expire_time_us IS NULL OR expire_time_us > %(live_at)s) ORDER BY key LIMIT %(limit)s"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StatusArgs:
+    """The arguments of `status_and_activity`: equal ones, in one snapshot, read the same."""
+
+    tenant: str
+    agent: str
+    scope: str
+    live_at_us: int
+    entries: int
+    window: WindowSpec
+    threads: int
+
+
+def status_query(args: StatusArgs) -> tuple[str, dict[str, Any]]:
+    """`status_and_activity`'s statement and its parameters."""
+    activity, params = activity_query(
+        args.tenant, args.agent, args.scope, args.window, args.threads
+    )
+    params |= {"after": "", "live_at": args.live_at_us, "entries": args.entries}
+    sql = (
+        "SELECT * FROM (SELECT 0, row_number() OVER (ORDER BY key), key, kind, state, "
+        "summary, update_time_us, expire_time_us FROM ("
+        + _LIST_STATUS.replace("%(limit)s", "%(entries)s")
+        + ") s) s UNION ALL SELECT * FROM (SELECT 1, row_number() OVER "
+        "(ORDER BY a.last_message_time_us DESC, a.thread), a.thread, NULL::smallint, "
+        "NULL, NULL, a.last_message_time_us, a.count FROM ("
+        + activity
+        + ") a(thread, last_message_time_us, count)) a ORDER BY 1, 2"
+    )
+    return sql, params
 
 
 class StatusMixin(PostgresBase):
@@ -81,6 +113,22 @@ class StatusMixin(PostgresBase):
             rows = conn.execute(_LIST_STATUS, params).fetchall()
         return [status_from_row(r) for r in rows]
 
+    def _send_status(
+        self,
+        conn: Conn,
+        tenant: str,
+        agent: str,
+        scope: str,
+        live_at_us: int,
+        entries: int,
+        window: WindowSpec,
+        threads: int,
+    ) -> None:
+        """Queue `status_and_activity`'s statement with these arguments in this
+        snapshot's pipeline; that call takes its result when made with the same ones."""
+        args = StatusArgs(tenant, agent, scope, live_at_us, entries, window, threads)
+        self._local.status = (args, conn.execute(*status_query(args)))
+
     def status_and_activity(
         self,
         tenant: str,
@@ -92,22 +140,19 @@ class StatusMixin(PostgresBase):
         threads: int,
     ) -> tuple[list[StatusEntry], list[ThreadActivity]]:
         """`list_status` (from the first key) and `thread_activity` in one statement,
-        one round trip: what a build's status block reads."""
-        activity, params = activity_query(tenant, agent, scope, window, threads)
-        params |= {"after": "", "live_at": live_at_us, "entries": entries}
-        sql = (
-            "SELECT * FROM (SELECT 0, row_number() OVER (ORDER BY key), key, kind, state, "
-            "summary, update_time_us, expire_time_us FROM ("
-            + _LIST_STATUS.replace("%(limit)s", "%(entries)s")
-            + ") s) s UNION ALL SELECT * FROM (SELECT 1, row_number() OVER "
-            "(ORDER BY a.last_message_time_us DESC, a.thread), a.thread, NULL::smallint, "
-            "NULL, NULL, a.last_message_time_us, a.count FROM ("
-            + activity
-            + ") a(thread, last_message_time_us, count)) a ORDER BY 1, 2"
-        )
+        one round trip: what a build's status block reads. Inside a snapshot, taken
+        from the statement `plan_build_reads` had sent with the thread's read when it
+        was sent with these very arguments."""
+        args = StatusArgs(tenant, agent, scope, live_at_us, entries, window, threads)
+        sent: tuple[StatusArgs, Any] | None = getattr(self._local, "status", None)
+        self._local.status = None
         with self._reading() as conn:
-            cursor = conn.execute(sql, params)
-            if getattr(self._local, "conn", None) is conn:
+            in_snapshot = getattr(self._local, "conn", None) is conn
+            if sent is not None and sent[0] == args and in_snapshot:
+                cursor = sent[1]
+            else:
+                cursor = conn.execute(*status_query(args))
+            if in_snapshot:
                 # In a snapshot (pipeline mode): the bounds the build reads next travel
                 # with this statement.
                 self._queue_bounds(conn, tenant, agent, scope, window)

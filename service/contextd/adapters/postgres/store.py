@@ -64,6 +64,8 @@ class PostgresStore(
         self._agent_cache = {}
         self._id_runs = {}
         self._windows_seen = {}
+        self._bounds_guess = {}
+        self._moved_here = set()
         self._label_models = {}
         self._retention_agents = set()
         self._messages = MessageCache()

@@ -65,7 +65,13 @@ from contextd.domain.model import (
 )
 from contextd.domain.validation import quote
 from contextd.domain.window import WindowSpec
-from contextd.ports.store import ContextRef, Store, read_consistently, status_and_activity
+from contextd.ports.store import (
+    BuildReads,
+    ContextRef,
+    Store,
+    read_consistently,
+    status_and_activity,
+)
 
 COMPRESSED_EVENT = "context.compressed"
 # The first compaction of a very long window folds at most this many of its newest
@@ -243,6 +249,10 @@ class ContextBuilder:
             getattr(store, "window_arrays", None)
         )
         self._arrays = arrays
+        # Where the store can send a build's later reads with its first (PostgreSQL: in
+        # the snapshot's first round trip, when it can tell their arguments beforehand).
+        plan_reads: Callable[[BuildReads], None] | None = getattr(store, "plan_build_reads", None)
+        self._plan_reads = plan_reads
         self._built: Memo[Hashable, BuildResult] = Memo(BUILT_RESULTS)
         # Windows by (thread, model, budget, options), each with the thread's part of the
         # token it was read under (`build_token`'s second item: the thread's state and the
@@ -263,7 +273,8 @@ class ContextBuilder:
             | None
         ) = getattr(store, "appended_window", None)
         self._appended = appended
-        # Off: every build reads and assembles (tests comparing read paths on one store).
+        # Off: every build reads and assembles, and sends no read ahead on what earlier
+        # builds read (`plan_build_reads`): tests comparing read paths on one store.
         self.remember_results = True
 
     # ----------------------------------------------------------------- BuildContext
@@ -373,6 +384,7 @@ class ContextBuilder:
             request.thread,
             request.model,
             request.overrides,
+            reads_ahead=True,
         )
         status = self._status(plan)
         key: Hashable | None = None
@@ -525,10 +537,21 @@ class ContextBuilder:
         thread: str,
         model: str,
         overrides: BuildOverrides,
+        *,
+        reads_ahead: bool = False,
     ) -> _Plan:
+        """`reads_ahead`: a build's plan, whose status block and window reads follow;
+        the store may send them with the thread's read (`plan_build_reads`)."""
         # The thread first: on PostgreSQL its read carries the agent row's version, so
-        # that get_agent may answer from the replica's cache of agents.
+        # that get_agent may answer from the replica's cache of agents. The build's time
+        # is taken before it, so that the store can send the reads that depend on it
+        # (the status block's, the window's bounds) with the thread's read.
         key = ContextKey(tenant, agent_name, scope, thread)
+        now = self._store.clock.now_us()
+        if reads_ahead and self._plan_reads is not None and self.remember_results:
+            self._plan_reads(
+                BuildReads(key, now, STATUS_ENTRIES, STATUS_THREADS, FIRST_PAGE, HELD_DROPPED_IDS)
+            )
         context = self._store.context_ref(key)
         agent = self._store.get_agent(tenant, agent_name)
         chosen = model or agent.model or "default"
@@ -558,7 +581,6 @@ class ContextBuilder:
                     DEFAULT_SAFETY_MARGIN if merged.safety_margin is None else merged.safety_margin
                 ),
             )
-        now = self._store.clock.now_us()
         agent_window = agent.window_at(scope, now)
         window = agent_window.with_thread_clear(context.last_clear_time_us if context else None)
         return _Plan(agent, key, chosen, budget, options, now, agent_window, window, context)
