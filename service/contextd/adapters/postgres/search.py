@@ -63,7 +63,7 @@ FIRST_SPAN_PER_CANDIDATE = 25
 # when it plans (it takes such a range for a third of the rows). A bound it sees is
 # estimated from the histogram of messages.id, and the newest ids, the very ones a
 # search starts from, lie past its last bucket until the next ANALYZE (autovacuum's
-# comes once a tenth of the table is new, and is put off while appends go on): the
+# comes once a tenth of the table is new; after a bulk load, minutes later): the
 # planner took the range for a few rows and read it newest first through messages_by_id,
 # testing every row's vector (read out of line) against the query, 100,000-270,000 of
 # them in 0.6-4.4 s, where the GIN bitmap ANDed with the range reads the 2,000-6,000
