@@ -19,7 +19,9 @@ Why this shape:
   visiting every match: the GIN bitmap ANDed with a range of the tenant's newest ids
   (messages_by_id), the range widened (in the same transaction) until it holds that
   many matches of the scope or the whole history. Each step ranks its candidates only
-  when they are final, in the same statement.
+  when they are final, in the same statement. The range's bound reaches the planner as
+  an InitPlan's value (RANGE_BOUND): statistics lag behind the newest ids, and an
+  estimate from them made the planner test the range's every vector instead.
 - CJK terms (character pairs) cannot be found through the tsvector (PostgreSQL keeps a
   run of CJK characters as one word), so each is matched as a substring (strpos) of the
   content and tool_calls, and each one a message holds adds 0.1 to its rank. Such a
@@ -57,69 +59,103 @@ SEARCH_WORK_MEM = "64MB"
 FIRST_SPAN_PER_CANDIDATE = 25
 
 
+# A step's id bound, handed to the planner as an InitPlan's value, which it cannot see
+# when it plans (it takes such a range for a third of the rows). A bound it sees is
+# estimated from the histogram of messages.id, and the newest ids, the very ones a
+# search starts from, lie past its last bucket until the next ANALYZE (autovacuum's
+# comes once a tenth of the table is new; after a bulk load, minutes later): the
+# planner took the range for a few rows and read it newest first through messages_by_id,
+# testing every row's vector (read out of line) against the query, 100,000-270,000 of
+# them in 0.6-4.4 s, where the GIN bitmap ANDed with the range reads the 2,000-6,000
+# matches (bench search, 1,000,000 messages, the searches right after the load).
+RANGE_BOUND = "AND m.id >= (SELECT %s::bigint)"
+
+# The settings of a search's transaction.
+SEARCH_SETTINGS = (
+    f"SET LOCAL statement_timeout = {int(SEARCH_TIMEOUT_S * 1000)}",
+    # The candidates come from the GIN index ANDed with an id range of messages_by_id (a
+    # bitmap the size of the range, never of every match); the bitmap stays exact, and a
+    # sequential scan would read every row's vector.
+    f"SET LOCAL work_mem = '{SEARCH_WORK_MEM}'",
+    "SET LOCAL enable_seqscan = off",
+)
+
+
+def search_step(query: SearchQuery, limit: int, lowest: int | None) -> tuple[str, list[Any]]:
+    """The statement of one step and its parameters: the newest `limit` matches with ids
+    from `lowest` on (None: the whole history) (c), how many there are (found), and, when
+    they are the candidates (`limit` of them, or the whole history's), the best k."""
+    words = [t for t in query.terms if not is_cjk_term(t)]
+    cjk = [t for t in query.terms if is_cjk_term(t)]
+    # Terms hold letters, marks and digits only: nothing tsquery syntax reads.
+    tsquery = " | ".join(words)
+    rank_params: list[Any] = [tsquery]
+    held = ["(strpos(m.content, %s) > 0 OR strpos(m.tool_calls, %s) > 0)" for _ in cjk]
+    cjk_params = [p for t in cjk for p in (t, t)]
+    rank = "coalesce(ts_rank_cd(m.search_tsv, to_tsquery('simple', %s), 1), 0)"
+    if held:
+        rank += " + " + " + ".join(f"{CJK_TERM_RANK} * ({h})::int" for h in held)
+        rank_params += cjk_params
+    matches = []
+    match_params: list[Any] = []
+    if words:
+        matches.append("m.search_tsv @@ to_tsquery('simple', %s)")
+        match_params.append(tsquery)
+    matches += held
+    match_params += cjk_params
+    where_params: list[Any] = [query.tenant, query.agent, query.scope]
+    clauses = ""
+    if query.thread is not None:
+        clauses += " AND t.thread = %s"
+        where_params.append(query.thread)
+    if query.window is not None:
+        predicate, window_params = window_predicate(query.window)
+        clauses += f" AND {predicate}"
+        where_params += window_params
+    bound, bound_params = ("", []) if lowest is None else (RANGE_BOUND, [lowest])
+    sql = f"""
+        WITH c AS MATERIALIZED (
+            SELECT m.id
+            FROM threads t JOIN messages m
+              ON m.tenant = t.tenant AND m.context_id = t.context_id
+            WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s {clauses}
+              AND NOT m.is_summary AND ({" OR ".join(matches)}) {bound}
+            ORDER BY m.id DESC
+            LIMIT %s
+        ), n AS (SELECT count(*) AS found FROM c)
+        SELECT n.found, r.id, r.score
+        FROM n LEFT JOIN LATERAL (
+            SELECT m.id, {rank} AS score
+            FROM c JOIN messages m ON m.tenant = %s AND m.id = c.id
+            WHERE %s OR n.found >= %s
+            ORDER BY score DESC, m.id
+            LIMIT %s
+        ) r ON true
+    """
+    params = [
+        *where_params,
+        *match_params,
+        *bound_params,
+        limit,
+        *rank_params,
+        query.tenant,
+        lowest is None,
+        limit,
+        query.k,
+    ]
+    return sql, params
+
+
 class SearchMixin(PostgresBase):
     # The most matching messages a search ranks (the newest; a test lowers it).
     search_candidates: int = MAX_SEARCH_CANDIDATES
 
     def search_messages(self, query: SearchQuery) -> list[tuple[StoredMessage, float]]:
-        words = [t for t in query.terms if not is_cjk_term(t)]
-        cjk = [t for t in query.terms if is_cjk_term(t)]
-        # Terms hold letters, marks and digits only: nothing tsquery syntax reads.
-        tsquery = " | ".join(words)
-        rank_params: list[Any] = [tsquery]
-        held = ["(strpos(m.content, %s) > 0 OR strpos(m.tool_calls, %s) > 0)" for _ in cjk]
-        cjk_params = [p for t in cjk for p in (t, t)]
-        rank = "coalesce(ts_rank_cd(m.search_tsv, to_tsquery('simple', %s), 1), 0)"
-        if held:
-            rank += " + " + " + ".join(f"{CJK_TERM_RANK} * ({h})::int" for h in held)
-            rank_params += cjk_params
-        matches = []
-        match_params: list[Any] = []
-        if words:
-            matches.append("m.search_tsv @@ to_tsquery('simple', %s)")
-            match_params.append(tsquery)
-        matches += held
-        match_params += cjk_params
-        where_params: list[Any] = [query.tenant, query.agent, query.scope]
-        clauses = ""
-        if query.thread is not None:
-            clauses += " AND t.thread = %s"
-            where_params.append(query.thread)
-        if query.window is not None:
-            predicate, window_params = window_predicate(query.window)
-            clauses += f" AND {predicate}"
-            where_params += window_params
-        # One step: the newest `limit` matches with ids from `lowest` on (c), how many
-        # there are (found), and, when they are the candidates, the best k of them.
-        step = f"""
-            WITH c AS MATERIALIZED (
-                SELECT m.id
-                FROM threads t JOIN messages m
-                  ON m.tenant = t.tenant AND m.context_id = t.context_id
-                WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s {clauses}
-                  AND NOT m.is_summary AND ({" OR ".join(matches)}) AND m.id >= %s
-                ORDER BY m.id DESC
-                LIMIT %s
-            ), n AS (SELECT count(*) AS found FROM c)
-            SELECT n.found, r.id, r.score
-            FROM n LEFT JOIN LATERAL (
-                SELECT m.id, {rank} AS score
-                FROM c JOIN messages m ON m.tenant = %s AND m.id = c.id
-                WHERE %s OR n.found >= %s
-                ORDER BY score DESC, m.id
-                LIMIT %s
-            ) r ON true
-        """
         limit = self.search_candidates
         try:
             with self._reading() as conn, conn.transaction():
-                conn.execute(f"SET LOCAL statement_timeout = {int(SEARCH_TIMEOUT_S * 1000)}")
-                # The candidates come from the GIN index ANDed with an id range of
-                # messages_by_id (a bitmap the size of the range, never of every match);
-                # the bitmap stays exact, and a sequential scan would read every row's
-                # vector.
-                conn.execute(f"SET LOCAL work_mem = '{SEARCH_WORK_MEM}'")
-                conn.execute("SET LOCAL enable_seqscan = off")
+                for setting in SEARCH_SETTINGS:
+                    conn.execute(setting)
                 row = conn.execute(
                     "SELECT min(id), max(id) FROM messages WHERE tenant = %s", [query.tenant]
                 ).fetchone()
@@ -130,17 +166,8 @@ class SearchMixin(PostgresBase):
                 while True:
                     lowest = max(oldest, newest - span + 1)
                     whole = lowest <= oldest
-                    params = [
-                        *where_params,
-                        *match_params,
-                        lowest,
-                        limit,
-                        *rank_params,
-                        query.tenant,
-                        whole,
-                        limit,
-                        query.k,
-                    ]
+                    # The whole history needs no bound.
+                    step, params = search_step(query, limit, None if whole else lowest)
                     ranked = conn.execute(step, params).fetchall()
                     found = int(ranked[0][0])
                     if whole or found >= limit:
