@@ -3,6 +3,8 @@
 - Appends leave the search index's pending list to the store's merging thread
   (adapters/postgres/pending_list.py): no append merges it, whatever its size up to the
   backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows.
+- A merge gives up on a lock held past half of deadlock_timeout (an autovacuum's) and
+  is skipped, rather than have PostgreSQL cancel that autovacuum.
 - Searches see rows still in the pending list.
 - A one-message append to an existing thread is one statement in autocommit (messages.py
   `_ONE_STATEMENT_APPEND`), request id or not, and a retry of it is answered by that
@@ -92,7 +94,8 @@ def test_appends_leave_the_pending_list_to_the_merger(
     # Searches see rows still in the list (a GIN scan reads it too).
     found = service.search_messages(TENANT, "a", "", "t", MessageRange.ALL, "w427000x", 5)
     assert [h.message.sequence for h in found.hits] == [7_001]
-    assert store._pending.merge() >= pending
+    merged = store._pending.merge()
+    assert merged is not None and merged >= pending
     assert _pending_pages(postgres_dsn) == 0
     found = service.search_messages(TENANT, "a", "", "t", MessageRange.ALL, "w427000x", 5)
     assert [h.message.sequence for h in found.hits] == [7_001]
@@ -107,6 +110,30 @@ def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: 
     deadline = time.monotonic() + 60
     while _pending_pages(postgres_dsn) and time.monotonic() < deadline:
         time.sleep(0.05)  # the store's own thread, not a clock: it runs in real time
+    assert _pending_pages(postgres_dsn) == 0
+
+
+def test_the_merger_skips_a_merge_rather_than_wait_for_a_held_lock(
+    store: PostgresStore, postgres_dsn: str
+) -> None:
+    """An autovacuum cleaning the index holds the lock a merge needs, and PostgreSQL
+    cancels an autovacuum (its ANALYZE too) that a backend waits on past
+    deadlock_timeout: the merge gives up first and is skipped, never waits."""
+    store._pending._every = 10**9  # the thread never wakes in this test
+    service = ContextService(store, ExtractiveSummarizer())
+    service.append_messages(TENANT, "a", "", "t", _batch(0, 1_000), create_agent=True)
+    pending = _pending_pages(postgres_dsn)
+    assert pending > 0
+    with psycopg.connect(postgres_dsn) as holder:
+        # Should the merge wait after all, the holder ends within a minute and the merge
+        # then merges: the assertion below fails instead of hanging.
+        holder.execute("SET idle_in_transaction_session_timeout = '60s'")
+        holder.execute("DROP INDEX messages_search")  # its lock, held until the rollback
+        assert store._pending.merge() is None
+        holder.rollback()
+    assert _pending_pages(postgres_dsn) == pending  # skipped: nothing merged
+    merged = store._pending.merge()
+    assert merged is not None and merged >= pending
     assert _pending_pages(postgres_dsn) == 0
 
 

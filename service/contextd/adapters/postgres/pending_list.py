@@ -12,9 +12,17 @@ the same work, in no caller's transaction. Searches still see every committed ro
 once (a GIN scan reads the pending list too).
 
 Each replica runs its own; two merges at once wait on the index's cleanup lock, and the
-second finds little left. A database where the store's role may not merge the index
-(it needs ownership or MAINTAIN) keeps PostgreSQL's own behaviour: the store logs it once
-and leaves the limit alone.
+second finds little left. A merge waits for that lock (or the index's) only briefly
+(`_LOCK_WAIT`, below deadlock_timeout) and is otherwise skipped until the next wake:
+autovacuum's VACUUM of messages holds the same lock while it cleans the index, and when
+a backend still waits on a lock autovacuum holds at deadlock_timeout, PostgreSQL cancels
+that autovacuum, its ANALYZE included. That left the planner's statistics stale for
+minutes after bulk loads (3 of 5 loads of the search benchmark logged "canceling
+autovacuum task ... while cleaning up index messages_search").
+
+A database where the store's role may not merge the index (it needs ownership or
+MAINTAIN) keeps PostgreSQL's own behaviour: the store logs it once and leaves the limit
+alone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,14 @@ log = logging.getLogger(__name__)
 PENDING_LIMIT_KB = 65_536
 # Rows appended by this replica between two merges (about the rows a 4 MB list holds).
 CLEAN_EVERY_ROWS = 2_000
+
+# How long a merge waits for a lock: half of deadlock_timeout (the server's setting, 1 s
+# by default), so it gives up before PostgreSQL would cancel an autovacuum holding it.
+_LOCK_WAIT = """
+SELECT set_config('lock_timeout',
+    greatest(1, (extract(epoch FROM current_setting('deadlock_timeout')::interval) * 500)::int)
+    || 'ms', true)
+"""
 
 # Every GIN index on messages (whatever its name or expression), merged.
 _CLEAN = """
@@ -87,10 +103,16 @@ class PendingListMerger:
             self._rows = 0
         self._wake.set()
 
-    def merge(self) -> int:
-        """Merge the pending list of every GIN index on messages now; pages merged."""
-        with self._pool.connection() as conn, conn.transaction():
-            row = conn.execute(_CLEAN).fetchone()
+    def merge(self) -> int | None:
+        """Merge the pending list of every GIN index on messages now; pages merged, or
+        None when a lock it needs stayed held past `_LOCK_WAIT` (by an autovacuum, say):
+        skipped, the next wake merges."""
+        try:
+            with self._pool.connection() as conn, conn.transaction():
+                conn.execute(_LOCK_WAIT)
+                row = conn.execute(_CLEAN).fetchone()
+        except psycopg.errors.LockNotAvailable:
+            return None
         return int(row[0]) if row else 0
 
     def stop(self) -> None:
