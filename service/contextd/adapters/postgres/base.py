@@ -17,6 +17,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
@@ -114,6 +115,20 @@ def failures_translated(cls: type[T]) -> type[T]:
     return cls
 
 
+@dataclass(frozen=True, slots=True)
+class StatusArgs:
+    """The arguments of `status_and_activity` (status.py): equal ones, in one
+    snapshot, read the same."""
+
+    tenant: str
+    agent: str
+    scope: str
+    live_at_us: int
+    entries: int
+    window: WindowSpec
+    threads: int
+
+
 class PostgresBase:
     """The pool, the clock and the transaction runner every aggregate mixin uses."""
 
@@ -208,17 +223,7 @@ class PostgresBase:
     ) -> None:
         """Queue the window bounds read the build will make next (see messages.py)."""
 
-    def _send_status(
-        self,
-        conn: Conn,
-        tenant: str,
-        agent: str,
-        scope: str,
-        live_at_us: int,
-        entries: int,
-        window: WindowSpec,
-        threads: int,
-    ) -> None:
+    def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue the status block's read a build will make (see status.py)."""
 
     def _forget_old_requests(self) -> None:

@@ -33,6 +33,7 @@ from contextd.adapters.postgres.base import (
     RECORD_VALUES,
     Conn,
     PostgresBase,
+    StatusArgs,
     agent_missing,
     check_remembered,
     first,
@@ -935,13 +936,15 @@ class MessagesMixin(PostgresBase):
         agent_window = cached[1].window_at(key.scope, reads.now_us)
         self._send_status(
             conn,
-            key.tenant,
-            key.agent,
-            key.scope,
-            reads.now_us,
-            reads.status_entries,
-            agent_window,
-            reads.status_threads,
+            StatusArgs(
+                key.tenant,
+                key.agent,
+                key.scope,
+                reads.now_us,
+                reads.status_entries,
+                agent_window,
+                reads.status_threads,
+            ),
         )
         guess = self._bounds_guess.get(key)
         if guess is None or key not in self._moved_here:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from contextd.adapters.postgres.agents import require_agent
-from contextd.adapters.postgres.base import Conn, PostgresBase, first, thread_gone
+from contextd.adapters.postgres.base import Conn, PostgresBase, StatusArgs, first, thread_gone
 from contextd.adapters.postgres.threads import activity_query
 from contextd.adapters.rows import status_from_row, status_kind_code
 from contextd.domain.context import StatusEntry, ThreadActivity
@@ -24,19 +24,6 @@ _LIST_STATUS = (
     "AND scope = %(scope)s AND key > %(after)s AND (%(live_at)s::bigint IS NULL "
     "OR expire_time_us IS NULL OR expire_time_us > %(live_at)s) ORDER BY key LIMIT %(limit)s"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class StatusArgs:
-    """The arguments of `status_and_activity`: equal ones, in one snapshot, read the same."""
-
-    tenant: str
-    agent: str
-    scope: str
-    live_at_us: int
-    entries: int
-    window: WindowSpec
-    threads: int
 
 
 def status_query(args: StatusArgs) -> tuple[str, dict[str, Any]]:
@@ -113,20 +100,9 @@ class StatusMixin(PostgresBase):
             rows = conn.execute(_LIST_STATUS, params).fetchall()
         return [status_from_row(r) for r in rows]
 
-    def _send_status(
-        self,
-        conn: Conn,
-        tenant: str,
-        agent: str,
-        scope: str,
-        live_at_us: int,
-        entries: int,
-        window: WindowSpec,
-        threads: int,
-    ) -> None:
+    def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue `status_and_activity`'s statement with these arguments in this
         snapshot's pipeline; that call takes its result when made with the same ones."""
-        args = StatusArgs(tenant, agent, scope, live_at_us, entries, window, threads)
         self._local.status = (args, conn.execute(*status_query(args)))
 
     def status_and_activity(
