@@ -69,20 +69,31 @@ def _turns(prefix: str, n: int) -> list[NewMessage]:
     ]
 
 
-def test_every_change_through_another_replica_is_in_the_next_build(
-    replicas: tuple[PostgresStore, ...], clock: ManualClock, postgres_dsn: str
-) -> None:
+def _services(
+    replicas: tuple[PostgresStore, ...], older: int, other: int
+) -> tuple[ContextService, ContextService, ContextService, BuildRequest]:
+    """The services of the three replicas: `a` builds and remembers, `b` makes the
+    changes, `plain` remembers nothing (what every build of `a` must equal); the agent
+    (a 10-hour rolling window) with `older` turns on thread "main" and `other` on
+    "other", made through `b`; the build request of "main" (800 tokens)."""
     a_store, b_store, c_store = replicas
     a = ContextService(a_store, ExtractiveSummarizer())
     b = ContextService(b_store, ExtractiveSummarizer())
     plain = ContextService(c_store, ExtractiveSummarizer())
     plain._builder.remember_results = False
     b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
-    b.append_messages(TENANT, AGENT, "", "main", _turns("older", 60))
-    b.append_messages(TENANT, AGENT, "", "other", _turns("other", 5))
+    b.append_messages(TENANT, AGENT, "", "main", _turns("older", older))
+    b.append_messages(TENANT, AGENT, "", "other", _turns("other", other))
     request = BuildRequest(
         TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=800, truncate=False)
     )
+    return a, b, plain, request
+
+
+def test_every_change_through_another_replica_is_in_the_next_build(
+    replicas: tuple[PostgresStore, ...], clock: ManualClock, postgres_dsn: str
+) -> None:
+    a, b, plain, request = _services(replicas, older=60, other=5)
 
     def build() -> BuildResult:
         result = a.build_context(request)
@@ -292,17 +303,8 @@ def test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments(
     arguments; a change they do not name (a status entry, another thread's activity,
     appends) is in what they read, from the build's own snapshot. Every build equals
     the build of a replica that remembers nothing."""
-    a_store, b_store, c_store = replicas
-    a = ContextService(a_store, ExtractiveSummarizer())
-    b = ContextService(b_store, ExtractiveSummarizer())
-    plain = ContextService(c_store, ExtractiveSummarizer())
-    plain._builder.remember_results = False
-    b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
-    b.append_messages(TENANT, AGENT, "", "main", _turns("older", 80))
-    b.append_messages(TENANT, AGENT, "", "other", _turns("other", 3))
-    request = BuildRequest(
-        TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=800, truncate=False)
-    )
+    a_store = replicas[0]
+    a, b, plain, request = _services(replicas, older=80, other=3)
 
     def build() -> tuple[BuildResult, int]:
         got: list[BuildResult] = []

@@ -11,14 +11,14 @@ list (`gin_clean_pending_list`) after every CLEAN_EVERY_ROWS rows this replica a
 the same work, in no caller's transaction. Searches still see every committed row at
 once (a GIN scan reads the pending list too).
 
-Each replica runs its own; two merges at once wait on the index's cleanup lock, and the
-second finds little left. A merge waits for that lock (or the index's) only briefly
-(`_LOCK_WAIT`, below deadlock_timeout) and is otherwise skipped until the next wake:
-autovacuum's VACUUM of messages holds the same lock while it cleans the index, and when
-a backend still waits on a lock autovacuum holds at deadlock_timeout, PostgreSQL cancels
-that autovacuum, its ANALYZE included. That left the planner's statistics stale for
-minutes after bulk loads (3 of 5 loads of the search benchmark logged "canceling
-autovacuum task ... while cleaning up index messages_search").
+Each replica runs its own; of two merges at once the second waits on the index's cleanup
+lock and finds little left, or is skipped. A merge waits for that lock (or the index's)
+only briefly (`_LOCK_WAIT`, below deadlock_timeout) and is otherwise skipped until the
+next wake: autovacuum's VACUUM of messages holds the same lock while it cleans the
+index, and when a backend still waits on a lock autovacuum holds at deadlock_timeout,
+PostgreSQL cancels that autovacuum, its ANALYZE included. That left the planner's
+statistics stale for minutes after bulk loads (3 of 5 loads of the search benchmark
+logged "canceling autovacuum task ... while cleaning up index messages_search").
 
 A database where the store's role may not merge the index (it needs ownership or
 MAINTAIN) keeps PostgreSQL's own behaviour: the store logs it once and leaves the limit

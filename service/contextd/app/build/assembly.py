@@ -47,7 +47,7 @@ from contextd.app.build.compaction import (
 )
 from contextd.app.build.handles import full_text_handle
 from contextd.app.build.memo import Memo
-from contextd.app.build.render import _PER_ITEM, Framing, joined_system, render_docs
+from contextd.app.build.render import Framing, joined_system, render_docs
 from contextd.app.build.summarizer import ExtractiveSummarizer, Summarizer, SummaryResult
 from contextd.domain.context import (
     AssembledContext,
@@ -762,12 +762,12 @@ def _extend_prepared(
     another answer. Each step of `_prepare` is then a function of each item alone: no
     summary, nothing repaired (checked over the whole of ``history``), stubbed or elided
     in ``base`` nor among the appended items, no tool result to elide, and each item
-    costed alone (`_PER_ITEM` formats, or bare counts). The old items keep their
+    costed alone (`Framing.costs_each_item_alone`). The old items keep their
     prepared copies and costs; only the appended ones are made ready (a thread's build
     after an append prepared its whole window again, a third of the assembly)."""
     if base.summary is not None or base.repaired or base.elided:
         return None
-    if framing.formats and not _PER_ITEM.issuperset(framing.formats):
+    if not framing.costs_each_item_alone:
         return None
     kept = len(base.order) - dropped
     if dropped < 0 or kept < 0 or kept > len(history) or base.before != len(base.order):

@@ -417,6 +417,12 @@ class Framing:
     # (`HistoryItem.cost_memo`), so a build of a hot thread counts only new messages.
     key: object = None
 
+    @property
+    def costs_each_item_alone(self) -> bool:
+        """Whether an item's cost depends on the item alone (bare counts, or formats of
+        `_PER_ITEM`), so that costs of a history's items hold in a longer one."""
+        return _PER_ITEM.issuperset(self.formats)
+
     def items(self, items: Sequence[HistoryItem]) -> list[int]:
         """The cost of each history item as its own message(s) in every format."""
         return self._kept_costs(self.formats, items)
