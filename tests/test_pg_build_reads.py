@@ -93,8 +93,8 @@ def test_a_hot_build_makes_two_round_trips(
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
     a hot build makes the same two round trips, and they do not grow with the thread;
-    the build right after an append too, written alone (three before
-    `plan_build_reads`)."""
+    the build right after an append too (three before `plan_build_reads`; interleaved,
+    three before a build extended its window by the appended rows)."""
     for step in range(6):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
         if interleaved:
@@ -111,11 +111,13 @@ def test_a_hot_build_makes_two_round_trips(
     for step in range(3):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"after{step}", 1))
         after: list[Any] = []
+        extended = service._builder.window_extensions
         trips = _round_trips(store, functools.partial(_build_into, service, request, after))
         assert after[0].context.history[-1].content.startswith(f"after{step} 0 ")
-        # Interleaved, the ids left out that moved past the replica's run of them
-        # (`_page_ids`: the run ends where the last build's first page began) are read.
-        assert trips == HOT_BUILD_ROUND_TRIPS + int(interleaved)
+        # The window kept is extended by the appended row, read with the thread's: no
+        # bounds, and (interleaved) no ids left out read past the replica's run of them.
+        assert service._builder.window_extensions == extended + 1
+        assert trips == HOT_BUILD_ROUND_TRIPS
 
 
 def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(

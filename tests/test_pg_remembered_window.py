@@ -253,16 +253,45 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert remembered(a) == hits + 1
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
     assert not [s for s in statements if "FROM messages" in s and "ANY(string_to_array" in s]
-    # Another replica's append: the next build reads the window again (and queues it).
+    # Another replica's append: the next build reads the rows appended since (schema
+    # version 15's counter tells nothing else changed) in a round trip of their own,
+    # not the window's bounds, and extends the window it keeps.
     b.append_messages(TENANT, AGENT, "", "main", [_said("one more")])
     statements.clear()
+    extended = a._builder.window_extensions
     assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
         HOT_BUILD_ROUND_TRIPS + 1
     )
     assert remembered(a) == hits + 1
-    assert [s for s in statements if "FROM messages" in s and "string_agg" in s]
+    assert a._builder.window_extensions == extended + 1
+    assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
+    assert [s for s in statements if "FROM messages" in s and "m.sequence > " in s]
     assert a.build_context(request).context.history[-1].content == "one more"
     assert remembered(a) == hits + 2
+    # Its own append: those rows travel with the thread's read (as hot, two round trips).
+    a.append_messages(TENANT, AGENT, "", "main", [_said("and mine")])
+    statements.clear()
+    got: list[BuildResult] = []
+    assert _round_trips(a_store, lambda: got.append(a.build_context(request)), statements) == (
+        HOT_BUILD_ROUND_TRIPS
+    )
+    assert a._builder.window_extensions == extended + 2
+    assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
+    assert got[0].context.history[-1].content == "and mine"
+    # A raw INSERT (not the service's append) moves the counter: read afresh, and seen.
+    with a_store._reading() as conn:
+        conn.execute(
+            "INSERT INTO messages SELECT tenant, context_id, sequence + 1, nextval('message_ids'), "
+            "role, 'inserted', tool_calls, tool_call_id, external_id, metadata, token_estimate, "
+            "create_time_us + 1, source_time_us, token_count, tokenizer, chars, group_id, "
+            "tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
+            "group_start, NULL, NULL, NULL FROM messages WHERE id = %s",
+            [got[0].context.history[-1].id],
+        )
+        conn.commit()
+    statements.clear()
+    assert a.build_context(request).context.history[-1].content == "inserted"
+    assert a._builder.window_extensions == extended + 2
 
 
 @pytest.mark.parametrize("n", [1, 10])

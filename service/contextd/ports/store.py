@@ -125,6 +125,9 @@ class BuildReads:
     status_threads: int  # ... and threads
     first_page: int  # `window_bounds`' first_page
     held: int  # ... and held
+    # The builder keeps a window of the thread it may extend by appended messages (an
+    # engine with `appended_messages` may then send that read instead of the bounds).
+    extend: bool = False
 
 
 class AgentStore(Protocol):

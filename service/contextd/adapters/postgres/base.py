@@ -206,6 +206,9 @@ class PostgresBase:
                         self._local.page = None  # read by window_bounds in this block
                         self._local.ref = None  # read by context_ref in this block
                         self._local.thread_version = None  # likewise
+                        self._local.thread_state = None  # likewise
+                        self._local.appended = None  # sent with context_ref's read
+                        self._local.extend = None  # by plan_build_reads
                         self._local.bounds = None  # queued by status_and_activity
                         self._local.status = None  # sent with context_ref's read
                         self._local.planned = None  # by plan_build_reads

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -254,6 +254,17 @@ _PAGE_IDS = (
     "AND sequence >= %s AND sequence < %s AND NOT is_summary ORDER BY sequence DESC LIMIT %s) m"
 )
 
+# `appended_messages`: the thread's rows after a sequence, whole, oldest first (one more
+# than it takes, to tell that there are more).
+_APPENDED = (
+    f"SELECT m.chars, {_KEYLESS_MESSAGES} FROM messages m WHERE m.tenant = %s "
+    "AND m.context_id = %s "
+    "AND m.sequence > %s ORDER BY m.sequence LIMIT %s"
+)
+# The most appended rows a build takes to extend a window it keeps (past it, it reads the
+# window afresh).
+APPENDED_ROWS = 64
+
 # `window_unread_orphans`: the open tool rows of the range (schema version 13), and the
 # results in it whose call is before its start, which lie within the thread's tool_span
 # rows of that start (none is looked for past MAX_TOOL_SPAN: the build reads it all).
@@ -424,9 +435,9 @@ class MessagesMixin(PostgresBase):
     # The ref and summary's last id of each thread's last `window_bounds` call, by key:
     # what `_send_planned` sends the next build's bounds for.
     _bounds_guess: dict[ContextKey, tuple[ContextRef, int]]
-    # Threads this replica appended to since its last build of them, by key (see
-    # `_appended_here`).
-    _moved_here: set[ContextKey]
+    # Threads this replica appended to since its last build of them, by key, each with
+    # whether those appends were all of plain messages (see `_appended_here`).
+    _moved_here: dict[ContextKey, bool]
     # `build_token` names a state once this replica's reads saw it (ContextBuilder).
     tokens_after_reads = True
 
@@ -459,16 +470,22 @@ class MessagesMixin(PostgresBase):
                 records_itself=True,
             )
         self._pending.appended(len(receipts))
-        self._appended_here(key)
+        self._appended_here(key, batch)
         return receipts
 
-    def _appended_here(self, key: ContextKey) -> None:
-        """Note that this replica appended to the thread: its next build here reads the
-        window's bounds (the window it kept is of an older state), which
-        `_send_planned` then sends with the thread's read."""
-        if len(self._moved_here) >= WINDOWS_SEEN:
+    def _appended_here(self, key: ContextKey, batch: MessageBatch) -> None:
+        """Note that this replica appended to the thread: its next build here reads
+        what the window it kept lacks (it is of an older state), which `_send_planned`
+        then sends with the thread's read: the rows appended since, when every append
+        here since was of plain messages (a builder extends a window by those alone:
+        `ContextBuilder._extended_tail`), else the window's bounds."""
+        if len(self._moved_here) >= WINDOWS_SEEN and key not in self._moved_here:
             self._moved_here.clear()
-        self._moved_here.add(key)
+        plain = batch.summarized_ids is None and all(
+            not calls and m.role != Role.TOOL_RESULT and m.source_time_us is None
+            for m, calls in zip(batch.messages, batch.tool_call_ids, strict=True)
+        )
+        self._moved_here[key] = self._moved_here.get(key, True) and plain
 
     def _append_in_one_statement(
         self, key: ContextKey, batch: MessageBatch, record: RequestRecord | None
@@ -552,8 +569,8 @@ class MessagesMixin(PostgresBase):
             return []
         receipts = self._write(run, record)
         self._pending.appended(len(receipts))
-        for key, _ in parts:
-            self._appended_here(key)
+        for key, batch in parts:
+            self._appended_here(key, batch)
         return receipts
 
     def _append(
@@ -881,6 +898,7 @@ class MessagesMixin(PostgresBase):
             cursor = conn.execute(
                 "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
                 f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
+                "t.rewrites, t.last_sequence, t.message_count, t.min_source_time_us IS NULL, "
                 f"{_SELECT_MESSAGES} "
                 # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
                 # condition): a plan along the thread's primary key scanned all of it.
@@ -899,10 +917,14 @@ class MessagesMixin(PostgresBase):
             self._local.ref = ref  # for `_queue_bounds`, in this snapshot
             # The thread row's version, for `build_token` and `window_bounds`.
             self._local.thread_version = (ref.context_id, str(row[4]))
+            # What `appended_messages` compares with the state a window was read at.
+            self._local.thread_state = ThreadState(
+                ref.context_id, int(row[5]), int(row[6]), int(row[7]), bool(row[8])
+            )
             if row[3] is not None:  # for get_agent, in this snapshot
                 self._local.agent_version = (key.tenant, key.agent, str(row[3]))
             if ref.latest_summary_id:
-                summary = message_from_row(row[5:]) if row[5] is not None else None
+                summary = message_from_row(row[9:]) if row[9] is not None else None
                 self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
 
@@ -946,12 +968,16 @@ class MessagesMixin(PostgresBase):
                 reads.status_threads,
             ),
         )
+        self._local.extend = key if reads.extend else None
         guess = self._bounds_guess.get(key)
-        if guess is None or key not in self._moved_here:
+        plain = self._moved_here.get(key)
+        if guess is None or plain is None:
             return
         ref, summary_last = guess
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains:
+            return
+        if plain and self._queue_appended(conn, ref):
             return
         params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
         cursor = conn.execute(_BOUNDS, params, binary=True)
@@ -1072,7 +1098,7 @@ class MessagesMixin(PostgresBase):
         if len(self._bounds_guess) >= WINDOWS_SEEN and key not in self._bounds_guess:
             self._bounds_guess.clear()
         self._bounds_guess[key] = (context, summary_last_id)  # for `_send_planned`
-        self._moved_here.discard(key)
+        self._moved_here.pop(key, None)
         queued = getattr(self._local, "bounds", None)
         self._local.bounds = None
         if queued is not None and queued[0] == match and self._in_snapshot():
@@ -1141,11 +1167,128 @@ class MessagesMixin(PostgresBase):
             return
         if len(self._windows_seen) >= WINDOWS_SEEN:
             self._windows_seen.clear()
+        state: ThreadState | None = getattr(self._local, "thread_state", None)
+        if state is not None and state.context_id != context.context_id:
+            state = None
         self._windows_seen[(_tenant(context), context.context_id)] = WindowSeen(
             version[1],
             window_after(window),
             _NEVER if first_time is None else int(first_time),
+            state,
+            context.last_clear_time_us,
+            context.latest_summary_id,
         )
+
+    def _extendable(self, context: ContextRef) -> WindowSeen | None:
+        """The window this replica saw of the thread, when it is one `appended_messages`
+        may extend: read with the thread's state, a first message, and the same clear
+        marker and latest summary as `context` names."""
+        seen = self._windows_seen.get((_tenant(context), context.context_id))
+        if seen is None or seen.state is None or seen.first_time_us == _NEVER:
+            return None
+        if (seen.clear_us, seen.summary_id) != (
+            context.last_clear_time_us,
+            context.latest_summary_id,
+        ):
+            return None
+        return seen
+
+    def _queue_appended(self, conn: Conn, ref: ContextRef) -> bool:
+        """Queue `appended_messages`' read of the thread `ref` names (the rows after the
+        window this replica saw of it), when the build in progress said it keeps a
+        window it can extend (`BuildReads.extend`) and that window is one
+        `appended_messages` may extend; whether it did. Taken only by a call for the
+        same thread and sequence in this snapshot."""
+        key = ref.key
+        if key is None or getattr(self._local, "extend", None) != key:
+            return False
+        if getattr(self._local, "bounds", None) is not None:
+            return False  # the bounds went already (`_send_planned`)
+        seen = self._extendable(ref)
+        if seen is None or seen.state is None:
+            return False
+        after = seen.state.last_sequence
+        queued = getattr(self._local, "appended", None)
+        if queued is not None and queued[0] == (key.tenant, ref.context_id, after):
+            return True
+        cursor = conn.execute(
+            _APPENDED, [key.tenant, ref.context_id, after, APPENDED_ROWS + 1], binary=True
+        )
+        self._local.appended = ((key.tenant, ref.context_id, after), cursor)
+        return True
+
+    def appended_messages(
+        self, context: ContextRef, window: WindowSpec, since: Hashable
+    ) -> tuple[list[StoredMessage], list[int]] | None:
+        """The messages appended to the thread since the state `since` names (the second
+        item of a `build_token` of this replica), oldest first, with their stored `chars`
+        (the column the trimmer reads), when this snapshot's
+        state of the thread differs from that one by appended plain messages alone and
+        the window still starts where it did; None otherwise (the builder reads the
+        window afresh: `ContextBuilder._extended_tail`).
+
+        The proof: schema version 15's `rewrites` is as it was (no stored message was
+        changed or deleted, and none inserted but by the service's appends, which number
+        theirs after the thread's last sequence under its row's lock), the clear marker
+        and latest summary are as they were, and the thread's message count grew by the
+        rows after the last sequence then, which are consecutive, no summary, and carry
+        no source_time. The window's state is then remembered at this version, as
+        `window_bounds` remembers it."""
+        state: ThreadState | None = getattr(self._local, "thread_state", None)
+        version: tuple[int, str] | None = getattr(self._local, "thread_version", None)
+        queued = getattr(self._local, "appended", None)
+        self._local.appended = None
+        key = context.key
+        if (
+            key is None
+            or not self._in_snapshot()
+            or window.retains
+            or state is None
+            or version is None
+            or state.context_id != context.context_id
+            or version[0] != context.context_id
+            or not state.no_source
+            or not isinstance(since, tuple)
+            or len(since) != 4
+        ):
+            return None
+        seen = self._extendable(context)
+        if seen is None or seen.state is None:
+            return None
+        old = seen.state
+        if tuple(since[:3]) != (context.context_id, seen.version, seen.first_time_us):
+            return None  # a window of another state than the one seen last
+        if old.rewrites != state.rewrites or not seen.after_us <= window_after(window):
+            return None
+        if window_after(window) >= seen.first_time_us:
+            return None  # the window's start moved past its first message
+        count = state.last_sequence - old.last_sequence
+        if not 0 < count <= APPENDED_ROWS or state.message_count - old.message_count != count:
+            return None
+        if queued is not None and queued[0] == (key.tenant, context.context_id, old.last_sequence):
+            rows = queued[1].fetchall()
+        else:
+            with self._reading() as conn:
+                rows = conn.execute(
+                    _APPENDED,
+                    [key.tenant, context.context_id, old.last_sequence, APPENDED_ROWS + 1],
+                    binary=True,
+                ).fetchall()
+        if len(rows) != count:
+            return None
+        names = (key.agent, key.scope, key.thread)
+        appended = [message_from_row((*r[1:3], *names, *r[3:])) for r in rows]
+        for at, m in enumerate(appended, old.last_sequence + 1):
+            if m.sequence != at or m.is_summary or m.source_time_us is not None:
+                return None
+        self._windows_seen[(key.tenant, context.context_id)] = replace(
+            seen, version=version[1], state=state
+        )
+        self._moved_here.pop(key, None)
+        guess = self._bounds_guess.get(key)
+        if guess is not None:
+            self._bounds_guess[key] = (context, guess[1])
+        return appended, [int(r[0]) for r in rows]
 
     def _window_unchanged(self, context: ContextRef, window: WindowSpec) -> WindowSeen | None:
         """What `_saw_window` remembered of the thread, if it holds in this snapshot: the
@@ -1228,6 +1371,8 @@ class MessagesMixin(PostgresBase):
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains or self._window_unchanged(ref, window) is not None:
             return  # no bounds to read, or the builder keeps the window (`build_token`)
+        if self._queue_appended(conn, ref):
+            return  # the builder extends the window it keeps (`appended_messages`)
         summary_last = 0
         read = getattr(self._local, "summary", None)
         if ref.latest_summary_id and read is not None:
@@ -1435,13 +1580,30 @@ WINDOWS_SEEN = 4_096
 
 
 @dataclass(frozen=True, slots=True)
+class ThreadState:
+    """What `context_ref` read of a thread's row besides its version (schema version
+    15's `rewrites`, its last sequence, its count of messages, whether none of them has
+    a source_time): an append by the service moves the last two counts alone."""
+
+    context_id: int
+    rewrites: int
+    last_sequence: int
+    message_count: int
+    no_source: bool
+
+
+@dataclass(frozen=True, slots=True)
 class WindowSeen:
     """A window `window_bounds` read: the thread row's version, the window's lower bound
-    then, and the commit time of its first message (`_NEVER`: it had none)."""
+    then, and the commit time of its first message (`_NEVER`: it had none); and, for
+    `appended_messages`, the thread's state, clear marker and latest summary then."""
 
     version: str
     after_us: int
     first_time_us: int
+    state: ThreadState | None = None
+    clear_us: int | None = None
+    summary_id: int = 0
 
 
 def window_after(window: WindowSpec) -> int:

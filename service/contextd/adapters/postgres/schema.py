@@ -515,6 +515,50 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "FOR EACH STATEMENT EXECUTE FUNCTION contextd_touch_threads()",
         ],
     ),
+    (
+        15,
+        [
+            # What else than appends changed a thread's messages: a counter each change
+            # of its stored messages moves (an UPDATE or DELETE, a TRUNCATE, whoever
+            # makes it: retention's sweep, a thread's deletion, an operator), and each
+            # INSERT not made by the service's append (which writes the thread's row,
+            # numbering the rows under its lock, before it inserts them). A replica that
+            # read a thread's window at one value and finds it unchanged, with the same
+            # clear and summary, knows the rows it read are stored as they were and only
+            # rows after its last sequence were added: it reads just those and extends
+            # the window it keeps (see messages.py `appended_messages`). An append pays
+            # nothing for it (the INSERT trigger's row is written by then).
+            "ALTER TABLE threads ADD COLUMN rewrites bigint NOT NULL DEFAULT 0",
+            """
+            CREATE OR REPLACE FUNCTION contextd_touch_threads() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                IF TG_OP = 'TRUNCATE' THEN
+                    UPDATE threads SET rewrites = rewrites + 1;
+                ELSIF TG_OP = 'DELETE' THEN
+                    UPDATE threads t SET rewrites = t.rewrites + 1
+                    WHERE (t.tenant, t.context_id) IN (SELECT tenant, context_id FROM old_rows);
+                ELSIF TG_OP = 'UPDATE' THEN
+                    UPDATE threads t SET rewrites = t.rewrites + 1
+                    WHERE (t.tenant, t.context_id) IN (SELECT tenant, context_id FROM old_rows
+                                                       UNION SELECT tenant, context_id
+                                                       FROM new_rows);
+                ELSE
+                    UPDATE threads t SET rewrites = t.rewrites + 1
+                    WHERE (t.tenant, t.context_id) IN (SELECT tenant, context_id FROM new_rows)
+                      AND t.xmin::text <> (pg_current_xact_id()::text::bigint % 4294967296)::text;
+                END IF;
+                RETURN NULL;
+            END
+            $$
+            """,
+            # The UPDATE trigger sees the rows' old thread too (an UPDATE may move a row).
+            "DROP TRIGGER messages_touch_threads_update ON messages",
+            "CREATE TRIGGER messages_touch_threads_update AFTER UPDATE ON messages "
+            "REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT "
+            "EXECUTE FUNCTION contextd_touch_threads()",
+        ],
+    ),
 ]
 
 

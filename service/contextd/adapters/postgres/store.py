@@ -65,7 +65,7 @@ class PostgresStore(
         self._id_runs = {}
         self._windows_seen = {}
         self._bounds_guess = {}
-        self._moved_here = set()
+        self._moved_here = {}
         self._label_models = {}
         self._retention_agents = set()
         self._messages = MessageCache()

@@ -162,6 +162,19 @@ class _Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class _Tail:
+    """The trimmer's columns of what a newest-first read read (`_load_tail`): the
+    window's rows from position `first` on, pair-repaired (a window extended from it
+    walks them again with the appended rows: `ContextBuilder._extended_tail`)."""
+
+    first: int
+    roles: npt.NDArray[np.uint8]
+    tokens: npt.NDArray[np.uint64]
+    chars: npt.NDArray[np.uint64]
+    groups: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, slots=True)
 class _Window:
     """The part of a window a build works on, and what became of the rest of it."""
 
@@ -193,6 +206,8 @@ class _Window:
     # `prepared`, and how many of its items this one left out (`assemble`'s
     # prepared_base: the items kept are made ready once, not again after each append).
     prepared_base: tuple[dict[Hashable, Any], int] | None = None
+    # A newest-first read's columns (None: the window was read otherwise).
+    tail: _Tail | None = None
 
     @property
     def summarized_ids(self) -> npt.NDArray[np.int64]:
@@ -273,6 +288,19 @@ class ContextBuilder:
             | None
         ) = getattr(store, "appended_window", None)
         self._appended = appended
+        # Where the store can tell the messages appended since a state it names instead
+        # (PostgreSQL, whose windows are read newest first: `_extended_tail`).
+        appended_tail: (
+            Callable[
+                [ContextRef, WindowSpec, Hashable],
+                tuple[list[StoredMessage], list[int]] | None,
+            ]
+            | None
+        ) = getattr(store, "appended_messages", None)
+        self._appended_tail = appended_tail
+        # Threads whose last build left a window `_extended_tail` may extend (what a
+        # build tells the store beforehand: `BuildReads.extend`).
+        self._extendable: dict[ContextKey, bool] = {}
         # Off: every build reads and assembles, and sends no read ahead on what earlier
         # builds read (`plan_build_reads`): tests comparing read paths on one store.
         self.remember_results = True
@@ -416,6 +444,13 @@ class ContextBuilder:
             else None
         )
         found_window = self._windows.peek(wkey) if wkey is not None else None
+        if found_window is None and token is None and asked and self._tokens_after_reads:
+            # A store that names a state only after reading it (the thread's part of its
+            # token leads with the thread's id): the window kept of an earlier state.
+            assert plan.context is not None
+            found_window = self._windows.peek(
+                (plan.context.context_id, plan.model, plan.budget, plan.options)
+            )
         window: _Window | None = None
         if found_window is not None and token is not None and found_window[0] == token[1]:
             self.window_hits += 1
@@ -423,7 +458,9 @@ class ContextBuilder:
         else:
             if found_window is not None:
                 # The thread's state moved since: by appends alone, the window extends.
-                window = self._extended(plan, *found_window)
+                window = self._extended(plan, *found_window) or self._extended_tail(
+                    plan, *found_window
+                )
                 if window is not None:
                     self.window_extensions += 1
             if window is None:
@@ -440,6 +477,10 @@ class ContextBuilder:
                 if late is not None and isinstance(late[1], tuple):
                     wkey = (late[1][0], plan.model, plan.budget, plan.options)
                     self._windows.put(wkey, (late[1], window))
+        if self._appended_tail is not None and asked:
+            if len(self._extendable) >= BUILT_RESULTS and plan.key not in self._extendable:
+                self._extendable.clear()
+            self._extendable[plan.key] = _tail_extendable(window)
         return plan, window, status, key
 
     def _status(self, plan: _Plan) -> str:
@@ -550,7 +591,15 @@ class ContextBuilder:
         now = self._store.clock.now_us()
         if reads_ahead and self._plan_reads is not None and self.remember_results:
             self._plan_reads(
-                BuildReads(key, now, STATUS_ENTRIES, STATUS_THREADS, FIRST_PAGE, HELD_DROPPED_IDS)
+                BuildReads(
+                    key,
+                    now,
+                    STATUS_ENTRIES,
+                    STATUS_THREADS,
+                    FIRST_PAGE,
+                    HELD_DROPPED_IDS,
+                    self._extendable.get(key, False),
+                )
             )
         context = self._store.context_ref(key)
         agent = self._store.get_agent(tenant, agent_name)
@@ -741,6 +790,109 @@ class ContextBuilder:
             prepared_base=(old.prepared, start - old_start),
         )
 
+    def _extended_tail(self, plan: _Plan, since: Hashable, old: _Window) -> _Window | None:
+        """`_extended` for a window `_load_tail` read (or this made from one), from the
+        messages the store tells were appended since the state `since` names
+        (`appended_messages`); None otherwise (the caller reads the window afresh).
+
+        The same conditions as `_extended` (no summary in effect, no orphan, plain
+        messages appended, the kept part starting no earlier), and it answers what
+        `_load_tail` answers: the trimmer walks the rows that read read (`old.tail`)
+        and the appended ones; where the walk stopped inside what was read, it stops
+        there or later with more rows after it. The ids held are the window's from
+        `HELD_DROPPED_IDS` positions before the kept part on, as `_load_tail` holds
+        them when the kept part is short enough that its reads stop within the first
+        pages (`_TAIL_KEPT`); past that, or past a bound on the rows carried, the
+        window is read afresh."""
+        tail = old.tail
+        if (
+            self._appended_tail is None
+            or plan.context is None
+            or tail is None
+            or plan.options.summarize
+            or not _tail_extendable(old)
+            or HELD_DROPPED_IDS < _TAIL_HELD
+        ):
+            return None
+        assert isinstance(old.not_loaded_at, slice)
+        n_old = old.hidden + len(old.window_ids)
+        old_from = old.not_loaded_at.stop or 0
+        old_start = old_from - tail.first
+        if (
+            len(old.items) != n_old - old_from
+            or len(old.window_ids) != min(n_old, n_old + HELD_DROPPED_IDS - old_from)
+            or len(old.stamps) - len(old.items) not in (0, 1)  # the items' and a summary's
+            or tail.first + len(tail.roles) != n_old
+            or old_start < 0
+        ):
+            return None
+        found = self._appended_tail(plan.context, plan.window, since)
+        if found is None:
+            return None
+        appended, appended_chars = found
+        for m in appended:  # a few: an agent's append
+            if m.group_id >= 0 or m.role is Role.TOOL_RESULT:
+                return None  # tool rows appended: their pairs are read afresh
+        k = len(appended)
+        roles = np.concatenate(
+            [tail.roles, np.fromiter((int(m.role) for m in appended), tail.roles.dtype, k)]
+        )
+        tokens = np.concatenate(
+            [tail.tokens, np.fromiter((m.token_count for m in appended), tail.tokens.dtype, k)]
+        )
+        chars = np.concatenate([tail.chars, np.asarray(appended_chars, dtype=tail.chars.dtype)])
+        groups = np.concatenate([tail.groups, np.full(k, -1, dtype=tail.groups.dtype)])
+        start = self._candidates(plan, roles, tokens, chars, groups)
+        n = n_old + k
+        loaded_from = tail.first + start
+        if start < old_start or start > len(tail.roles) or n - loaded_from > _TAIL_KEPT:
+            return None
+        if len(roles) > _TAIL_ROWS + 2 * (n - loaded_from):
+            return None  # what the window carries stays bounded: read it afresh
+        dropped = old.items[: start - old_start]
+        kept = old.items[start - old_start :]
+        stamps = old.stamps.copy()
+        for it in dropped:
+            if stamps.pop(it.id, None) is None:
+                return None
+        known = old.known_counts.copy()
+        if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+            return None
+        label = stored_tokenizer(plan.model)
+        made = list(map(derived, appended))
+        for m, (item, stamp) in zip(appended, made, strict=True):
+            stamps[item.id] = stamp
+            if m.tokenizer == label:
+                known[m.content + m.tool_calls] = m.token_count
+        kept += [item for item, _ in made]
+        items, repaired = repair_tool_pairs(kept)
+        if repaired or len(known) > 2 * len(items) + _KNOWN_SLACK:
+            return None
+        # The window's ids from max(0, loaded_from - HELD_DROPPED_IDS) on, as a fresh
+        # read holds them: fewer old ones (the kept part moved on) and the appended.
+        held_n = min(n, n + HELD_DROPPED_IDS - loaded_from)
+        keep_old = held_n - k
+        held = np.concatenate(
+            [
+                old.window_ids[len(old.window_ids) - keep_old :],
+                np.fromiter((m.id for m in appended), np.int64, k),
+            ]
+        )
+        return _Window(
+            items,
+            None,
+            stamps,
+            known,
+            (),
+            held,
+            slice(0, 0),
+            slice(0, loaded_from),
+            n - held_n,
+            dict(old.edge_ids),
+            prepared_base=(old.prepared, start - old_start),
+            tail=_Tail(tail.first, roles, tokens, chars, groups),
+        )
+
     def _load_tail(
         self, plan: _Plan, previous: HistoryItem | None, stamps: dict[int, MessageStamp]
     ) -> _Window | None:
@@ -893,7 +1045,7 @@ class ContextBuilder:
                 hidden=hidden,
                 edge_ids=edges,
             )
-        assert orphans is not None
+        assert orphans is not None and roles is not None and groups is not None
         first_sequence = int(read.column("sequence")[start].as_py())
         items, stamps, known, orphaned = self._load_kept(
             plan, stamps, read_ids, start, first_sequence, orphans, False, unread_orphans
@@ -909,6 +1061,13 @@ class ContextBuilder:
             slice(se, loaded_from),
             hidden,
             edges,
+            tail=_Tail(
+                c,
+                roles,
+                read.column("token_count").to_numpy(),
+                read.column("chars").to_numpy(),
+                groups,
+            ),
         )
 
     @staticmethod
@@ -1073,6 +1232,30 @@ class ContextBuilder:
 _NO_IDS: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
 # Stored counts an extended window may hold beyond twice its items (`_extended`).
 _KNOWN_SLACK = 64
+# `_extended_tail`: the longest kept part it extends (a fresh read of it reads at most
+# the first two pages, and a few rows of a straddling pair), the fewest held ids for
+# which that holds (a fresh read holds every id it read, past HELD_DROPPED_IDS before
+# the kept part when it read that far), and the rows it carries beyond twice the kept.
+_TAIL_KEPT = 4 * FIRST_PAGE
+_TAIL_HELD = 21 * FIRST_PAGE
+_TAIL_ROWS = 6 * FIRST_PAGE
+
+
+def _tail_extendable(window: _Window) -> bool:
+    """Whether `ContextBuilder._extended_tail` may extend `window`: a newest-first read
+    with no summary in effect and no orphan."""
+    return (
+        window.tail is not None
+        and window.previous_summary is None
+        and not window.orphaned_ids
+        and bool(window.items)
+        and isinstance(window.not_loaded_at, slice)
+        and (window.not_loaded_at.start or 0) == 0
+        and isinstance(window.summarized_at, slice)
+        and (window.summarized_at.stop or 0) == 0
+    )
+
+
 _NO_SEQUENCE = 2**62  # "before" no sequence: a page from the newest message
 _WINDOW_COLUMNS = ("id", "role", "token_count", "chars", "group_id", "sequence")
 _EMPTY_PAGE = pa.table({"id": pa.array([], pa.int64())})
