@@ -413,3 +413,210 @@ def test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments(
         wrong()
         build()
     assert build()[0].context.history[-1].content.startswith("wider 2 ")
+
+
+def test_only_appends_since_extend_the_window_kept(
+    replicas: tuple[PostgresStore, ...], clock: ManualClock, postgres_dsn: str
+) -> None:
+    """A build after this replica's own append extends the window it keeps by the rows
+    appended since (schema version 15: `appended_messages`) only when appends of plain
+    messages are all that changed since that window was read; after any other change
+    by another replica or in SQL, with or without appends around it, it reads the
+    window afresh. Every build equals the build of a replica that remembers nothing."""
+    a, b, plain, request = _services(replicas, older=60, other=5)
+    turn = [0]
+
+    def sql(statement: str, *params: object) -> int:
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            return conn.execute(statement, list(params)).rowcount
+
+    def build() -> BuildResult:
+        result = a.build_context(request)
+        expected = plain.build_context(request)
+        assert result.context == expected.context
+        assert result.stamps == expected.stamps
+        assert result.messages_loaded == expected.messages_loaded
+        return result
+
+    def then_own_append(change: Callable[[], object], extends: bool | None) -> BuildResult:
+        """A window kept (built twice), the change, this replica's own append, a build
+        (`extends`: whether it extends the window kept; None: either)."""
+        build()
+        build()
+        clock.advance(SECOND)
+        change()
+        clock.advance(SECOND)
+        turn[0] += 1
+        a.append_messages(TENANT, AGENT, "", "main", [_said(f"own {turn[0]} " + "w " * 30)])
+        before = a._builder.window_extensions
+        result = build()
+        if extends is not None:
+            assert a._builder.window_extensions == before + int(extends)
+        assert result.context.history[-1].content.startswith(f"own {turn[0]} ")
+        return result
+
+    def tool_turn() -> None:
+        call = f'[{{"id": "c{turn[0]}", "name": "ls", "input": {{}}}}]'
+        b.append_messages(
+            TENANT,
+            AGENT,
+            "",
+            "main",
+            [
+                NewMessage(role=Role.TOOL_USE, content="", tool_calls=call),
+                NewMessage(role=Role.TOOL_RESULT, content="found", tool_call_id=f"c{turn[0]}"),
+            ],
+        )
+
+    then_own_append(lambda: None, True)
+    then_own_append(lambda: b.append_messages(TENANT, AGENT, "", "main", _turns("b", 3)), True)
+    # A change the window does not read: the agent's prompt.
+    then_own_append(
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(system_prompt="be brief"), ["system_prompt"]
+        ),
+        True,
+    )
+    kept = build().context.history
+    # An operator's UPDATE, alone and between appends of another replica.
+    then_own_append(
+        lambda: sql("UPDATE messages SET content = 'rewritten' WHERE id = %s", kept[-1].id), False
+    )
+    then_own_append(
+        lambda: (
+            b.append_messages(TENANT, AGENT, "", "main", _turns("b", 1)),
+            sql("UPDATE messages SET metadata = 'x' WHERE id = %s", kept[-2].id),
+            b.append_messages(TENANT, AGENT, "", "main", _turns("b", 1)),
+        ),
+        False,
+    )
+    # An UPDATE of no row changes nothing; one that rewrites a row as it was counts.
+    then_own_append(lambda: sql("UPDATE messages SET tokenizer = tokenizer WHERE id = 0"), True)
+    then_own_append(
+        lambda: sql("UPDATE messages SET tokenizer = tokenizer WHERE id = %s", kept[0].id), False
+    )
+    then_own_append(lambda: sql("DELETE FROM messages WHERE id = %s", kept[-3].id), False)
+    then_own_append(tool_turn, False)
+    then_own_append(
+        lambda: b.append_messages(
+            TENANT,
+            AGENT,
+            "",
+            "main",
+            [NewMessage(role=Role.USER, content="old", source_time_us=clock.now_us() - HOUR)],
+        ),
+        False,
+    )
+    # (A thread with a source_time is read whole ever after: a new thread from here.)
+    b.delete_agent(TENANT, AGENT)
+    b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
+    b.append_messages(TENANT, AGENT, "", "main", _turns("again", 60))
+    then_own_append(lambda: None, True)
+    then_own_append(
+        lambda: b.compact_context(
+            TENANT, AGENT, "", "main", "", BuildOverrides(keep_recent_tokens=200)
+        ),
+        False,
+    )
+    b.delete_agent(TENANT, AGENT)
+    b.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR))
+    b.append_messages(TENANT, AGENT, "", "main", _turns("third", 60))
+    then_own_append(lambda: None, True)
+    # The window's start moved past its first message (settings, or the clock).
+    then_own_append(
+        lambda: b.update_agent(
+            TENANT, AGENT, AgentSettings(rolling_window_us=SECOND), ["rolling_window"]
+        ),
+        False,
+    )
+    b.update_agent(TENANT, AGENT, AgentSettings(rolling_window_us=10 * HOUR), ["rolling_window"])
+    b.append_messages(TENANT, AGENT, "", "main", _turns("fourth", 40))
+    then_own_append(lambda: None, True)
+    # Retention: a sweep's deletes, under a cap lifted again before the build.
+    then_own_append(
+        lambda: (
+            b.update_agent(
+                TENANT,
+                AGENT,
+                AgentSettings(retention=RetentionPolicy(max_messages=12, delete_overflow=True)),
+                ["retention"],
+            ),
+            b.sweep_retention(),
+            b.update_agent(TENANT, AGENT, AgentSettings(), ["retention"]),
+        ),
+        False,
+    )
+    b.append_messages(TENANT, AGENT, "", "main", _turns("fifth", 40))
+    then_own_append(lambda: None, True)
+    then_own_append(lambda: b.clear_context(TENANT, AGENT, "", "main"), False)
+    b.append_messages(TENANT, AGENT, "", "main", _turns("sixth", 40))
+    then_own_append(lambda: None, True)
+    info = b.save_snapshot(TENANT, AGENT, "", "main", "cut")
+    # A snapshot restored into its thread appends copies of its messages (plain ones).
+    then_own_append(lambda: b.restore_snapshot(TENANT, AGENT, "", info.id, ""), None)
+    then_own_append(lambda: None, True)
+    then_own_append(lambda: sql("TRUNCATE messages"), False)
+
+
+def test_schema_15_upgrades_a_version_14_database(postgres_dsn: str, clock: ManualClock) -> None:
+    """A database at version 14 (its threads stored, no `rewrites`) is brought to 15 when
+    a replica opens it: every thread's counter starts at 0, the triggers count an
+    UPDATE, a DELETE and a raw INSERT from then on and not the service's appends, and
+    builds extend their windows over it as over a database made at 15."""
+    from contextd.adapters.postgres.schema import MIGRATIONS
+
+    store = PostgresStore.open(postgres_dsn, clock=clock)
+    service = ContextService(store, ExtractiveSummarizer())
+    service.create_agent(TENANT, AGENT, AgentSettings())
+    service.append_messages(TENANT, AGENT, "", "main", _turns("m", 40))
+    store.close()
+    version_14 = dict(MIGRATIONS)[14]
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # back to version 14
+        conn.execute("ALTER TABLE threads DROP COLUMN rewrites")
+        conn.execute("DROP TRIGGER messages_touch_threads_update ON messages")
+        conn.execute(version_14[0].replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"))
+        conn.execute(next(s for s in version_14 if "messages_touch_threads_update" in s))
+        conn.execute("DELETE FROM schema_migrations WHERE version >= 15")
+    store = PostgresStore.open(postgres_dsn, clock=clock)
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+
+        def rewrites() -> int:
+            with psycopg.connect(postgres_dsn) as conn:
+                row = conn.execute("SELECT rewrites FROM threads WHERE thread = 'main'").fetchone()
+            assert row is not None
+            return int(row[0])
+
+        def sql(statement: str) -> None:
+            with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+                conn.execute(statement)
+
+        with psycopg.connect(postgres_dsn) as conn:
+            row = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
+        assert row == (MIGRATIONS[-1][0],)
+        assert rewrites() == 0
+        request = BuildRequest(
+            TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=600)
+        )
+        service.build_context(request)
+        service.append_messages(TENANT, AGENT, "", "main", [_said("one")])
+        service.append_messages(TENANT, AGENT, "", "main", _turns("two", 2))  # a batch
+        assert rewrites() == 0
+        before = service._builder.window_extensions
+        assert service.build_context(request).context.history[-1].content.startswith("two 1 ")
+        assert service._builder.window_extensions == before + 1
+        sql("UPDATE messages SET metadata = 'x' WHERE content = 'one'")
+        assert rewrites() == 1
+        sql("DELETE FROM messages WHERE content = 'one'")
+        assert rewrites() == 2
+        sql(
+            "INSERT INTO messages SELECT tenant, context_id, sequence + 1, "
+            "nextval('message_ids'), role, 'raw', tool_calls, tool_call_id, external_id, "
+            "metadata, token_estimate, create_time_us + 1, source_time_us, token_count, "
+            "tokenizer, chars, group_id, tool_call_ids, is_summary, first_summarized_id, "
+            "last_summarized_id, restored_from, group_start, NULL, NULL, NULL FROM messages "
+            "WHERE sequence = (SELECT max(sequence) FROM messages)"
+        )
+        assert rewrites() == 3
+    finally:
+        store.close()

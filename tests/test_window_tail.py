@@ -255,6 +255,7 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
         for event in ("insert", "update", "delete", "truncate"):  # and 14's
             conn.execute(f"DROP TRIGGER messages_touch_threads_{event} ON messages")
         conn.execute("DROP FUNCTION contextd_touch_threads")
+        conn.execute("ALTER TABLE threads DROP COLUMN rewrites")  # and 15's
         conn.execute("DELETE FROM schema_migrations WHERE version >= 9")
     store = PostgresStore.open(postgres_dsn, clock=clock)
     try:

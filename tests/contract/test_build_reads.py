@@ -351,7 +351,7 @@ def test_a_build_after_appends_mixed_with_other_changes_is_a_build_afresh(
     append(*words())
     # A time to live moves no window's start while the thread lives (PostgreSQL reads a
     # window under retention whole, each build).
-    build(True if embedded else False)
+    build(embedded)
     clock.advance(MINUTE + SECOND)
     assert service.sweep_retention().expired_deleted > 0
     assert not build(False).context.history
