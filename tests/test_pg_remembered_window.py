@@ -265,7 +265,7 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert remembered(a) == hits + 1
     assert a._builder.window_extensions == extended + 1
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
-    assert [s for s in statements if "FROM messages" in s and "m.sequence > " in s]
+    assert [s for s in statements if "m.sequence > $3 ORDER BY m.sequence LIMIT" in s]
     assert a.build_context(request).context.history[-1].content == "one more"
     assert remembered(a) == hits + 2
     # Its own append: those rows travel with the thread's read (as hot, two round trips).
@@ -278,6 +278,32 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert a._builder.window_extensions == extended + 2
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
     assert got[0].context.history[-1].content == "and mine"
+    # Its own tool turn: no window extends by tool rows, so the bounds go with the
+    # thread's read as before, and no round trip asks for the appended rows.
+    a.append_messages(
+        TENANT,
+        AGENT,
+        "",
+        "main",
+        [
+            NewMessage(
+                role=Role.TOOL_USE,
+                content="",
+                tool_calls='[{"id": "c1", "name": "ls", "input": {}}]',
+            ),
+            NewMessage(role=Role.TOOL_RESULT, content="listed", tool_call_id="c1"),
+        ],
+    )
+    statements.clear()
+    assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
+        HOT_BUILD_ROUND_TRIPS
+    )
+    assert a._builder.window_extensions == extended + 2
+    assert not [s for s in statements if "m.sequence > $3 ORDER BY m.sequence LIMIT" in s]
+    a.append_messages(TENANT, AGENT, "", "main", [_said("plain again")])
+    newest = a.build_context(request).context.history[-1]
+    assert newest.content == "plain again"
+    assert a._builder.window_extensions == extended + 3
     # A raw INSERT (not the service's append) moves the counter: read afresh, and seen.
     with a_store._reading() as conn:
         conn.execute(
@@ -286,12 +312,11 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
             "create_time_us + 1, source_time_us, token_count, tokenizer, chars, group_id, "
             "tool_call_ids, is_summary, first_summarized_id, last_summarized_id, restored_from, "
             "group_start, NULL, NULL, NULL FROM messages WHERE id = %s",
-            [got[0].context.history[-1].id],
+            [newest.id],
         )
         conn.commit()
-    statements.clear()
     assert a.build_context(request).context.history[-1].content == "inserted"
-    assert a._builder.window_extensions == extended + 2
+    assert a._builder.window_extensions == extended + 3
 
 
 @pytest.mark.parametrize("n", [1, 10])
