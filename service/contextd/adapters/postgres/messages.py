@@ -942,12 +942,15 @@ class MessagesMixin(PostgresBase):
         window from the agent as the snapshot reads it); and, when this replica
         appended to the thread since its last build of it (an agent's turn: append,
         then build), the window's bounds, for the thread's ref, window and summary as
-        that build read them (`_bounds_guess`). (Not otherwise: a build of a state
-        it read the window of reads no bounds, and the bounds of one another replica
-        moved travel with the status block's read when that one is not sent ahead.)
-        Each read is taken only by a call with the very arguments it was sent with
-        (`status_and_activity`, `window_bounds`), so a wrong guess costs a statement's
-        server time, never a wrong answer."""
+        that build read them (`_bounds_guess`), or, when those appends were all of
+        plain messages and the builder keeps a window it can extend by them
+        (`BuildReads.extend`), the rows appended since instead (`_queue_appended`).
+        (Not otherwise: a build of a state it read the window of reads no bounds, and
+        the bounds of one another replica moved travel with the status block's read
+        when that one is not sent ahead.) Each read is taken only by a call with the
+        very arguments it was sent with (`status_and_activity`, `window_bounds`,
+        `appended_messages`), so a wrong guess costs a statement's server time, never a
+        wrong answer."""
         reads: BuildReads | None = getattr(self._local, "planned", None)
         self._local.planned = None
         if reads is None or reads.key != key:
@@ -1222,10 +1225,10 @@ class MessagesMixin(PostgresBase):
     ) -> tuple[list[StoredMessage], list[int]] | None:
         """The messages appended to the thread since the state `since` names (the second
         item of a `build_token` of this replica), oldest first, with their stored `chars`
-        (the column the trimmer reads), when this snapshot's
-        state of the thread differs from that one by appended plain messages alone and
-        the window still starts where it did; None otherwise (the builder reads the
-        window afresh: `ContextBuilder._extended_tail`).
+        (the column the trimmer reads), when this snapshot's state of the thread differs
+        from that one by appended plain messages alone and the window still starts where
+        it did; None otherwise (the builder reads the window afresh:
+        `ContextBuilder._extended_tail`).
 
         The proof: schema version 15's `rewrites` is as it was (no stored message was
         changed or deleted, and none inserted but by the service's appends, which number
