@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import duckdb
@@ -24,6 +23,7 @@ from contextd.adapters.duckdb.base import (
     window_predicate,
 )
 from contextd.adapters.duckdb.journal import DIRECT_CHARS, Columns, GroupWrite
+from contextd.adapters.duckdb.reply import Reply
 from contextd.adapters.duckdb.schema import is_long_content
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
@@ -74,7 +74,7 @@ class MessagesMixin(DuckDBBase):
                 key=key,
                 batch=batch,
                 default_settings=default_settings,
-                future=Future(),
+                future=Reply(),
                 record=record,
             )
         )
@@ -95,7 +95,7 @@ class MessagesMixin(DuckDBBase):
                 key=key,
                 batch=batch,
                 default_settings=None,
-                future=Future(),
+                future=Reply(),
                 record=record,
                 more=tuple(more),
             )
