@@ -253,6 +253,8 @@ class _AppendJob:
 
     @property
     def rows(self) -> int:
+        if not self.more:  # asked per job on the writer's hot path
+            return len(self.batch.messages)
         return sum(len(batch) for _, batch in self.parts())
 
 
