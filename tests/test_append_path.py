@@ -9,6 +9,8 @@ replaced, including the cases where something kept could go stale.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -130,3 +132,54 @@ def test_a_request_id_call_answers_the_response_it_recorded(server: InProcessSer
     )
     other = append("req-2", "hello")
     assert other.receipts[0].id != first.receipts[0].id
+
+
+def test_a_one_message_append_stores_the_row_a_batch_stores(tmp_path: Path) -> None:
+    """A batch of one message outside tool groups takes the writer's one-row path
+    (adapters/duckdb/messages.py `_append_one_row`); every column it stores must be what
+    the general path stores for the same message in a larger batch: long content,
+    client times, metadata, external ids and multi-byte text included."""
+    from contextd.adapters.duckdb.schema import SHORT_CONTENT_BYTES
+    from contextd.adapters.duckdb.store import Store
+    from contextd.app.build.summarizer import ExtractiveSummarizer
+    from contextd.app.service import ContextService
+    from contextd.domain.clock import wall_clock_us
+    from contextd.domain.model import NewMessage, Role
+
+    now = wall_clock_us()
+    messages = [
+        NewMessage(role=Role.USER, content="plain"),
+        NewMessage(role=Role.ASSISTANT, content="é→" * 50, metadata='{"k": 1}'),
+        NewMessage(role=Role.USER, content="x" * (SHORT_CONTENT_BYTES + 1), external_id="e1"),
+        NewMessage(role=Role.USER, content="ü" * SHORT_CONTENT_BYTES, source_time_us=now - 5),
+        NewMessage(role=Role.ASSISTANT, content="", tool_calls='[{"id": "c1"}]'),
+    ]
+    store = Store.open(tmp_path / "rows.duckdb")
+    service = ContextService(store, ExtractiveSummarizer())
+    try:
+        for m in messages:
+            service.append_messages("default", "a1", "", "one", [m], create_agent=True)
+        service.append_messages("default", "a1", "", "batch", messages)
+        columns = (
+            "role, content_short, content_long, tool_calls, tool_call_id, external_id, "
+            "metadata, token_estimate, source_time_us, token_count, tokenizer, chars, "
+            "group_id = -1, group_start IS NULL, tool_call_ids, is_summary, "
+            "first_summarized_id, last_summarized_id, restored_from, sequence"
+        )
+
+        def rows(thread: str) -> list[tuple[object, ...]]:
+            def read(cur: Any) -> list[tuple[object, ...]]:
+                found: list[tuple[object, ...]] = cur.execute(
+                    f"SELECT {columns} FROM messages WHERE thread = ? ORDER BY sequence",
+                    [thread],
+                ).fetchall()
+                return found
+
+            return store._write(read)  # on the writer: after the journal is applied
+
+        one, batch = rows("one"), rows("batch")
+        assert len(one) == len(messages)
+        assert one == batch
+        assert any(r[2] is not None for r in one)  # a long content was stored as such
+    finally:
+        store.close()

@@ -726,3 +726,66 @@ def test_builds_share_a_window_table_until_an_append_and_see_the_append(tmp_path
         assert store.window_columns(ref, window) is after
     finally:
         store.close()
+
+
+def test_appends_grouped_together_reach_each_cached_thread(tmp_path: Path) -> None:
+    """Callers on many threads at once: the writer commits their appends in groups
+    whose rows interleave threads, and the hot cache splits each group by thread (hot.py,
+    `_appended`). Every cached thread, and its scope's activity, must take exactly its
+    own rows; threads nothing cached must be read right when first built."""
+    store = Store.open(tmp_path / "groups.duckdb")
+    service = ContextService(store, ExtractiveSummarizer())
+    threads = [f"t{k}" for k in range(8)]
+    each = 30
+    cached = threads[::2]  # half the threads are cached before the appends, half are not
+    for thread in threads:
+        service.append_messages(
+            "default",
+            "a1",
+            "",
+            thread,
+            [NewMessage(role=Role.USER, content=f"{thread}-start")],
+            create_agent=True,
+        )
+    window = WindowSpec(clear_after_us=0, age_after_us=0)
+
+    def build(thread: str) -> list[str]:
+        request = BuildRequest(
+            "default", "a1", "", thread, overrides=BuildOverrides(budget_tokens=100_000)
+        )
+        return [it.content for it in service.build_context(request).context.history]
+
+    def activity() -> dict[str, int]:
+        found = store.thread_activity("default", "a1", "", window, 100)
+        return {a.thread: a.window_message_count for a in found}
+
+    try:
+        for thread in cached:
+            build(thread)
+            build(thread)
+        assert activity() == dict.fromkeys(threads, 1)  # the scope's rows are cached too
+        hits = store.hot_stats.hits
+        assert hits > 0
+
+        def append(thread: str) -> None:
+            for i in range(each):
+                service.append_messages(
+                    "default",
+                    "a1",
+                    "",
+                    thread,
+                    [NewMessage(role=Role.USER, content=f"{thread}-{i}")],
+                )
+
+        workers = [threading.Thread(target=append, args=(t,)) for t in threads]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        expected = {t: [f"{t}-start", *(f"{t}-{i}" for i in range(each))] for t in threads}
+        for thread in threads:
+            assert build(thread) == expected[thread], thread
+        assert store.hot_stats.hits > hits  # the cached threads were served from memory
+        assert activity() == dict.fromkeys(threads, 1 + each)
+    finally:
+        store.close()

@@ -10,7 +10,6 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
@@ -20,6 +19,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
+from contextd.adapters.duckdb.reply import Reply
 from contextd.adapters.duckdb.request_filter import RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
@@ -242,7 +242,7 @@ class _AppendJob:
     batch: MessageBatch
     # The settings to create a missing agent with; None: a missing agent is NOT_FOUND.
     default_settings: AgentSettings | None
-    future: Future[list[MessageReceipt]]
+    future: Reply[list[MessageReceipt]]
     record: RequestRecord | None = None
     # More threads' batches committed in this job's transaction, after its own (a
     # restore into several threads); the receipts of every part come back in order.
@@ -253,6 +253,8 @@ class _AppendJob:
 
     @property
     def rows(self) -> int:
+        if not self.more:  # asked per job on the writer's hot path
+            return len(self.batch.messages)
         return sum(len(batch) for _, batch in self.parts())
 
 
@@ -280,7 +282,7 @@ EVERYTHING: Touches | None = None
 @dataclass(slots=True)
 class _CallJob:
     fn: Callable[[duckdb.DuckDBPyConnection], Any]
-    future: Future[Any]
+    future: Reply[Any]
     # What the job changes of the hot cache (hot.py); None: anything (all is dropped).
     touches: Touches | None = None
 
@@ -289,7 +291,7 @@ class _CallJob:
 class _ApplyJob:
     """A read's barrier: the writer applies the append journal, then answers (journal.py)."""
 
-    future: Future[None]
+    future: Reply[None]
 
 
 _STOP = object()
@@ -485,7 +487,7 @@ class DuckDBBase:
             and threading.get_ident() != self._writer_ident
             and not self._in_read_transaction()
         ):
-            self._submit(_ApplyJob(future=Future()))
+            self._submit(_ApplyJob(future=Reply()))
         return self._thread_cursor("live_cursor" if live else "cursor")
 
     def _thread_cursor(self, name: str) -> duckdb.DuckDBPyConnection:

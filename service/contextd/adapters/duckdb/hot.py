@@ -546,30 +546,58 @@ class HotCache:
             self._appended(*appended)
 
     def _appended(self, batch: Rows, expired: Iterable[int]) -> None:
+        """Follow committed appends: each thread's cached entries take its rows.
+
+        Most appends touch threads with nothing cached (a fleet of writers that nobody
+        reads at the moment): those cost a few dict lookups, and the batch's NumPy
+        columns are built only when some entry takes rows. This runs on the writer
+        with the GIL held, before its callers are answered, so every microsecond here
+        is one that the handler threads wait for."""
         # Threads the append found expired had their clear marker moved: their entries
         # (and their scope's thread rows) are dropped below, whichever are cached.
         moved = set(expired)
         if isinstance(batch, dict):
             if not batch["id"]:
                 return
-            context_ids = np.array(batch["context_id"], dtype=np.int64)
+            tenants, agents, scopes, threads = (
+                batch["tenant"],
+                batch["agent"],
+                batch["scope"],
+                batch["thread"],
+            )
 
-            def text(name: str, row: int) -> str:
-                value: str = batch[name][row]
-                return value
+            def key_of(row: int) -> ContextKey:
+                return ContextKey(tenants[row], agents[row], scopes[row], threads[row])
+
+            per_context: dict[int, list[int]] = {}
+            for row, context_id in enumerate(batch["context_id"]):
+                rows_of = per_context.get(context_id)
+                if rows_of is None:
+                    per_context[context_id] = [row]
+                else:
+                    rows_of.append(row)
+            groups: Iterable[tuple[int, Sequence[int] | npt.NDArray[np.intp]]] = per_context.items()
         else:
             if batch.num_rows == 0:
                 return
             context_ids = batch.column("context_id").to_numpy()
 
-            def text(name: str, row: int) -> str:
-                value: str = batch.column(name)[row].as_py()
-                return value
+            def key_of(row: int) -> ContextKey:
+                col = batch.column
+                return ContextKey(
+                    col("tenant")[row].as_py(),
+                    col("agent")[row].as_py(),
+                    col("scope")[row].as_py(),
+                    col("thread")[row].as_py(),
+                )
 
-        order = np.argsort(context_ids, kind="stable")
-        sorted_ids = context_ids[order]
-        starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
-        bounds = [*starts.tolist(), len(sorted_ids)]
+            order = np.argsort(context_ids, kind="stable")
+            sorted_ids = context_ids[order]
+            starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+            bounds = [*starts.tolist(), len(sorted_ids)]
+            groups = (
+                (int(sorted_ids[a]), np.sort(order[a:b])) for a, b in itertools.pairwise(bounds)
+            )
         arrays: dict[str, npt.NDArray[Any]] | None = None
 
         def arrays_of() -> dict[str, npt.NDArray[Any]]:
@@ -578,25 +606,23 @@ class HotCache:
                 arrays = _batch_arrays(batch)
             return arrays
 
-        for a, b in itertools.pairwise(bounds):
-            context_id = int(sorted_ids[a])
-            rows = order[a:b]
-            first = int(rows[0])
-            key = ContextKey(
-                text("tenant", first),
-                text("agent", first),
-                text("scope", first),
-                text("thread", first),
-            )
+        entries = self.entries
+        for context_id, rows in groups:
+            key = key_of(int(rows[0]))
             if context_id in moved:
                 self._drop(_ckey(key))
                 self._drop(("t", key.tenant, key.agent, key.scope))
                 continue
-            agent = self.entries.get(("a", key.tenant, key.agent))
+            agent = entries.get(("a", key.tenant, key.agent))
             if isinstance(agent, _Small) and agent.value is None:
                 self._drop(("a", key.tenant, key.agent))  # an append created the agent
-            self._count_in_scope(key, context_id, arrays_of(), rows)
-            entry = self.entries.get(_ckey(key))
+            scope = entries.get(("t", key.tenant, key.agent, key.scope))
+            entry = entries.get(_ckey(key))
+            if entry is None and scope is None:
+                continue  # nothing cached of this thread: no arrays needed
+            indices = np.asarray(rows, dtype=np.intp)
+            if scope is not None:
+                self._count_in_scope(key, context_id, arrays_of(), indices)
             if entry is None:
                 continue
             if isinstance(entry, _Small):  # cached as absent: it exists now
@@ -605,7 +631,7 @@ class HotCache:
             if entry.context_id != context_id:
                 self._drop(_ckey(key))
                 continue
-            self._extend(entry, arrays_of(), batch, np.sort(rows))
+            self._extend(entry, arrays_of(), batch, indices)
         self._evict()
 
     def _count_in_scope(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import duckdb
@@ -24,6 +23,7 @@ from contextd.adapters.duckdb.base import (
     window_predicate,
 )
 from contextd.adapters.duckdb.journal import DIRECT_CHARS, Columns, GroupWrite
+from contextd.adapters.duckdb.reply import Reply
 from contextd.adapters.duckdb.schema import is_long_content
 from contextd.adapters.duckdb.thread_counters import (
     NO_SOURCE_TIME,
@@ -74,7 +74,7 @@ class MessagesMixin(DuckDBBase):
                 key=key,
                 batch=batch,
                 default_settings=default_settings,
-                future=Future(),
+                future=Reply(),
                 record=record,
             )
         )
@@ -95,7 +95,7 @@ class MessagesMixin(DuckDBBase):
                 key=key,
                 batch=batch,
                 default_settings=None,
-                future=Future(),
+                future=Reply(),
                 record=record,
                 more=tuple(more),
             )
@@ -651,6 +651,51 @@ class MessagesMixin(DuckDBBase):
                     commit_time - batch.ttl_us,
                 )
         sources = [m.source_time_us for m in messages]
+        summary = batch.summarized_ids
+        if summary is not None:
+            summaries[context_id] = ids[-1]
+        if n == 1 and not batch.tool_call_ids[0] and not messages[0].tool_call_id:
+            # The common append, one message outside any tool group: its row by plain
+            # appends (the writer's hot path, under the GIL; the general way below
+            # builds a list per column, twice the time for one row).
+            _append_one_row(
+                columns, messages[0], first_id, context_id, key, commit_time, last + 1, batch
+            )
+        else:
+            self._extend_rows(
+                writer, columns, messages, ids, sequences, context_id, key, commit_time, batch
+            )
+        receipts.extend(
+            MessageReceipt(i, commit_time, e, c, q)
+            for i, e, c, q in zip(
+                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
+            )
+        )
+        delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME, 0])
+        delta[0] += n
+        delta[1] += sum(batch.token_estimates)
+        delta[5] += stored_bytes(messages)
+        delta[3] = commit_time
+        given = [t for t in sources if t is not None]
+        if given:
+            delta[4] = min(delta[4], *given)
+
+    def _extend_rows(
+        self,
+        writer: duckdb.DuckDBPyConnection,
+        columns: dict[str, list[Any]],
+        messages: Sequence[NewMessage],
+        ids: range,
+        sequences: range,
+        context_id: int,
+        key: ContextKey,
+        commit_time: int,
+        batch: MessageBatch,
+    ) -> None:
+        """Add a batch's rows to the group's columns (any batch; see `_append_one_row`)."""
+        n = len(messages)
+        summary = batch.summarized_ids
+        sources = [m.source_time_us for m in messages]
         columns["id"].extend(ids)
         columns["context_id"].extend([context_id] * n)
         columns["tenant"].extend([key.tenant] * n)
@@ -692,27 +737,10 @@ class MessagesMixin(DuckDBBase):
             columns["group_id"].extend([-1] * n)
             columns["group_start"].extend([None] * n)
             columns["tool_call_ids"].extend([""] * n)
-        summary = batch.summarized_ids
-        if summary is not None:
-            summaries[context_id] = ids[-1]
         columns["is_summary"].extend([summary is not None] * n)
         columns["first_summarized_id"].extend([summary[0] if summary else 0] * n)
         columns["last_summarized_id"].extend([summary[1] if summary else 0] * n)
         columns["restored_from"].extend([batch.restored_from] * n)
-        receipts.extend(
-            MessageReceipt(i, commit_time, e, c, q)
-            for i, e, c, q in zip(
-                ids, batch.token_estimates, batch.token_counts, sequences, strict=True
-            )
-        )
-        delta = thread_deltas.setdefault(key, [0, 0, commit_time, 0, NO_SOURCE_TIME, 0])
-        delta[0] += n
-        delta[1] += sum(batch.token_estimates)
-        delta[5] += stored_bytes(messages)
-        delta[3] = commit_time
-        given = [t for t in sources if t is not None]
-        if given:
-            delta[4] = min(delta[4], *given)
 
     def _group_of(
         self,
@@ -753,3 +781,46 @@ class MessagesMixin(DuckDBBase):
             )
         )
         return (int(row[0]), int(row[1])) if row else (-1, None)
+
+
+def _append_one_row(
+    columns: dict[str, list[Any]],
+    m: NewMessage,
+    message_id: int,
+    context_id: int,
+    key: ContextKey,
+    commit_time: int,
+    sequence: int,
+    batch: MessageBatch,
+) -> None:
+    """The row of a batch of one message outside any tool group: what
+    `MessagesMixin._extend_rows` adds for it, without its per-column lists."""
+    long = is_long_content(m.content)
+    summary = batch.summarized_ids
+    columns["id"].append(message_id)
+    columns["context_id"].append(context_id)
+    columns["tenant"].append(key.tenant)
+    columns["agent"].append(key.agent)
+    columns["scope"].append(key.scope)
+    columns["thread"].append(key.thread)
+    columns["role"].append(int(m.role))
+    columns["content_short"].append("" if long else m.content)
+    columns["content_long"].append(m.content if long else None)
+    columns["tool_calls"].append(m.tool_calls)
+    columns["tool_call_id"].append(m.tool_call_id)
+    columns["external_id"].append(m.external_id)
+    columns["metadata"].append(m.metadata)
+    columns["token_estimate"].append(batch.token_estimates[0])
+    columns["create_time_us"].append(commit_time)
+    columns["source_time_us"].append(m.source_time_us)
+    columns["sequence"].append(sequence)
+    columns["token_count"].append(batch.token_counts[0])
+    columns["tokenizer"].append(batch.tokenizer)
+    columns["chars"].append(batch.chars[0])
+    columns["group_id"].append(-1)
+    columns["group_start"].append(None)
+    columns["tool_call_ids"].append("")
+    columns["is_summary"].append(summary is not None)
+    columns["first_summarized_id"].append(summary[0] if summary else 0)
+    columns["last_summarized_id"].append(summary[1] if summary else 0)
+    columns["restored_from"].append(batch.restored_from)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from queue import Empty
 from typing import Any
 
@@ -52,6 +51,7 @@ from contextd.adapters.duckdb.journal import (
     DIRECT_ROWS,
     GroupWrite,
 )
+from contextd.adapters.duckdb.reply import Reply
 from contextd.adapters.duckdb.request_filter import MIN_CAPACITY, Rebuild, RequestFilter
 from contextd.adapters.duckdb.thread_counters import (
     FLUSH_INTERVAL_S,
@@ -133,7 +133,7 @@ class WriterMixin(DuckDBBase):
         the first payload, or REQUEST_ID_REUSED) and, after `fn`, records its result.
         """
         if record is None:
-            result: T = self._submit(_CallJob(fn=fn, future=Future(), touches=touches))
+            result: T = self._submit(_CallJob(fn=fn, future=Reply(), touches=touches))
             return result
 
         def recorded(cur: duckdb.DuckDBPyConnection) -> T:
@@ -147,7 +147,7 @@ class WriterMixin(DuckDBBase):
             _save_records(cur, [(record, record.encode(value))], self.clock.tick())
             return value
 
-        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Future(), touches=touches))
+        recorded_result: T = self._submit(_CallJob(fn=recorded, future=Reply(), touches=touches))
         return recorded_result
 
     def remembered(self, tenant: str, request_id: str) -> Remembered | None:
@@ -314,7 +314,7 @@ class WriterMixin(DuckDBBase):
                     # The writer must outlive any failure, or every later caller would
                     # wait forever: fail what is unanswered and go on.
                     log.exception("writer failed a group; its unanswered calls get the error")
-                    futures: list[Future[Any]] = [j.future for j in appends]
+                    futures: list[Reply[Any]] = [j.future for j in appends]
                     futures += [c.future for c in calls]
                     for future in futures:
                         if not future.done():
