@@ -750,34 +750,10 @@ class ContextBuilder:
         )
         if start < old_start or start > old_n:
             return None  # (past every remembered item: rare, read afresh)
-        dropped = old.items[: start - old_start]
-        kept = old.items[start - old_start :]
-        # `old`'s stamps (its items' and the stored summary's, which `_load_history`
-        # gives even when it applies to none of the window: the same summary, see
-        # above) less the dropped items', plus the appended ones': a copy, then a step
-        # per changed message only.
-        stamps = old.stamps.copy()
-        for it in dropped:
-            if stamps.pop(it.id, None) is None:
-                return None  # not a window `_load_history` or this made: read afresh
-        # Stored counts by counted text, as `_load_kept` keys them: `old`'s and the
-        # appended messages'. A dropped message's count stays (a count of the very text
-        # under the build's tokenizer answers what counting it does), until they are
-        # more than the items: then the window is read afresh, which keeps the loaded
-        # messages' alone (a bound on what a remembered window holds).
-        known = old.known_counts.copy()
-        if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+        carried = _carried_over(plan, old, start - old_start, appended)
+        if carried is None:
             return None
-        label = stored_tokenizer(plan.model)
-        made = list(map(derived, appended))
-        for m, (item, stamp) in zip(appended, made, strict=True):
-            stamps[item.id] = stamp
-            if m.tokenizer == label:
-                known[m.content + m.tool_calls] = m.token_count
-        kept += [item for item, _ in made]
-        items, repaired = repair_tool_pairs(kept)
-        if repaired:
-            return None
+        items, stamps, known = carried
         return _Window(
             items,
             None,
@@ -849,24 +825,11 @@ class ContextBuilder:
             return None
         if len(roles) > _TAIL_ROWS + 2 * (n - loaded_from):
             return None  # what the window carries stays bounded: read it afresh
-        dropped = old.items[: start - old_start]
-        kept = old.items[start - old_start :]
-        stamps = old.stamps.copy()
-        for it in dropped:
-            if stamps.pop(it.id, None) is None:
-                return None
-        known = old.known_counts.copy()
-        if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+        carried = _carried_over(plan, old, start - old_start, appended)
+        if carried is None:
             return None
-        label = stored_tokenizer(plan.model)
-        made = list(map(derived, appended))
-        for m, (item, stamp) in zip(appended, made, strict=True):
-            stamps[item.id] = stamp
-            if m.tokenizer == label:
-                known[m.content + m.tool_calls] = m.token_count
-        kept += [item for item, _ in made]
-        items, repaired = repair_tool_pairs(kept)
-        if repaired or len(known) > 2 * len(items) + _KNOWN_SLACK:
+        items, stamps, known = carried
+        if len(known) > 2 * len(items) + _KNOWN_SLACK:
             return None
         # The window's ids from max(0, loaded_from - HELD_DROPPED_IDS) on, as a fresh
         # read holds them: fewer old ones (the kept part moved on) and the appended.
@@ -1239,6 +1202,41 @@ _KNOWN_SLACK = 64
 _TAIL_KEPT = 4 * FIRST_PAGE
 _TAIL_HELD = 21 * FIRST_PAGE
 _TAIL_ROWS = 6 * FIRST_PAGE
+
+
+def _carried_over(
+    plan: _Plan, old: _Window, dropped: int, appended: list[StoredMessage]
+) -> tuple[list[HistoryItem], dict[int, MessageStamp], dict[str, int]] | None:
+    """What an extended window (`ContextBuilder._extended`, `_extended_tail`) takes
+    from `old` with its first `dropped` loaded items left out and the `appended`
+    messages added: its items (pair-repaired: None if that changed any, the caller
+    reads afresh), stamps and stored counts.
+
+    The stamps are `old`'s (its items' and the stored summary's, which `_load_history`
+    gives even when it applies to none of the window) less the dropped items', plus the
+    appended ones': a copy, then a step per changed message only. Stored counts are
+    keyed by counted text, as `_load_kept` keys them: `old`'s and the appended
+    messages'. A dropped message's count stays (a count of the very text under the
+    build's tokenizer answers what counting it does), until they are more than the
+    items: then the window is read afresh, which keeps the loaded messages' alone (a
+    bound on what a remembered window holds)."""
+    stamps = old.stamps.copy()
+    for it in old.items[:dropped]:
+        if stamps.pop(it.id, None) is None:
+            return None  # not a window `_load_history` or an extension made: read afresh
+    known = old.known_counts.copy()
+    if len(known) > 2 * len(old.items) + _KNOWN_SLACK:
+        return None
+    label = stored_tokenizer(plan.model)
+    made = list(map(derived, appended))
+    for m, (item, stamp) in zip(appended, made, strict=True):
+        stamps[item.id] = stamp
+        if m.tokenizer == label:
+            known[m.content + m.tool_calls] = m.token_count
+    items, repaired = repair_tool_pairs(old.items[dropped:] + [item for item, _ in made])
+    if repaired:
+        return None
+    return items, stamps, known
 
 
 def _tail_extendable(window: _Window) -> bool:
