@@ -214,10 +214,12 @@ def section(raw: dict[str, Any]) -> Section:
             f"{share:.0%} ({fmt_num(ours1['calls'])} of {fmt_num(echo1['calls'])} calls/s; "
             f"on PostgreSQL {pg_share:.0%})",
             share >= 0.7,
-            why="the echo server does the same gRPC work on the same one core (GIL) several "
-            "times faster, so the gap is contextd's own Python per call (validation, counting, "
-            "the hand-off to the writer thread) and its single writer's commit cost; see the "
-            "group-commit probe below.",
+            why="in process, without gRPC, the same store serves many times more calls (the "
+            "group-commit probe below), so the gap is in serving over gRPC: each call wakes one "
+            "of the server's handler threads, which contend for the one GIL with each other and "
+            "the writer thread (a profile of the served process found contextd's own Python "
+            "and the writer's commit about 40% of its CPU per call; grpc's threads and their "
+            "contention took the rest, about 1.5 times what the echo server spends per call).",
         ),
         Target(
             "Batched appends, durable",
