@@ -86,6 +86,28 @@ def _build_into(service: ContextService, request: BuildRequest, into: list[Any])
     into.append(service.build_context(request))
 
 
+@pytest.mark.parametrize("batches", [[300], [20] * 4], ids=["one-batch", "several-batches"])
+def test_a_build_after_more_appended_rows_than_extend_a_window_reads_its_bounds_at_once(
+    store: PostgresStore, service: ContextService, batches: list[int]
+) -> None:
+    """More plain rows appended here since the last build than an extension reads
+    (APPENDED_ROWS, 64), in one call or several: the next build sends the window's
+    bounds with the thread's read, not the appended rows' read (which could not extend
+    the window, and would leave the bounds a round trip of their own)."""
+    service.append_messages(TENANT, AGENT, "", "main", _turns("first", 100))
+    request = BuildRequest(TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000))
+    for _ in range(2):
+        service.build_context(request)
+    for at, size in enumerate(batches):
+        service.append_messages(TENANT, AGENT, "", "main", _turns(f"more{at}", size))
+    after: list[Any] = []
+    extended = service._builder.window_extensions
+    trips = _round_trips(store, functools.partial(_build_into, service, request, after))
+    assert after[0].context.history[-1].content.startswith(f"more{len(batches) - 1} ")
+    assert service._builder.window_extensions == extended
+    assert trips == HOT_BUILD_ROUND_TRIPS
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
 def test_a_hot_build_makes_two_round_trips(
     store: PostgresStore, service: ContextService, interleaved: bool

@@ -436,8 +436,9 @@ class MessagesMixin(PostgresBase):
     # what `_send_planned` sends the next build's bounds for.
     _bounds_guess: dict[ContextKey, tuple[ContextRef, int]]
     # Threads this replica appended to since its last build of them, by key, each with
-    # whether those appends were all of plain messages (see `_appended_here`).
-    _moved_here: dict[ContextKey, bool]
+    # how many plain messages those appends added, or more than APPENDED_ROWS once one
+    # was not plain (see `_appended_here`).
+    _moved_here: dict[ContextKey, int]
     # `build_token` names a state once this replica's reads saw it (ContextBuilder).
     tokens_after_reads = True
 
@@ -478,14 +479,17 @@ class MessagesMixin(PostgresBase):
         what the window it kept lacks (it is of an older state), which `_send_planned`
         then sends with the thread's read: the rows appended since, when every append
         here since was of plain messages (a builder extends a window by those alone:
-        `ContextBuilder._extended_tail`), else the window's bounds."""
+        `ContextBuilder._extended_tail`) and they are at most APPENDED_ROWS (the most an
+        extension reads), else the window's bounds: sending the appended rows' read for
+        a window they cannot extend would cost the bounds a round trip of their own."""
         if len(self._moved_here) >= WINDOWS_SEEN and key not in self._moved_here:
             self._moved_here.clear()
         plain = batch.summarized_ids is None and all(
             not calls and m.role != Role.TOOL_RESULT and m.source_time_us is None
             for m, calls in zip(batch.messages, batch.tool_call_ids, strict=True)
         )
-        self._moved_here[key] = self._moved_here.get(key, True) and plain
+        rows = self._moved_here.get(key, 0) + len(batch) if plain else APPENDED_ROWS + 1
+        self._moved_here[key] = min(rows, APPENDED_ROWS + 1)
 
     def _append_in_one_statement(
         self, key: ContextKey, batch: MessageBatch, record: RequestRecord | None
@@ -973,14 +977,14 @@ class MessagesMixin(PostgresBase):
         )
         self._local.extend = key if reads.extend else None
         guess = self._bounds_guess.get(key)
-        plain = self._moved_here.get(key)
-        if guess is None or plain is None:
+        moved = self._moved_here.get(key)
+        if guess is None or moved is None:
             return
         ref, summary_last = guess
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains:
             return
-        if plain and self._queue_appended(conn, ref):
+        if moved <= APPENDED_ROWS and self._queue_appended(conn, ref):
             return
         params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
         cursor = conn.execute(_BOUNDS, params, binary=True)
@@ -1270,7 +1274,7 @@ class MessagesMixin(PostgresBase):
             return None
         if queued is not None and queued[0] == (key.tenant, context.context_id, old.last_sequence):
             rows = queued[1].fetchall()
-        elif getattr(self._local, "bounds", None) is not None or self._moved_here.get(key) is False:
+        elif getattr(self._local, "bounds", None) is not None or self._moved_here.get(key, 0) > APPENDED_ROWS:
             # The bounds travel with this snapshot's reads already (this replica appended
             # tool rows, which no window extends by): no round trip for rows not taken.
             return None
