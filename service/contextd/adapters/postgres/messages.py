@@ -1274,9 +1274,13 @@ class MessagesMixin(PostgresBase):
             return None
         if queued is not None and queued[0] == (key.tenant, context.context_id, old.last_sequence):
             rows = queued[1].fetchall()
-        elif getattr(self._local, "bounds", None) is not None or self._moved_here.get(key, 0) > APPENDED_ROWS:
+        elif (
+            getattr(self._local, "bounds", None) is not None
+            or self._moved_here.get(key, 0) > APPENDED_ROWS
+        ):
             # The bounds travel with this snapshot's reads already (this replica appended
-            # tool rows, which no window extends by): no round trip for rows not taken.
+            # tool rows, which no window extends by, or more rows than one extends by):
+            # no round trip for rows not taken.
             return None
         else:
             with self._reading() as conn:
