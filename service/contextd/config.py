@@ -32,6 +32,11 @@ class Settings:
     max_group_rows: int = 50_000
     delete_chunk_rows: int = 5_000
     workers: int = 32
+    # Handler threads of AppendMessages alone (0: it shares `workers`); see
+    # api/server.py, on_pool.
+    append_workers: int = 32
+    # Linux scheduling policy of the server's threads (api/server.py, apply_scheduling).
+    scheduling: str = "batch"
     grace_seconds: float = 10.0
     write_timeout_seconds: float = 30.0
     # DuckDB's memory_limit, e.g. "2GB" ("": DuckDB's own, 80% of RAM); the default keeps
@@ -98,7 +103,14 @@ _SERVE_OPTIONS: dict[str, str] = {
     "snapshot_max_messages": "most messages a SaveSnapshot keeps (more is RESOURCE_EXHAUSTED)",
     "snapshot_max_bytes": "most bytes (content + tool_calls + metadata) a SaveSnapshot keeps "
     "(more is RESOURCE_EXHAUSTED)",
-    "workers": "gRPC handler threads",
+    "workers": "gRPC handler threads (every method but AppendMessages, see --append-workers)",
+    "append_workers": "gRPC handler threads that serve AppendMessages, apart from --workers "
+    "so appends and reads never wait for each other's threads (0: AppendMessages shares "
+    "--workers)",
+    "scheduling": "Linux scheduling policy of the server's threads: batch (a thread woken "
+    "by another waits for the running one's turn to end instead of preempting it: many "
+    "small calls then cost less CPU, as a running thread that holds Python's lock is not "
+    "put aside) or normal (the system's default)",
     "grace_seconds": "how long shutdown waits for calls in flight",
     "write_timeout_seconds": "how long a call waits for the store's writer before it is "
     "answered UNAVAILABLE (STORE_BUSY)",
@@ -133,10 +145,15 @@ _SERVE_OPTIONS: dict[str, str] = {
     "anthropic_base_url": "Anthropic API base URL (unset: the SDK's, which also honours "
     "ANTHROPIC_BASE_URL)",
 }
-_CHOICES = {"log_format": ["json", "text"], "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"]}
+_CHOICES = {
+    "log_format": ["json", "text"],
+    "log_level": ["DEBUG", "INFO", "WARNING", "ERROR"],
+    "scheduling": ["batch", "normal"],
+}
 _MEMORY_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
 # Numbers must be above zero, except these, which may be zero.
 _MAY_BE_ZERO = {
+    "append_workers",
     "grace_seconds",
     "tenant_max_rps",
     "sweep_interval_seconds",

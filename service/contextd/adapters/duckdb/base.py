@@ -137,7 +137,10 @@ _ARROW_SCHEMA = pa.schema(
         ("group_start", pa.int64()),
     ]
 )
-_ARROW_COLUMNS = ", ".join(_ARROW_SCHEMA.names)
+# The names once: `Schema.names` builds a new list of new strings on every read, and a
+# group of appends starts from one empty list per column.
+_ARROW_NAMES = tuple(_ARROW_SCHEMA.names)
+_ARROW_COLUMNS = ", ".join(_ARROW_NAMES)
 
 
 def _in_sequence_order(table: pa.Table) -> pa.Table:

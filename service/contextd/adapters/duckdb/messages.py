@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from contextd.adapters.duckdb.base import (
     _ARROW_COLUMNS,
+    _ARROW_NAMES,
     _ARROW_SCHEMA,
     _INSERT_AGENT,
     _INSERT_REQUESTS,
@@ -389,7 +390,7 @@ class MessagesMixin(DuckDBBase):
         being stored twice. (Numbering in SQL with an UPDATE of the thread's row would
         check the same but costs about 2 ms a commit, as much as the insert itself.)
         """
-        columns: dict[str, list[Any]] = {name: [] for name in _ARROW_SCHEMA.names}
+        columns: dict[str, list[Any]] = {name: [] for name in _ARROW_NAMES}
         all_receipts: list[list[MessageReceipt]] = []
         # per context: [count, tokens, first commit, last commit, oldest source time, bytes]
         thread_deltas: dict[ContextKey, list[int]] = {}
@@ -587,7 +588,7 @@ class MessagesMixin(DuckDBBase):
                     "ORDER BY column_index"
                 ).fetchall()
             ]
-            if sorted(names) == sorted(_ARROW_SCHEMA.names):
+            if sorted(names) == sorted(_ARROW_NAMES):
                 schema = pa.schema([_ARROW_SCHEMA.field(name) for name in names])
                 found = (schema, "INSERT INTO messages SELECT * FROM contextd_batch")
             else:
