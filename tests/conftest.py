@@ -16,9 +16,11 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,3 +335,37 @@ def postgres_dsn(postgres: PostgresServer, request: pytest.FixtureRequest) -> It
     name = f"t_{stem}_{uuid.uuid4().hex[:8]}"
     yield postgres.create_database(name)
     postgres.drop_database(name)
+
+
+@contextmanager
+def summary_in_flight(client: Client, fake: Any, summary: str) -> Iterator[dict[str, Any]]:
+    """Thirty turns on a1/t1 (the agent must exist), then a summarizing build (budget
+    2,000) whose summary (`summary`) the fake LLM holds: the block runs while it is in
+    flight. On leaving, the summary is released and the build awaited; the yielded dict
+    then holds its "response" or its "error" (an RpcError)."""
+    from fake_anthropic import full_checkpoint
+
+    for i in range(30):
+        client.append("a1", f"turn {i} " + "w " * 200, role=USER if i % 2 == 0 else ASSISTANT)
+    fake.reply_text(full_checkpoint(summary))
+    fake.hold()
+    outcome: dict[str, Any] = {}
+
+    def build() -> None:
+        request = pb.BuildContextRequest(
+            agent="a1", thread="t1", options=pb.BuildOptions(summarize=True, budget_tokens=2_000)
+        )
+        try:
+            outcome["response"] = client.stub.BuildContext(request, timeout=60)
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    try:
+        assert fake.arrived.wait(30), "the build never asked for a summary"
+        yield outcome
+    finally:
+        fake.release()
+        builder.join(60)
+    assert not builder.is_alive()

@@ -5,7 +5,6 @@ talking to a local fake of the Messages API (never the network)."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -25,6 +24,7 @@ from conftest import (
     connect,
     db_rows,
     rendering,
+    summary_in_flight,
     ts,
 )
 from contextd import core
@@ -653,27 +653,8 @@ def test_delete_is_final_while_a_summary_is_in_flight(
     """A summarizing build used to re-create a deleted agent and store its summary."""
     server, client = running
     _agent(client)
-    for i in range(30):
-        client.append("a1", f"turn {i} " + "w " * 200, role=USER if i % 2 == 0 else ASSISTANT)
-    fake.reply_text(full_checkpoint("## Goal\nsummary of deleted messages"))
-    fake.hold()
-    outcome: dict[str, Any] = {}
-
-    def build() -> None:
-        try:
-            outcome["response"] = _build(
-                client, options=pb.BuildOptions(summarize=True, budget_tokens=2_000)
-            )
-        except grpc.RpcError as exc:
-            outcome["error"] = exc
-
-    builder = threading.Thread(target=build)
-    builder.start()
-    assert fake.arrived.wait(30), "the build never asked for a summary"
-    client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
-    fake.release()
-    builder.join(30)
-    assert not builder.is_alive()
+    with summary_in_flight(client, fake, "## Goal\nsummary of deleted messages") as outcome:
+        client.stub.DeleteAgent(pb.DeleteAgentRequest(name="a1"))
     assert outcome["error"].code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as info:
         client.stub.GetAgent(pb.GetAgentRequest(name="a1"))

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from fake_anthropic import FakeAnthropic, full_checkpoint
+from fake_anthropic import FakeAnthropic
 
-from conftest import ASSISTANT, USER, Client, SpawnServer, connect
+from conftest import USER, Client, SpawnServer, connect, summary_in_flight
 from contextd.api.server import RunningServer, create_server
 from contextd.config import Settings
 from contextd.domain.clock import ManualClock
@@ -63,26 +61,7 @@ def test_an_append_is_served_while_a_summary_holds_every_other_thread(
     server, client = _serve(tmp_path, store_url, fake, clock, append_workers=1)
     try:
         client.stub.CreateAgent(pb.CreateAgentRequest(agent=pb.Agent(name="a1")))
-        for i in range(30):
-            client.append("a1", f"turn {i} " + "w " * 200, role=USER if i % 2 == 0 else ASSISTANT)
-        fake.reply_text(full_checkpoint("## Goal\nkeep going"))
-        fake.hold()
-        outcome: dict[str, Any] = {}
-
-        def build() -> None:
-            outcome["response"] = client.stub.BuildContext(
-                pb.BuildContextRequest(
-                    agent="a1",
-                    thread="t1",
-                    options=pb.BuildOptions(summarize=True, budget_tokens=2_000),
-                ),
-                timeout=60,
-            )
-
-        builder = threading.Thread(target=build)
-        builder.start()
-        try:
-            assert fake.arrived.wait(30), "the build never asked for a summary"
+        with summary_in_flight(client, fake, "## Goal\nkeep going") as outcome:
             # The server's one other thread waits on the LLM; a bounded deadline turns a
             # wait for it into DEADLINE_EXCEEDED rather than a hang.
             appended = client.stub.AppendMessages(
@@ -92,11 +71,7 @@ def test_an_append_is_served_while_a_summary_holds_every_other_thread(
                 timeout=20,
             )
             assert len(appended.receipts) == 1
-            assert "response" not in outcome  # the summary was still held
-        finally:
-            fake.release()
-            builder.join(60)
-        assert not builder.is_alive()
+            assert not outcome  # the summary was still held
         assert any(m.is_summary for m in outcome["response"].messages)
     finally:
         client.channel.close()
