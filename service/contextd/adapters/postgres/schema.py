@@ -559,6 +559,22 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "EXECUTE FUNCTION contextd_touch_threads()",
         ],
     ),
+    (
+        16,
+        [
+            # The search vector's trigger runs its function on an INSERT only when the
+            # row comes without a vector (a WHEN clause PostgreSQL evaluates without
+            # calling PL/pgSQL): the service's appends hand over most vectors, and the
+            # call, for a function that then does nothing, was about 15% of a
+            # one-message append's CPU in the database. An UPDATE of content or
+            # tool_calls recomputes it as before; the function is unchanged.
+            "DROP TRIGGER messages_search_tsv ON messages",
+            "CREATE TRIGGER messages_search_tsv BEFORE INSERT ON messages FOR EACH ROW "
+            "WHEN (NEW.search_tsv IS NULL) EXECUTE FUNCTION contextd_search_tsv()",
+            "CREATE TRIGGER messages_search_tsv_update BEFORE UPDATE OF content, tool_calls "
+            "ON messages FOR EACH ROW EXECUTE FUNCTION contextd_search_tsv()",
+        ],
+    ),
 ]
 
 
