@@ -26,6 +26,7 @@ import pytest
 from psycopg import pq
 
 from conftest import USER, Client, connect
+from contextd.adapters.postgres.messages import _text_array
 from contextd.adapters.postgres.store import PostgresStore
 from contextd.api.server import RunningServer, create_server
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -208,6 +209,40 @@ def test_one_message_append_is_one_statement(postgres_dsn: str, tmp_path: Path) 
         store.append(key, _prepared(), None)
         thread = store.get_thread(key)
         assert thread is not None and thread.message_count == 4
+    finally:
+        store.close()
+
+
+def test_the_one_statement_is_sent_the_models_of_its_label_as_an_array_literal(
+    postgres_dsn: str, tmp_path: Path
+) -> None:
+    """The one statement is sent the models seen under the batch's label as the text of
+    an array literal (`_text_array`, not psycopg's list dumper): it reads back as the
+    same list whatever the names hold (quotes, backslashes, commas, braces), every
+    model seen under a label matches its agents (one statement each), and a batch
+    counted under another label does not (StaleModel, from the transaction)."""
+    odd = ['we"ird', "back\\slash", "a,b", "{x}", "", "plain"]
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT %s::text::text[]", [_text_array(odd)]).fetchone()
+    assert row is not None and row[0] == odd
+    store = PostgresStore.open(postgres_dsn, pool_size=1)
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+        models = ["gpt-4o", "gpt-4o-mini", "o3"]  # one label, o200k_base
+        for k, model in enumerate(models):
+            service.create_agent(TENANT, f"agent-{k}", AgentSettings(model=model))
+            # The first append creates the thread (the transaction, which notes the model)
+            service.append_messages(TENANT, f"agent-{k}", "", "t", _batch(k, 1))
+        for k, model in enumerate(models):
+            key = ContextKey(TENANT, f"agent-{k}", "", "t")
+            with _traced(store, tmp_path / f"trace-{k}") as trips:
+                store.append(key, prepare_batch(_batch(k, 1), model, [()]), None)
+            assert [trip[-1] for trip in trips] == ["Sync"], (model, trips)
+            thread = store.get_thread(key)
+            assert thread is not None and thread.message_count == 2
+        other = ContextKey(TENANT, "agent-0", "", "t")
+        with pytest.raises(StaleModel):
+            store.append(other, prepare_batch(_batch(9, 1), "claude-sonnet-4", [()]), None)
     finally:
         store.close()
 

@@ -106,3 +106,65 @@ def test_a_database_that_reads_otherwise_turns_the_fast_path_off(postgres_dsn: s
         finally:
             conn.execute("ALTER TEXT SEARCH DICTIONARY simple (StopWords)")
         assert matches_database(conn)
+
+
+def _vector_function_calls(conn: psycopg.Connection[tuple[Any, ...]]) -> int:
+    """How often this database ran `contextd_search_tsv` (track_functions='pl')."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.commit()
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(
+        "SELECT coalesce(sum(calls), 0) FROM pg_stat_user_functions "
+        "WHERE funcname = 'contextd_search_tsv'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_schema_16_calls_the_vector_function_only_for_rows_without_one(
+    postgres_dsn: str,
+) -> None:
+    """Schema 16 (upgrading a version-15 database): an insert that brings its vector
+    does not call the trigger's function (its WHEN clause), one without a vector gets
+    the database's, and an UPDATE of content recomputes it, as before."""
+    from contextd.adapters.postgres.schema import MIGRATIONS
+
+    store = PostgresStore.open(postgres_dsn)
+    store.close()
+    version_15 = (
+        "CREATE TRIGGER messages_search_tsv BEFORE INSERT OR UPDATE OF content, tool_calls "
+    )
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:  # back to version 15
+        conn.execute("DROP TRIGGER messages_search_tsv ON messages")
+        conn.execute("DROP TRIGGER messages_search_tsv_update ON messages")
+        conn.execute(version_15 + "ON messages FOR EACH ROW EXECUTE FUNCTION contextd_search_tsv()")
+        conn.execute("DELETE FROM schema_migrations WHERE version >= 16")
+    store = PostgresStore.open(postgres_dsn)
+    try:
+        assert store.schema_version() == MIGRATIONS[-1][0] >= 16
+        assert store._search_vectors
+        service = ContextService(store, ExtractiveSummarizer())
+        service.append_messages(
+            "default", "a", "", "t", [NewMessage(role=Role.USER, content="x")], True
+        )
+        with psycopg.connect(postgres_dsn) as conn:
+            conn.execute("SET track_functions = 'pl'")
+            before = _vector_function_calls(conn)
+            copy = (
+                "INSERT INTO messages SELECT tenant, context_id, sequence + {k}, "
+                "nextval('message_ids'), role, {content}, tool_calls, tool_call_id, "
+                "external_id, metadata, token_estimate, create_time_us, source_time_us, "
+                "token_count, tokenizer, chars, group_id, tool_call_ids, is_summary, "
+                "first_summarized_id, last_summarized_id, restored_from, group_start, "
+                "{vector}, NULL, NULL FROM messages WHERE sequence = 1"
+            )
+            given = "to_tsvector('simple', 'given words')"
+            conn.execute(copy.format(k=1, content="'given words'", vector=given))
+            assert _vector_function_calls(conn) == before
+            conn.execute(copy.format(k=2, content="'Computed HERE 9'", vector="NULL"))
+            assert _vector_function_calls(conn) == before + 1
+            conn.execute("UPDATE messages SET content = 'Changed 7' WHERE sequence = 1")
+            assert _vector_function_calls(conn) == before + 2
+            assert _mismatches(conn) == 0
+    finally:
+        store.close()

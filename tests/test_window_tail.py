@@ -454,3 +454,53 @@ def test_a_build_on_one_replica_sees_what_another_appended(postgres_dsn: str) ->
     finally:
         one.close()
         two.close()
+
+
+def test_tool_open_kept_by_the_triggers_is_what_migration_13_backfills(
+    postgres_dsn: str,
+) -> None:
+    """tool_open and each thread's tool_span, as the insert trigger keeps them append by
+    append (schema 16 returns at once when no inserted row is a tool row), equal what
+    migration 13 computes from the stored messages: after one-message appends of calls,
+    results (answered, late, stray) and plain messages, and after batches mixing them."""
+    from contextd.adapters.postgres.schema import MIGRATIONS
+
+    backfill = next(s for s in dict(MIGRATIONS)[13] if "INSERT INTO tool_open" in s)
+    expected_open = backfill.replace("INSERT INTO tool_open", "", 1)
+    expected_span = (
+        "SELECT context_id, coalesce(max(sequence - group_start), 0) FROM messages "
+        "WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id "
+        "AND group_start IS NOT NULL GROUP BY context_id"
+    )
+    store = PostgresStore.open(postgres_dsn)
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+        service.create_agent(TENANT, AGENT, AgentSettings())
+        rng = random.Random(16)
+        pending: list[str] = []
+        for step in range(40):
+            thread = f"t{step % 2}"
+            turns = _tool_turns(rng, rng.choice([1, 1, 1, 4]), pending)
+            if len(turns) == 1 or step % 3:
+                for message in turns:  # one-message appends (the one statement)
+                    service.append_messages(TENANT, AGENT, "", thread, [message])
+            else:
+                service.append_messages(TENANT, AGENT, "", thread, turns)
+        unanswered = json.dumps([{"id": "never", "name": "grep", "input": {}}])
+        call = NewMessage(role=Role.TOOL_USE, content="", tool_calls=unanswered)
+        service.append_messages(TENANT, AGENT, "", "t0", [call])
+        service.append_messages(TENANT, AGENT, "", "t0", [NewMessage(Role.USER, "plain")])
+        with psycopg.connect(postgres_dsn) as conn:
+            kept = conn.execute(
+                "SELECT tenant, context_id, sequence, id, kind FROM tool_open"
+            ).fetchall()
+            computed = conn.execute(expected_open).fetchall()
+            spans = conn.execute(
+                "SELECT context_id, tool_span FROM threads WHERE tool_span > 0"
+            ).fetchall()
+            computed_spans = conn.execute(expected_span).fetchall()
+        assert sorted(kept) == sorted(computed)
+        assert {k for k in kept if k[4] == "c"} and {k for k in kept if k[4] == "s"}
+        assert sorted(spans) == sorted(s for s in computed_spans if s[1] > 0)
+    finally:
+        store.close()

@@ -372,7 +372,7 @@ _ONE_STATEMENT_APPEND = (
                       coalesce(%(pending_kb)s::text, current_setting('gin_pending_list_limit')),
                       true)
     FROM a, t
-    WHERE NOT EXISTS (SELECT FROM r) AND a.model = ANY(%(models)s::text[])
+    WHERE NOT EXISTS (SELECT FROM r) AND a.model = ANY(%(models)s::text::text[])
       AND strpos(a.settings_json, 'retention') = 0
       AND a.last_clear_us < %(commit)s AND t.last_message_time_us < %(commit)s
       AND coalesce(t.last_clear_us, 0) < %(commit)s
@@ -417,6 +417,16 @@ def _model_label(model: str) -> str:
     return stored_tokenizer(model) if model else "estimate"
 
 
+def _text_array(items: Sequence[str]) -> str:
+    """`items` as the text of a PostgreSQL array literal, every element quoted (a
+    backslash before each quote and backslash). The one-statement append sends its
+    models as this text, cast in SQL: psycopg's list dumper is Python, run on every call
+    (about 4% of a single append's time holding the GIL), where this text is made once
+    per label."""
+    quoted = ('"' + i.replace("\\", "\\\\").replace('"', '\\"') + '"' for i in items)
+    return "{" + ",".join(quoted) + "}"
+
+
 class MessagesMixin(PostgresBase):
     # Whether appends hand over the search vectors they can make (set when the store
     # opens; see search_vector.py). False: the database computes every one.
@@ -446,8 +456,9 @@ class MessagesMixin(PostgresBase):
     append_reads_record = True
     # The models seen under each batch label (`_model_label`): the one-statement append
     # takes a batch counted under a label only for an agent whose model is among them
-    # (the label is a function of the model, so an entry never goes stale).
-    _label_models: dict[str, tuple[str, ...]]
+    # (the label is a function of the model, so an entry never goes stale), and the
+    # array literal of those models the statement is sent (`_text_array`).
+    _label_models: dict[str, tuple[tuple[str, ...], str]]
     # Agents whose settings had retention when an append last read them, by (tenant,
     # name): their appends go to the transaction at once (the one statement would find
     # the retention and write nothing, a round trip for naught). Each transaction's
@@ -502,7 +513,7 @@ class MessagesMixin(PostgresBase):
             return None
         message = batch.messages[0]
         tool_result = message.role == Role.TOOL_RESULT
-        models = self._label_models.get(batch.tokenizer)
+        models, models_text = self._label_models.get(batch.tokenizer, ((), ""))
         if not models or (tool_result and message.tool_call_id) or self._closed:
             return None
         if (key.tenant, key.agent) in self._retention_agents:
@@ -516,7 +527,7 @@ class MessagesMixin(PostgresBase):
             "scope": key.scope,
             "thread": key.thread,
             "request_id": record.request_id if record is not None else None,
-            "models": list(models),
+            "models": models_text,
             "pending_kb": self._pending.limit_kb,
             "commit": commit_time,
             "role": int(message.role),
@@ -625,9 +636,10 @@ class MessagesMixin(PostgresBase):
             self._retention_agents.discard((tenant, key.agent))
         if batch.tokenizer != _model_label(model) and batch.summarized_ids is None:
             raise StaleModel(model)
-        if model not in self._label_models.get(batch.tokenizer, ()):
+        if model not in self._label_models.get(batch.tokenizer, ((), ""))[0]:
             label = _model_label(model)
-            self._label_models[label] = (*self._label_models.get(label, ()), model)
+            models = (*self._label_models.get(label, ((), ""))[0], model)
+            self._label_models[label] = (models, _text_array(models))
         row, ids = (tuple(locked[:7]), [int(i) for i in locked[7]]) if locked else (None, [])
         commit_time = 0  # stamped below, or here when this append creates the thread
         if row is None:

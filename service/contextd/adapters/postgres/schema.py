@@ -559,6 +559,66 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             "EXECUTE FUNCTION contextd_touch_threads()",
         ],
     ),
+    (
+        16,
+        [
+            # The search vector's trigger runs its function on an INSERT only when the
+            # row comes without a vector (a WHEN clause PostgreSQL evaluates without
+            # calling PL/pgSQL): the service's appends hand over most vectors, and the
+            # call, for a function that then does nothing, was about 15% of a
+            # one-message append's CPU in the database. An UPDATE of content or
+            # tool_calls recomputes it as before; the function is unchanged.
+            # (IF EXISTS: a test takes a database back to an older version by its
+            # columns and triggers alone, this one's left in place.)
+            "DROP TRIGGER messages_search_tsv ON messages",
+            "DROP TRIGGER IF EXISTS messages_search_tsv_update ON messages",
+            "CREATE TRIGGER messages_search_tsv BEFORE INSERT ON messages FOR EACH ROW "
+            "WHEN (NEW.search_tsv IS NULL) EXECUTE FUNCTION contextd_search_tsv()",
+            "CREATE TRIGGER messages_search_tsv_update BEFORE UPDATE OF content, tool_calls "
+            "ON messages FOR EACH ROW EXECUTE FUNCTION contextd_search_tsv()",
+            # tool_open's insert trigger (version 13) returns at once when no inserted
+            # row can open, answer or widen anything (each of its three statements
+            # takes only rows not summaries that are in a tool group or tool results):
+            # one look at the inserted rows instead of three statements, about a sixth
+            # of a one-message append's CPU in the database. The rest is 13's.
+            """
+            CREATE OR REPLACE FUNCTION contextd_tool_open_insert() RETURNS trigger
+            LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NOT EXISTS (SELECT FROM new_rows
+                               WHERE NOT is_summary AND (group_id >= 0 OR role = 4)) THEN
+                    RETURN NULL;
+                END IF;
+                INSERT INTO tool_open
+                SELECT n.tenant, n.context_id, n.sequence, n.id,
+                       CASE WHEN n.role = 4 THEN 's' ELSE 'c' END
+                FROM new_rows n
+                WHERE NOT n.is_summary AND (
+                    (n.role <> 4 AND n.group_id = n.id)
+                    OR (n.role = 4 AND (n.group_id < 0 OR n.group_id = n.id
+                        OR n.group_start IS NULL
+                        OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = n.tenant
+                            AND h.id = n.group_id AND h.role = 4))))
+                ON CONFLICT DO NOTHING;
+                DELETE FROM tool_open o USING new_rows n
+                WHERE n.role = 4 AND NOT n.is_summary AND n.group_id >= 0
+                  AND n.group_id <> n.id AND o.kind = 'c' AND o.tenant = n.tenant
+                  AND o.context_id = n.context_id AND o.sequence = n.group_start
+                  AND o.id = n.group_id;
+                UPDATE threads t SET tool_span = s.span
+                FROM (SELECT tenant, context_id, max(sequence - group_start) AS span
+                      FROM new_rows
+                      WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
+                        AND group_start IS NOT NULL
+                      GROUP BY tenant, context_id) s
+                WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+                  AND s.span > t.tool_span;
+                RETURN NULL;
+            END
+            $$
+            """,
+        ],
+    ),
 ]
 
 
