@@ -20,6 +20,40 @@ log = logging.getLogger(__name__)
 # pg_advisory_xact_lock key of migrations: "ctxd" in ASCII.
 MIGRATION_LOCK = 0x63747864
 
+# What tool_open's insert trigger does with a statement's new rows (the end of its
+# function): record the tool groups and results they open, drop the groups they
+# answer, widen their threads' tool span. Version 13 made the function; 16 made it
+# return first when no row can do any of that.
+_TOOL_OPEN_INSERT_BODY = """\
+                INSERT INTO tool_open
+                SELECT n.tenant, n.context_id, n.sequence, n.id,
+                       CASE WHEN n.role = 4 THEN 's' ELSE 'c' END
+                FROM new_rows n
+                WHERE NOT n.is_summary AND (
+                    (n.role <> 4 AND n.group_id = n.id)
+                    OR (n.role = 4 AND (n.group_id < 0 OR n.group_id = n.id
+                        OR n.group_start IS NULL
+                        OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = n.tenant
+                            AND h.id = n.group_id AND h.role = 4))))
+                ON CONFLICT DO NOTHING;
+                DELETE FROM tool_open o USING new_rows n
+                WHERE n.role = 4 AND NOT n.is_summary AND n.group_id >= 0
+                  AND n.group_id <> n.id AND o.kind = 'c' AND o.tenant = n.tenant
+                  AND o.context_id = n.context_id AND o.sequence = n.group_start
+                  AND o.id = n.group_id;
+                UPDATE threads t SET tool_span = s.span
+                FROM (SELECT tenant, context_id, max(sequence - group_start) AS span
+                      FROM new_rows
+                      WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
+                        AND group_start IS NOT NULL
+                      GROUP BY tenant, context_id) s
+                WHERE t.tenant = s.tenant AND t.context_id = s.context_id
+                  AND s.span > t.tool_span;
+                RETURN NULL;
+            END
+            $$
+            """
+
 MIGRATIONS: list[tuple[int, list[str]]] = [
     (
         1,
@@ -426,34 +460,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             """
             CREATE FUNCTION contextd_tool_open_insert() RETURNS trigger LANGUAGE plpgsql AS $$
             BEGIN
-                INSERT INTO tool_open
-                SELECT n.tenant, n.context_id, n.sequence, n.id,
-                       CASE WHEN n.role = 4 THEN 's' ELSE 'c' END
-                FROM new_rows n
-                WHERE NOT n.is_summary AND (
-                    (n.role <> 4 AND n.group_id = n.id)
-                    OR (n.role = 4 AND (n.group_id < 0 OR n.group_id = n.id
-                        OR n.group_start IS NULL
-                        OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = n.tenant
-                            AND h.id = n.group_id AND h.role = 4))))
-                ON CONFLICT DO NOTHING;
-                DELETE FROM tool_open o USING new_rows n
-                WHERE n.role = 4 AND NOT n.is_summary AND n.group_id >= 0
-                  AND n.group_id <> n.id AND o.kind = 'c' AND o.tenant = n.tenant
-                  AND o.context_id = n.context_id AND o.sequence = n.group_start
-                  AND o.id = n.group_id;
-                UPDATE threads t SET tool_span = s.span
-                FROM (SELECT tenant, context_id, max(sequence - group_start) AS span
-                      FROM new_rows
-                      WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
-                        AND group_start IS NOT NULL
-                      GROUP BY tenant, context_id) s
-                WHERE t.tenant = s.tenant AND t.context_id = s.context_id
-                  AND s.span > t.tool_span;
-                RETURN NULL;
-            END
-            $$
-            """,
+"""
+            + _TOOL_OPEN_INSERT_BODY,
             "CREATE TRIGGER messages_tool_open_insert AFTER INSERT ON messages "
             "REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT "
             "EXECUTE FUNCTION contextd_tool_open_insert()",
@@ -589,34 +597,8 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
                                WHERE NOT is_summary AND (group_id >= 0 OR role = 4)) THEN
                     RETURN NULL;
                 END IF;
-                INSERT INTO tool_open
-                SELECT n.tenant, n.context_id, n.sequence, n.id,
-                       CASE WHEN n.role = 4 THEN 's' ELSE 'c' END
-                FROM new_rows n
-                WHERE NOT n.is_summary AND (
-                    (n.role <> 4 AND n.group_id = n.id)
-                    OR (n.role = 4 AND (n.group_id < 0 OR n.group_id = n.id
-                        OR n.group_start IS NULL
-                        OR EXISTS (SELECT 1 FROM messages h WHERE h.tenant = n.tenant
-                            AND h.id = n.group_id AND h.role = 4))))
-                ON CONFLICT DO NOTHING;
-                DELETE FROM tool_open o USING new_rows n
-                WHERE n.role = 4 AND NOT n.is_summary AND n.group_id >= 0
-                  AND n.group_id <> n.id AND o.kind = 'c' AND o.tenant = n.tenant
-                  AND o.context_id = n.context_id AND o.sequence = n.group_start
-                  AND o.id = n.group_id;
-                UPDATE threads t SET tool_span = s.span
-                FROM (SELECT tenant, context_id, max(sequence - group_start) AS span
-                      FROM new_rows
-                      WHERE role = 4 AND NOT is_summary AND group_id >= 0 AND group_id <> id
-                        AND group_start IS NOT NULL
-                      GROUP BY tenant, context_id) s
-                WHERE t.tenant = s.tenant AND t.context_id = s.context_id
-                  AND s.span > t.tool_span;
-                RETURN NULL;
-            END
-            $$
-            """,
+"""
+            + _TOOL_OPEN_INSERT_BODY,
         ],
     ),
 ]
