@@ -505,7 +505,7 @@ def apply_scheduling(policy: str) -> str:
     woken thread at once. No privilege is needed to choose it. Elsewhere than Linux,
     or if the system refuses, the process keeps its policy.
     """
-    if policy != "batch" or not hasattr(os, "sched_setscheduler"):
+    if policy != "batch" or not hasattr(os, "SCHED_BATCH"):  # Linux only
         return "normal"
     try:
         tasks = [int(t) for t in os.listdir("/proc/self/task")]

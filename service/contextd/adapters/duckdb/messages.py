@@ -651,7 +651,6 @@ class MessagesMixin(DuckDBBase):
                     last,
                     commit_time - batch.ttl_us,
                 )
-        sources = [m.source_time_us for m in messages]
         summary = batch.summarized_ids
         if summary is not None:
             summaries[context_id] = ids[-1]
@@ -677,7 +676,7 @@ class MessagesMixin(DuckDBBase):
         delta[1] += sum(batch.token_estimates)
         delta[5] += stored_bytes(messages)
         delta[3] = commit_time
-        given = [t for t in sources if t is not None]
+        given = [m.source_time_us for m in messages if m.source_time_us is not None]
         if given:
             delta[4] = min(delta[4], *given)
 
