@@ -325,14 +325,14 @@ def _request(request_id: str, *texts: str) -> pb.AppendMessagesRequest:
     )
 
 
-def test_an_append_call_with_a_request_id_is_two_round_trips(
+def test_an_append_call_with_a_request_id_is_one_round_trip(
     postgres_dsn: str, tmp_path: Path
 ) -> None:
-    """Over gRPC, an AppendMessages with a request id makes two round trips to
-    PostgreSQL, and so does its retry: whether the server has API keys, and the append's
-    statement. The servicer does not look the id up first (that statement reads it), and
-    the check of keys is one statement in autocommit. Before, a call made eight: the
-    check of keys (BEGIN, the read, COMMIT), the look-up and the append (four)."""
+    """Over gRPC, an AppendMessages with a request id makes one round trip to
+    PostgreSQL, and so does its retry: the append's statement, which also checks that
+    the server still has no API key (the call came without one). The servicer does not
+    look the id up first (that statement reads it). Before, a call made eight: the check
+    of keys (BEGIN, the read, COMMIT), the look-up and the append (four); then two."""
     running, client = _serve(postgres_dsn, tmp_path / "data", store_pool_size=1)
     store = running.store
     assert isinstance(store, PostgresStore)
@@ -343,9 +343,9 @@ def test_an_append_call_with_a_request_id_is_two_round_trips(
         with _traced(store, trace) as trips:
             first_response = client.stub.AppendMessages(_request("r-1", "hello"))
             again = client.stub.AppendMessages(_request("r-1", "hello"))
-        # Each call: the check of keys (a simple Query, no parameters), the append.
-        assert [trip[-1] for trip in trips] == ["Query", "Sync"] * 2, trips
-        assert all(trip[0] == 'Parse "WITH' for trip in trips[1::2]), trips
+        # Each call: the append's statement alone.
+        assert [trip[-1] for trip in trips] == ["Sync"] * 2, trips
+        assert all(trip[0] == 'Parse "WITH' for trip in trips), trips
         assert again == first_response
         assert [r.sequence for r in first_response.receipts] == [3]
         assert [m.content for m in client.history("a", thread="t")] == ["first", "second", "hello"]

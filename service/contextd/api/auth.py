@@ -13,9 +13,17 @@ from typing import Any
 
 import grpc
 
-from contextd.api.tenant import reset_caller, set_caller
+from contextd.api.tenant import current_caller, reset_caller, set_caller
 from contextd.app.keys import KeyCalls
-from contextd.domain.access import KeyRole
+from contextd.domain.access import (
+    Caller,
+    KeyRefused,
+    KeyRole,
+    key_check_paid,
+    owe_key_check,
+    owed_key_check,
+    restore_key_check,
+)
 from contextd.domain.errors import PermissionDenied, ResourceExhausted, Unauthenticated
 from contextd.domain.rate import TenantRates
 
@@ -53,6 +61,13 @@ _TOOL_OUTPUT_READ_METHODS = {
 }
 _TOOL_OUTPUT_WRITE_METHODS = {"PutToolOutput", "StreamPutToolOutput", "DeleteToolOutputs"}
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Methods whose writes confirm a key owed to them (domain/access.py `owed_key_check`), on
+# a store that does (PostgreSQL): a call of theirs from a key this replica found active
+# before, or without a key, is admitted without a look-up of its own (a round trip to the
+# database on every call), and the key is confirmed in the call's write, or after its
+# handler when it wrote nothing. Not with per-tenant rates: a rate is taken only for a
+# caller whose key was confirmed.
+_CONFIRMED_BY_WRITES = {"/contextd.v1.ContextService/AppendMessages"}
 
 
 def required_role(method: str) -> KeyRole | None:
@@ -101,9 +116,18 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None or needed is None:
             return handler
 
-        def admitted(context: grpc.ServicerContext) -> object:
-            """Authenticate, check the role, record the caller; returns the reset token."""
-            caller = self._keys.authenticate(_bearer(context))
+        unconfirmed = (
+            handler_call_details.method in _CONFIRMED_BY_WRITES
+            and self._rates is None
+            and self._keys.writes_confirm_keys()
+        )
+
+        def admitted(context: grpc.ServicerContext) -> tuple[object, object]:
+            """Authenticate (or admit unconfirmed, the check owed), check the role, record
+            the caller; returns the reset tokens of both."""
+            bearer = _bearer(context)
+            owed = self._keys.admit_unconfirmed(bearer) if unconfirmed else None
+            caller = owed or self._keys.authenticate(bearer)
             wait = self._rates.take(caller.tenant) if self._rates is not None else None
             if wait is not None:
                 raise ResourceExhausted(
@@ -113,21 +137,40 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     retry_after_s=wait,
                 )
             if caller.role < needed:
+                if owed is not None:  # a revoked key is UNAUTHENTICATED, whatever its role
+                    self._keys.confirm(owed)
                 raise PermissionDenied(
                     f"this call needs a key with the {needed.name.lower()} role; this key "
                     f"has {caller.role.name.lower()}",
                     reason="ROLE_TOO_LOW",
                 )
-            return set_caller(caller)
+            return set_caller(caller), owe_key_check(owed)
+
+        def settle(caller: Caller) -> None:
+            """Confirm the caller's key if the handler's writes did not (UNAUTHENTICATED
+            if it no longer stands: the handler wrote nothing, its answer is withheld)."""
+            if owed_key_check() is not None:
+                key_check_paid()
+                self._keys.confirm(caller)
 
         def guarded(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Any:
             def handle(request: Any, context: grpc.ServicerContext) -> Any:
-                token = admitted(context)
+                token, owed = admitted(context)
                 try:
                     result = behavior(request, context)
-                except BaseException:
+                    settle(current_caller(context))
+                except KeyRefused:
+                    self._keys.refused(current_caller(context))
                     reset_caller(token)
                     raise
+                except BaseException:
+                    try:
+                        settle(current_caller(context))
+                    finally:
+                        reset_caller(token)
+                    raise
+                finally:
+                    restore_key_check(owed)
                 if isinstance(result, Iterator):  # a response stream: keep the caller
                     return _streaming(result, token)
                 reset_caller(token)

@@ -43,6 +43,7 @@ from contextd.api.tenant import caller_tenant
 from contextd.app.build.builder import BuildRequest
 from contextd.app.service import ContextService
 from contextd.app.snapshots import RestoreResult
+from contextd.domain.access import KeyRefused
 from contextd.domain.errors import ContextdError
 from contextd.domain.idempotency import (
     AlreadyDone,
@@ -135,6 +136,8 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
             result = write(record)
         except AlreadyDone as done:
             return response_type.FromString(done.payload)
+        except KeyRefused:  # a refused caller is answered nothing recorded either
+            raise
         except ContextdError:
             if look_up_first:
                 raise

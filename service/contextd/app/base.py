@@ -15,6 +15,7 @@ from contextd.app.build.summarizer import (
 )
 from contextd.app.paging import PageTokens
 from contextd.app.quota import TenantBytes
+from contextd.domain.access import ApiKey
 from contextd.domain.idempotency import Remembered
 from contextd.domain.limits import (
     Limits,
@@ -71,6 +72,10 @@ class UseCases:
         # whether the append restarts an expired thread). Invalidated with `_models`; on
         # PostgreSQL the append transaction reads the agent's own policy instead.
         self._policies: dict[tuple[str, str], Agent] = {}
+        # Keys this replica found active, by key id, with their secrets' hashes: neither
+        # ever changes (only whether the key is active), so a call with one of them may be
+        # admitted at once when its write confirms the key (app/keys.py).
+        self._known_keys: dict[str, tuple[ApiKey, str]] = {}
 
     def _model_of(self, tenant: str, agent: str) -> str:
         key = (tenant, agent)

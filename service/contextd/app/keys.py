@@ -15,6 +15,8 @@ from contextd.domain.access import (
     Caller,
     KeyRole,
     check_key_name,
+    key_refused,
+    keyless_refused,
     new_secret,
     parse_token,
     secret_matches,
@@ -28,6 +30,9 @@ log = logging.getLogger(__name__)
 
 # The operator of a server without keys (on a loopback address only: see api/server.py).
 LOCAL_OPERATOR = Caller(DEFAULT_TENANT, KeyRole.ADMIN)
+# How many keys a replica remembers as seen active (`KeyCalls.admit_unconfirmed`); past
+# it the memory starts again (a key then costs one confirmed look-up more).
+KNOWN_KEYS = 4096
 
 
 class KeyCalls(UseCases):
@@ -43,9 +48,7 @@ class KeyCalls(UseCases):
             if not self._store.any_active_key():
                 return LOCAL_OPERATOR
             log.info("call without an API key refused")
-            raise Unauthenticated(
-                "this server needs an API key: send `authorization: Bearer <key>`"
-            )
+            raise keyless_refused()
         parsed = parse_token(bearer)
         if parsed is None:
             log.info("call with a malformed API key refused")
@@ -54,9 +57,57 @@ class KeyCalls(UseCases):
         found = self._store.find_key(key_id)
         if found is None or not secret_matches(secret, found[1]) or not found[0].active:
             log.info("call with an unknown or revoked API key refused", extra={"key_id": key_id})
-            raise Unauthenticated("the API key is unknown or revoked")
+            raise key_refused()
+        key = found[0]
+        known = self._known_keys
+        if len(known) >= KNOWN_KEYS and key_id not in known:
+            known.clear()
+        known[key_id] = found
+        return Caller(key.tenant, key.role, key.key_id)
+
+    def writes_confirm_keys(self) -> bool:
+        """Whether this store's writes confirm a key owed to them (`owed_key_check` in
+        domain/access.py): then a call may be admitted unconfirmed."""
+        return self._store.confirms_owed_keys
+
+    def admit_unconfirmed(self, bearer: str | None) -> Caller | None:
+        """The caller `bearer` stands for, from what this replica knows, without asking
+        the store; None when it does not know (then `authenticate`). Without a key: the
+        local operator. With one: a key this replica found active before, whose secret
+        matches (constant time). Whether the key (or the absence of any) still stands is
+        then owed: the call's write checks it, or `confirm` does before it is answered."""
+        if bearer is None:
+            return LOCAL_OPERATOR
+        parsed = parse_token(bearer)
+        if parsed is None:
+            return None
+        key_id, secret = parsed
+        found = self._known_keys.get(key_id)
+        if found is None or not secret_matches(secret, found[1]):
+            return None
         key = found[0]
         return Caller(key.tenant, key.role, key.key_id)
+
+    def confirm(self, caller: Caller) -> None:
+        """Check what admitting `caller` unconfirmed assumed: its key is still active (or,
+        without one, no key is active). UNAUTHENTICATED, logged, when it is not."""
+        if not caller.key_id:
+            if self._store.any_active_key():
+                log.info("call without an API key refused")
+                raise keyless_refused()
+            return
+        found = self._store.find_key(caller.key_id)
+        if found is None or not found[0].active:
+            self.refused(caller)
+            raise key_refused()
+
+    def refused(self, caller: Caller) -> None:
+        """Log the refusal of a caller admitted unconfirmed, and forget its key."""
+        if not caller.key_id:
+            log.info("call without an API key refused")
+            return
+        self._known_keys.pop(caller.key_id, None)
+        log.info("call with an unknown or revoked API key refused", extra={"key_id": caller.key_id})
 
     def create_key(
         self,
@@ -101,4 +152,6 @@ class KeyCalls(UseCases):
     ) -> ApiKey:
         if not key_id or len(key_id) > 64:
             raise InvalidArgument("key_id must be a key's id", field="key_id")
-        return self._store.revoke_key(caller.tenant, key_id, record)
+        revoked = self._store.revoke_key(caller.tenant, key_id, record)
+        self._known_keys.pop(key_id, None)
+        return revoked

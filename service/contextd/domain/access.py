@@ -13,10 +13,11 @@ import hashlib
 import hmac
 import re
 import secrets
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import IntEnum
 
-from contextd.domain.errors import InvalidArgument, NotFound
+from contextd.domain.errors import InvalidArgument, NotFound, Unauthenticated
 from contextd.domain.validation import quote
 
 KEY_PREFIX = "ctxd"
@@ -89,3 +90,60 @@ def check_key_name(name: str) -> str:
 
 def key_not_found(key_id: str) -> NotFound:
     return NotFound(f"no API key {quote(key_id)} in this tenant", reason="KEY_NOT_FOUND")
+
+
+def keyless_refused() -> Unauthenticated:
+    """The refusal of a call without a key by a server that has an active key."""
+    return Unauthenticated("this server needs an API key: send `authorization: Bearer <key>`")
+
+
+def key_refused() -> Unauthenticated:
+    """The refusal of a call whose key is unknown, revoked or does not match."""
+    return Unauthenticated("the API key is unknown or revoked")
+
+
+class KeyRefused(Unauthenticated):
+    """A store found, in the write of a call admitted before its key was confirmed
+    (`owed_key_check`), that the key no longer stands: nothing of the call was written."""
+
+
+def refused(caller: Caller) -> KeyRefused:
+    """The refusal of `caller`, admitted unconfirmed, whose key (or, without one, the
+    absence of any active key) no longer stands."""
+    message = (keyless_refused() if not caller.key_id else key_refused()).message
+    return KeyRefused(message)
+
+
+# The caller of the running call whose key the store has not confirmed yet: set (by the
+# gRPC edge, api/auth.py) only for a call admitted from what this replica knows of its
+# key, on a store whose writes confirm it (`confirms_owed_keys`); None otherwise.
+#
+# Why: on PostgreSQL a key (or, without one, "no active key exists") is a row any replica
+# may revoke (or create) at any moment, so every call read it: a round trip of its own
+# before the handler. A key's tenant, role and secret never change, only whether it is
+# active; so a replica that saw a key active admits it again at once, and the call's own
+# write checks, in its transaction (for a one-message append, in its one statement), that
+# the key is still active; a call that writes nothing is checked before it is answered.
+# A key revoked before a call begins is refused either way, and nothing of that call is
+# written.
+_OWED_KEY_CHECK: ContextVar[Caller | None] = ContextVar("contextd_owed_key_check", default=None)
+
+
+def owed_key_check() -> Caller | None:
+    """The caller whose key this call's first write must confirm (None: nothing owed)."""
+    return _OWED_KEY_CHECK.get()
+
+
+def owe_key_check(caller: Caller | None) -> object:
+    """Record (or, with None, clear) the check owed for the running call; returns the
+    token that restores the state before."""
+    return _OWED_KEY_CHECK.set(caller)
+
+
+def key_check_paid() -> None:
+    """The running call's key was confirmed (or refused): nothing is owed any more."""
+    _OWED_KEY_CHECK.set(None)
+
+
+def restore_key_check(token: object) -> None:
+    _OWED_KEY_CHECK.reset(token)  # type: ignore[arg-type]

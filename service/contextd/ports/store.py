@@ -486,6 +486,11 @@ class RetentionStore(Protocol):
 class KeyStore(Protocol):
     """API keys (see contextd.domain.access): only hashes of their secrets are kept."""
 
+    # Whether every write of a call checks, in its own transaction, a key the call owes a
+    # check of (domain/access.py `owed_key_check`), so that a call may be admitted from
+    # what the replica knows of its key without a look-up of its own.
+    confirms_owed_keys: bool
+
     def create_key(
         self, key: ApiKey, secret_hash: str, record: RequestRecord | None = None
     ) -> ApiKey: ...

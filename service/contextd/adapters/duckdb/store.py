@@ -93,6 +93,8 @@ class Store(
 
     # The writer thread looks request ids up in its journal after the caller's look-up.
     append_reads_record = False
+    # Keys are read in process (no round trip to save): every call's key is looked up.
+    confirms_owed_keys = False
 
     def __init__(
         self,

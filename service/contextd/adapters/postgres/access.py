@@ -9,6 +9,11 @@ from contextd.domain.idempotency import RequestRecord
 
 
 class AccessMixin(PostgresBase):
+    # Every write a call makes checks a key the call owes a check of in its own
+    # transaction (base.py `pay_owed_key_check`, KEY_STANDS): a call may be admitted
+    # from what the replica knows of its key, without a look-up of its own.
+    confirms_owed_keys = True
+
     def create_key(
         self, key: ApiKey, secret_hash: str, record: RequestRecord | None = None
     ) -> ApiKey:

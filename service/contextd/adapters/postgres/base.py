@@ -24,6 +24,7 @@ import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
 
+from contextd.domain.access import key_check_paid, owed_key_check, refused
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
     ContextdError,
@@ -270,6 +271,7 @@ class PostgresBase:
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
                 with self._pool.connection() as conn, conn.transaction():
+                    pay_owed_key_check(conn)
                     if record is not None and not records_itself:
                         found = _remembered(conn, record.tenant, record.request_id)
                         if found is not None:
@@ -347,6 +349,40 @@ def check_remembered(record: RequestRecord | None, found: Any) -> None:
 def _remembered(conn: Conn, tenant: str, request_id: str) -> Remembered | None:
     row = conn.execute(REMEMBERED, [tenant, request_id]).fetchone()
     return remembered_of(row[0], row[1], bytes(row[2])) if row else None
+
+
+# Whether the key a call was admitted with still stands (domain/access.py
+# `owed_key_check`): `owed_key` NULL, nothing owed; '' (a call without a key), no key is
+# active; else that key is active. In the snapshot of the statement it is part of.
+KEY_STANDS = (
+    "CASE WHEN %(owed_key)s::text IS NULL THEN true "
+    "WHEN %(owed_key)s::text = '' THEN NOT EXISTS "
+    "(SELECT FROM api_keys WHERE revoke_time_us IS NULL) "
+    "ELSE EXISTS (SELECT FROM api_keys WHERE key_id = %(owed_key)s::text "
+    "AND revoke_time_us IS NULL) END"
+)
+
+
+def owed_key_param() -> str | None:
+    """The `owed_key` parameter of KEY_STANDS for the running call."""
+    owed = owed_key_check()
+    return None if owed is None else owed.key_id
+
+
+def pay_owed_key_check(conn: Conn) -> None:
+    """Confirm, in `conn`'s transaction before it writes anything, the key the running
+    call owes a check of (nothing when none is owed): KeyRefused when it no longer stands.
+    Every write a caller's call makes on this engine starts with this (`_write`, a
+    tool output's upload) or checks KEY_STANDS in its own statement (the one-message
+    append), so a call admitted unconfirmed writes nothing with a key revoked before it
+    began."""
+    owed = owed_key_check()
+    if owed is None:
+        return
+    row = first(conn, "SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
+    key_check_paid()
+    if not row[0]:
+        raise refused(owed)
 
 
 def first(conn: Conn, sql: str, params: list[Any] | dict[str, Any]) -> Any:

@@ -29,6 +29,7 @@ from psycopg import pq
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import (
+    KEY_STANDS,
     RECEIPTS_RECORD,
     RECORD_VALUES,
     Conn,
@@ -37,6 +38,7 @@ from contextd.adapters.postgres.base import (
     agent_missing,
     check_remembered,
     first,
+    owed_key_param,
     receipt_tail,
     thread_gone,
 )
@@ -44,6 +46,7 @@ from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
 from contextd.adapters.postgres.pending_list import PendingListMerger
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
+from contextd.domain.access import key_check_paid, owed_key_check, refused
 from contextd.domain.batches import stored_tokenizer
 from contextd.domain.errors import StaleModel
 from contextd.domain.idempotency import RequestRecord
@@ -361,18 +364,23 @@ FROM (SELECT) AS one LEFT JOIN r ON true LEFT JOIN a ON true LEFT JOIN t ON true
 # none. With a request id, its record is read first (a record: nothing is written, the
 # record comes back) and written with the message, its payload the receipt's values
 # (`remembered_of`): the id and sequence are the database's, taken here under the
-# thread's lock. The CTEs are materialized so each runs once, in the order written; the
-# data-modifying ones run whether or not the final SELECT reads them.
+# thread's lock. A call admitted before its key was confirmed (`owed_key_check`) writes
+# only if the key still stands (k, KEY_STANDS), which the last column says, read before
+# anything else (a record included). The CTEs are materialized so each runs once, in
+# the order written; the data-modifying ones run whether or not the final SELECT reads
+# them.
 _ONE_STATEMENT_APPEND = (
     _APPEND_HEAD
-    + f""", ok AS MATERIALIZED (
+    + f""", k AS MATERIALIZED (
+    SELECT {KEY_STANDS} AS stands
+), ok AS MATERIALIZED (
     SELECT t.context_id, t.last_sequence + 1 AS sequence, nextval('message_ids') AS id,
            t.ordinal_total, t.tools_total, t.totals_through = t.last_sequence AS exact,
            set_config('gin_pending_list_limit',
                       coalesce(%(pending_kb)s::text, current_setting('gin_pending_list_limit')),
                       true)
-    FROM a, t
-    WHERE NOT EXISTS (SELECT FROM r) AND a.model = ANY(%(models)s::text::text[])
+    FROM a, t, k
+    WHERE k.stands AND NOT EXISTS (SELECT FROM r) AND a.model = ANY(%(models)s::text::text[])
       AND strpos(a.settings_json, 'retention') = 0
       AND a.last_clear_us < %(commit)s AND t.last_message_time_us < %(commit)s
       AND coalesce(t.last_clear_us, 0) < %(commit)s
@@ -404,8 +412,8 @@ _ONE_STATEMENT_APPEND = (
            %(record_time_us)s::bigint
     FROM ok WHERE %(request_id)s::text IS NOT NULL
 )
-SELECT ok.id, ok.sequence, r.method, r.fingerprint, r.payload
-FROM (SELECT) AS one LEFT JOIN ok ON true LEFT JOIN r ON true
+SELECT ok.id, ok.sequence, r.method, r.fingerprint, r.payload, k.stands
+FROM k LEFT JOIN ok ON true LEFT JOIN r ON true
 """
 )
 # Sent without its runs of blanks: psycopg keeps its conversion of a query of at most
@@ -550,6 +558,7 @@ class MessagesMixin(PostgresBase):
             "fingerprint": RECEIPTS_RECORD + record.fingerprint if record is not None else None,
             "receipt_tail": receipt_tail(receipt),
             "record_time_us": self.clock.tick() if record is not None else None,
+            "owed_key": owed_key_param(),
         }
         with self._pool.connection() as conn:
             conn.autocommit = True  # the statement is its own transaction
@@ -564,6 +573,11 @@ class MessagesMixin(PostgresBase):
             finally:
                 if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
                     conn.autocommit = False
+        owed = owed_key_check()
+        if owed is not None:
+            key_check_paid()
+            if not row[5]:
+                raise refused(owed)
         check_remembered(record, row[2:5])
         if row[0] is None:
             return None

@@ -30,6 +30,7 @@ from contextd.adapters.postgres.base import (
     Conn,
     PostgresBase,
     _remembered,
+    pay_owed_key_check,
     store_error,
 )
 from contextd.adapters.postgres.base import (
@@ -54,6 +55,11 @@ class ChunkUpload:
         self.chunk_lengths: list[int] = []
         self._stored = 0
         self.conn: Conn | None = store._pool.getconn()
+        try:  # its transaction confirms a key the call owes a check of, first
+            pay_owed_key_check(self.conn)
+        except BaseException:
+            self.abort()
+            raise
 
     @property
     def stored_bytes(self) -> int:
