@@ -1,14 +1,15 @@
-"""PostgreSQL: an AppendMessages admitted before its key is confirmed, checked by its write.
+"""PostgreSQL: AppendMessages and BuildContext admitted before their key is confirmed.
 
 A replica that found a key active admits it again at once, and a call without a key is
 admitted as the local operator, without a look-up of its own (domain/access.py
 `owed_key_check`); the call's write checks, in its own transaction or statement, that the
-key is still active (or that no key is), and a call that wrote nothing is checked before
-it is answered. These tests run two replicas over one database: a key revoked (or
-created) through one is refused by the other from its next call on, whichever way that
-call goes (the one-statement append, the transaction, a tool result stored aside, a
-refusal of the input, a retry answered from its record), and nothing of a refused call
-is written.
+key is still active (or that no key is), a build's snapshot reads the check with its
+first statement, and a call that did neither is checked before it is answered. These
+tests run two replicas over one database: a key revoked (or created) through one is
+refused by the other from its next call on, whichever way that call goes (the
+one-statement append, the transaction, a tool result stored aside, a refusal of the
+input, a retry answered from its record, a build), and nothing of a refused call is
+written.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from test_pg_build_reads import HOT_BUILD_ROUND_TRIPS
 from test_postgres_append import _traced
 
 from conftest import Client, connect
@@ -259,3 +261,62 @@ def test_a_wrong_secret_for_a_known_key_is_refused(replicas: tuple[Replica, Repl
     forged = f"ctxd_{key_id}_{'A' * 43}"
     assert forged != created.secret
     _unauthenticated(lambda: Caller(two, forged).append("forged"))
+
+
+def _build(caller: Caller, agent: str = "a") -> pb.BuildContextResponse:
+    response: pb.BuildContextResponse = caller.context.BuildContext(
+        pb.BuildContextRequest(agent=agent, thread="t", model="claude-sonnet-4"),
+        metadata=caller.metadata,
+    )
+    return response
+
+
+# How a build reaches the store: its snapshot (the check is read with it), or not at all
+# (refused before: checked after the handler).
+BUILDS: dict[str, Callable[[Caller], object]] = {
+    "snapshot": _build,
+    "refused before": lambda c: _build(c, agent="no such agent"),
+}
+
+
+@pytest.mark.parametrize("path", list(BUILDS))
+def test_a_build_with_a_key_revoked_through_another_replica_is_refused(
+    replicas: tuple[Replica, Replica], path: str
+) -> None:
+    one, two = replicas
+    admin, created = _keys(one)
+    writer = Caller(two, created.secret)
+    writer.append("hello")
+    assert [m.content for m in _build(writer).messages][-1:] == ["hello"]
+    admin.revoke(created.key.key_id)
+    _unauthenticated(lambda: BUILDS[path](writer))
+
+
+@pytest.mark.parametrize("path", list(BUILDS))
+def test_a_build_without_a_key_is_refused_once_another_replica_made_one(
+    replicas: tuple[Replica, Replica], path: str
+) -> None:
+    one, two = replicas
+    keyless = Caller(two, None)
+    keyless.append("hello")
+    assert [m.content for m in _build(keyless).messages][-1:] == ["hello"]
+    Caller(one, None).create_key(kpb.KEY_ROLE_ADMIN)
+    _unauthenticated(lambda: BUILDS[path](keyless))
+
+
+def test_a_build_with_a_key_the_replica_knows_makes_no_round_trip_for_it(
+    replicas: tuple[Replica, Replica], tmp_path: Path
+) -> None:
+    """The check travels with the snapshot's first statement: a BuildContext call makes
+    as many round trips as the build alone (the pipeline's reads, then its COMMIT)."""
+    one, two = replicas
+    _, created = _keys(one)
+    writer = Caller(two, created.secret)
+    writer.append("hello")
+    _build(writer)
+    _build(writer)  # the thread is hot now
+    with _traced(two.store, tmp_path / "trace") as trips:
+        _build(writer)
+    assert len(trips) == HOT_BUILD_ROUND_TRIPS, trips
+    sent = [line for line in (tmp_path / "trace").read_text().splitlines() if line[:1] == "F"]
+    assert sum("api_keys" in line for line in sent) == 1  # the check, in the first trip

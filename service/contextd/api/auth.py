@@ -61,13 +61,17 @@ _TOOL_OUTPUT_READ_METHODS = {
 }
 _TOOL_OUTPUT_WRITE_METHODS = {"PutToolOutput", "StreamPutToolOutput", "DeleteToolOutputs"}
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-# Methods whose writes confirm a key owed to them (domain/access.py `owed_key_check`), on
-# a store that does (PostgreSQL): a call of theirs from a key this replica found active
-# before, or without a key, is admitted without a look-up of its own (a round trip to the
-# database on every call), and the key is confirmed in the call's write, or after its
-# handler when it wrote nothing. Not with per-tenant rates: a rate is taken only for a
-# caller whose key was confirmed.
-_CONFIRMED_BY_WRITES = {"/contextd.v1.ContextService/AppendMessages"}
+# Methods whose store access confirms a key owed to it (domain/access.py
+# `owed_key_check`), on a store that does (PostgreSQL): a call of theirs from a key this
+# replica found active before, or without a key, is admitted without a look-up of its own
+# (a round trip to the database on every call), and the key is confirmed by the call's
+# write (AppendMessages) or with its snapshot's reads (BuildContext), or after its handler
+# when neither came. Not with per-tenant rates: a rate is taken only for a caller whose
+# key was confirmed.
+_CONFIRMED_IN_THE_STORE = {
+    "/contextd.v1.ContextService/AppendMessages",
+    "/contextd.v1.ContextService/BuildContext",
+}
 
 
 def required_role(method: str) -> KeyRole | None:
@@ -117,7 +121,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return handler
 
         unconfirmed = (
-            handler_call_details.method in _CONFIRMED_BY_WRITES
+            handler_call_details.method in _CONFIRMED_IN_THE_STORE
             and self._rates is None
             and self._keys.writes_confirm_keys()
         )

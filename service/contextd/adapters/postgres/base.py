@@ -197,6 +197,15 @@ class PostgresBase:
             try:
                 with conn.pipeline():
                     conn.execute(SNAPSHOT_BEGIN)
+                    # A key the call owes a check of is read with the snapshot's first
+                    # statement, so it costs no round trip; its answer is taken at the end,
+                    # before anything read is answered (`owed_key_check`).
+                    owed = owed_key_check()
+                    check = (
+                        conn.execute("SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
+                        if owed is not None
+                        else None
+                    )
                     self._local.conn = conn
                     try:
                         yield
@@ -213,6 +222,11 @@ class PostgresBase:
                         self._local.bounds = None  # queued by status_and_activity
                         self._local.status = None  # sent with context_ref's read
                         self._local.planned = None  # by plan_build_reads
+                    if owed is not None and check is not None:
+                        stands = check.fetchone()
+                        key_check_paid()
+                        if not (stands and stands[0]):
+                            raise refused(owed)
                     conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
@@ -375,7 +389,8 @@ def pay_owed_key_check(conn: Conn) -> None:
     Every write a caller's call makes on this engine starts with this (`_write`, a
     tool output's upload) or checks KEY_STANDS in its own statement (the one-message
     append), so a call admitted unconfirmed writes nothing with a key revoked before it
-    began."""
+    began; a snapshot (a build's reads) sends the check with its first statement and
+    reads its answer before it ends (`snapshot`)."""
     owed = owed_key_check()
     if owed is None:
         return
