@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import duckdb
 
 from contextd.adapters.duckdb.base import NOTHING, DuckDBBase, _first
@@ -9,14 +11,23 @@ from contextd.adapters.rows import KEY_COLUMNS, key_from_row
 from contextd.domain.access import ApiKey, key_not_found
 from contextd.domain.idempotency import RequestRecord
 
+# How many keys `find_key` keeps in memory; past it the memory starts again.
+KEYS_KEPT = 4096
+
 
 class AccessMixin(DuckDBBase):
     """Keys in the DuckDB file. Whether any key is active is asked on every call that
-    comes without a key, so it is kept in memory: exact here, because one process owns
-    the file and every change goes through this store (`contextd keys --direct` needs the
-    server stopped)."""
+    comes without a key, and a call's key is found on every call with one, so both are
+    kept in memory: exact here, because one process owns the file and every change goes
+    through this store (`contextd keys --direct` needs the server stopped). A key read
+    from the file took about 0.7 ms of a call (a statement on a cursor of its own)."""
 
     _active_keys_known: bool | None = None
+    # Keys found, by id (None: not initialized yet), and the revocations made so far: a
+    # key read while a revocation commits is kept only if none happened meanwhile.
+    _keys_found: dict[str, tuple[ApiKey, str]] | None = None
+    _keys_revoked = 0
+    _keys_lock: threading.Lock
 
     def create_key(
         self, key: ApiKey, secret_hash: str, record: RequestRecord | None = None
@@ -34,12 +45,24 @@ class AccessMixin(DuckDBBase):
         return created
 
     def find_key(self, key_id: str) -> tuple[ApiKey, str] | None:
+        kept = self._keys_found
+        if kept is not None and (found := kept.get(key_id)) is not None:
+            return found
+        revocations = self._keys_revoked
         row = _first(
             self._cursor().execute(
                 f"SELECT {KEY_COLUMNS}, secret_hash FROM api_keys WHERE key_id = ?", [key_id]
             )
         )
-        return (key_from_row(row), row[6]) if row else None
+        if not row:
+            return None  # unknown ids are not kept: any id could be asked for
+        found = (key_from_row(row), str(row[6]))
+        with self._keys_lock:
+            if revocations == self._keys_revoked:  # else it may predate a revocation
+                if self._keys_found is None or len(self._keys_found) >= KEYS_KEPT:
+                    self._keys_found = {}
+                self._keys_found[key_id] = found
+        return found
 
     def list_keys(
         self, tenant: str, after_key_id: str | None, limit: int, include_revoked: bool
@@ -74,6 +97,10 @@ class AccessMixin(DuckDBBase):
 
         revoked = self._write(revoke, record, NOTHING)
         self._active_keys_known = None  # read again on the next ask
+        with self._keys_lock:  # before the revocation is answered: no call finds it kept
+            self._keys_revoked += 1
+            if self._keys_found is not None:
+                self._keys_found.pop(key_id, None)
         return revoked
 
     def any_active_key(self) -> bool:

@@ -120,6 +120,7 @@ class Store(
         # Health: a fatal DuckDB error (sticky) or a wedged writer makes the store unable
         # to serve; listeners hear every change, in order (they are called under the lock).
         self._health_lock = threading.Lock()
+        self._keys_lock = threading.Lock()  # the keys kept in memory (access.py)
         self._listeners: list[Callable[[bool], None]] = []
         self._fatal: str | None = None
         self._wedged = False
