@@ -24,9 +24,11 @@ from contextd.adapters.duckdb.journal import JournalFile, journal_path
 from contextd.adapters.duckdb.store import Store
 from contextd.app.build.builder import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
+from contextd.app.keys import LOCAL_OPERATOR
 from contextd.app.service import ContextService
+from contextd.domain.access import KeyRole
 from contextd.domain.batches import prepare_batch
-from contextd.domain.errors import StoreUnavailable
+from contextd.domain.errors import StoreUnavailable, Unauthenticated
 from contextd.domain.idempotency import AlreadyDone, RequestRecord
 from contextd.domain.model import (
     AgentSettings,
@@ -343,5 +345,28 @@ store._con.cursor().execute(
     store = _open(path)
     try:
         assert _contents(store) == [("m0", 1), ("m1", 2)]
+    finally:
+        store.close()
+
+
+def test_a_call_s_key_is_found_without_applying_the_journal(tmp_path: Path) -> None:
+    """Every call with an API key finds its key. A read of the file first applies the
+    journal (the read barrier), so a key read from the file on every call made every
+    keyed append apply the journal; keys found are kept in memory (adapters/duckdb/
+    access.py), and a revocation still refuses the key from the next call on."""
+    store = _open(tmp_path / "d.duckdb")
+    try:
+        service = ContextService(store, ExtractiveSummarizer())
+        key, token = service.create_key(LOCAL_OPERATOR, "default", KeyRole.WRITE, "w")
+        assert service.authenticate(token).key_id == key.key_id
+        message = [NewMessage(role=Role.USER, content="hello")]
+        service.append_messages("default", "a1", "", "t1", message, create_agent=True)
+        service.append_messages("default", "a1", "", "t1", message)  # journaled
+        assert _pending(store)
+        assert service.authenticate(token).key_id == key.key_id
+        assert _pending(store)  # the key's look-up applied nothing
+        service.revoke_key(LOCAL_OPERATOR, key.key_id)
+        with pytest.raises(Unauthenticated):
+            service.authenticate(token)
     finally:
         store.close()
