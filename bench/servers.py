@@ -86,6 +86,21 @@ def start_contextd(data_dir: Path, workers: int = 32, store: str = "") -> Server
     )
 
 
+def create_write_key(address: str) -> str:
+    """A write key of the tenant "default", made over gRPC by the local operator of the
+    server at ``address`` (which has no key yet: from now on every call needs one); its
+    secret."""
+    import grpc
+
+    from contextd.v1 import key_service_pb2 as kpb
+    from contextd.v1 import key_service_pb2_grpc as kpb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = kpb_grpc.KeyServiceStub(channel)  # type: ignore[no-untyped-call]
+        created = stub.CreateKey(kpb.CreateKeyRequest(role=kpb.KEY_ROLE_WRITE, name="bench"))
+    return str(created.secret)
+
+
 def start_echo(log_dir: Path, workers: int = 32) -> ServerProcess:
     log_dir.mkdir(parents=True, exist_ok=True)
     return _start(
