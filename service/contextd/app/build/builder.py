@@ -531,14 +531,18 @@ class ContextBuilder:
         now = plan.now_us
         second = now // 1_000_000
         kept = self._statuses.peek(plan.key) if self.remember_results else None
-        if kept is None or not kept.answers(entries, activity, now):
+        if kept is not None and kept.answers(entries, activity, now):
+            if kept.second == second:
+                return kept.text  # the same string: its hash (the frame memo's key) is kept
+            since, until, body = kept.since_us, kept.until_us, kept.body
+        else:
+            since = now
             body, until = status_body(entries, activity, now, plan.key.thread)
-            kept = _StatusKept(entries, activity, now, until, body, second, "")
-        elif kept.second == second:
-            return kept.text  # the same string: its hash (the frame memo's key) is kept
-        kept = replace(kept, second=second, text=status_with_time(kept.body, now))
-        self._statuses.put(plan.key, kept)
-        return kept.text
+        text = status_with_time(body, now)
+        self._statuses.put(
+            plan.key, _StatusKept(entries, activity, since, until, body, second, text)
+        )
+        return text
 
     # ----------------------------------------------------------------- CompactContext
 
