@@ -236,7 +236,7 @@ def test_a_kept_status_block_is_the_one_made_afresh_after_any_change(
                 service.set_status(TENANT, AGENT, "", entry, ttl)
             elif kind == "clear":
                 service.clear_context(TENANT, AGENT, "", side)
-        for _ in range(2):  # the second build is answered from what the first kept
+        for _ in range(3):  # the later builds are answered from what the first kept
             built = hot.build_context(REQUEST)
             fresh = cold.build_context(REQUEST)
             _same(built, fresh)
@@ -306,3 +306,35 @@ def test_the_status_block_shows_each_change_after_it_was_kept(
     client.stub.ClearContext(pb.ClearContextRequest(agent="a1", thread="t2"))
     status = _status(client)
     assert "- t2" not in status and "- t3" in status
+
+
+@pytest.mark.duckdb_only
+def test_the_hot_cache_keeps_an_agents_thread_activity_until_its_threads_change(
+    stores: tuple[Store, Store],
+) -> None:
+    """From the second read over the same thread rows on, the same answer (the very
+    list) until a commit to one of the agent's threads; the window's age moving within
+    the rows' times keeps it, and every answer is what the store without the cache
+    reads."""
+    hot_store, cold_store = stores
+    services = [ContextService(s, ExtractiveSummarizer()) for s in stores]
+    for service in services:
+        service.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=2 * HOUR_US))
+        for k in range(3):
+            service.append_messages(TENANT, AGENT, "", f"t{k}", _texts(2, 10 * k))
+
+    def read(store: Store, age_us: int = 0) -> list[ThreadActivity]:
+        assert isinstance(store.clock, ManualClock)
+        window = WindowSpec(0, store.clock.now_us() - 2 * HOUR_US + age_us)
+        with store.snapshot():
+            return store.thread_activity(TENANT, AGENT, "", window, 30)
+
+    first = read(hot_store)
+    assert first == read(cold_store) and [a.window_message_count for a in first] == [2, 2, 2]
+    second = read(hot_store)
+    assert read(hot_store) is second and read(hot_store, SECOND_US) is second
+    for service in services:
+        service.append_messages(TENANT, AGENT, "", "t1", _texts(1, 99))
+    after = read(hot_store)
+    assert after is not second and after == read(cold_store)
+    assert (after[0].thread, after[0].window_message_count) == ("t1", 3)

@@ -498,7 +498,9 @@ class HotCache:
         # thread to count from its messages), with what it is a function of
         # (`ActivityKept`): an agent's builds between two commits to its threads read
         # the same list (making it was a tenth of a build of an agent with 100 threads).
-        self.activity: dict[tuple[Any, ...], ActivityKept] = {}
+        # Kept from the second answer over the same rows on (the first keeps the rows
+        # alone): a thread appended to before every build changes them every time.
+        self.activity: dict[tuple[Any, ...], ActivityKept | dict[str, ScopeThread]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -1389,7 +1391,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
             return super().thread_activity(tenant, agent, scope, window, limit)
         threads: dict[str, ScopeThread] = entry.value
         before = self._hot.activity.get(key)
-        if before is not None and before.answers(threads, window, limit):
+        if isinstance(before, ActivityKept) and before.answers(threads, window, limit):
             return before.activity
         kept = self._hot.by_recency.get(key)
         if kept is not None and kept[0] is threads and kept[1] == window.clear_after_us:
@@ -1412,13 +1414,17 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
                 v = found.view()
             counts[t.context_id] = window_count(v, window.with_thread_clear(t.last_clear_us))
         activity = activity_of(newest, counts)
-        remembered = (
-            activity_kept(threads, window, limit, newest, activity) if not partial else None
+        again = before is threads or (
+            isinstance(before, ActivityKept) and before.threads is threads
         )
-        if remembered is not None:
-            if len(self._hot.activity) >= MAX_RECENCY_ORDERS:
-                self._hot.activity.clear()
-            self._hot.activity[key] = remembered
+        remembered = (
+            activity_kept(threads, window, limit, newest, activity)
+            if again and not partial
+            else None
+        )
+        if len(self._hot.activity) >= MAX_RECENCY_ORDERS:
+            self._hot.activity.clear()
+        self._hot.activity[key] = threads if remembered is None else remembered
         return activity
 
     def _load_scope(
