@@ -494,6 +494,13 @@ class HotCache:
         self.by_recency: dict[
             tuple[Any, ...], tuple[dict[str, ScopeThread], int, list[ScopeThread]]
         ] = {}
+        # Per scope: the last `thread_activity` answered from the thread rows alone (no
+        # thread to count from its messages), with what it is a function of
+        # (`ActivityKept`): an agent's builds between two commits to its threads read
+        # the same list (making it was a tenth of a build of an agent with 100 threads).
+        # Kept from the second answer over the same rows on (the first keeps the rows
+        # alone): a thread appended to before every build changes them every time.
+        self.activity: dict[tuple[Any, ...], ActivityKept | dict[str, ScopeThread]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -953,6 +960,68 @@ def activity_of(newest: Sequence[ScopeThread], counts: dict[int, int]) -> list[T
     return [a for a in activity if a.window_message_count > 0]
 
 
+@dataclass(frozen=True, slots=True)
+class ActivityKept:
+    """A `thread_activity` answer made from a scope's thread rows alone, and the
+    windows it answers: the same rows (compared by identity: they are replaced on every
+    change), the same bounds but the age, and an age in ``[age_from, age_until)``.
+
+    Within that range no row leaves the newest (`newest_of` cuts at the age less the
+    source lead) and every row stays wholly in its window (`partial_threads`: its oldest
+    time after the age), so the answer is the same list; a smaller age (a clock set
+    back) may take in more rows and is not answered."""
+
+    threads: dict[str, ScopeThread]
+    clear_after_us: int
+    max_messages: int
+    expire_after_us: int | None
+    limit: int
+    age_from: int
+    age_until: int
+    activity: list[ThreadActivity]
+
+    def answers(self, threads: dict[str, ScopeThread], window: WindowSpec, limit: int) -> bool:
+        return (
+            self.threads is threads
+            and self.age_from <= window.age_after_us < self.age_until
+            and self.clear_after_us == window.clear_after_us
+            and self.limit == limit
+            and self.max_messages == window.max_messages
+            and self.expire_after_us == window.expire_after_us
+        )
+
+
+def activity_kept(
+    threads: dict[str, ScopeThread],
+    window: WindowSpec,
+    limit: int,
+    newest: Sequence[ScopeThread],
+    activity: list[ThreadActivity],
+) -> ActivityKept | None:
+    """What `ActivityKept` keeps of an answer made with no partial thread (None: the
+    answer read messages, or retention applies, and is not kept)."""
+    if window.retains:
+        return None
+    until = 1 << 62
+    for t in newest:
+        source = t.create_time_us if t.min_source_time_us is None else t.min_source_time_us
+        # Wholly in the window while the age is before the row's oldest time (see
+        # `partial_threads`), and among the newest while before its commit plus the lead.
+        until = min(
+            until, min(t.create_time_us, source), t.last_message_time_us + MAX_SOURCE_LEAD_US
+        )
+    return ActivityKept(
+        threads,
+        window.clear_after_us,
+        window.max_messages,
+        window.expire_after_us,
+        limit,
+        window.age_after_us,
+        until,
+        activity,
+    )
+
+
 def partial_threads(newest: Sequence[ScopeThread], window: WindowSpec) -> list[ScopeThread]:
     """The threads of `newest` (`newest_of`) `activity_of` must count from their
     messages: under retention all of them, else those not wholly in their window (as
@@ -1321,6 +1390,9 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         if entry is None or not isinstance(entry, _Small) or entry.value is None:
             return super().thread_activity(tenant, agent, scope, window, limit)
         threads: dict[str, ScopeThread] = entry.value
+        before = self._hot.activity.get(key)
+        if isinstance(before, ActivityKept) and before.answers(threads, window, limit):
+            return before.activity
         kept = self._hot.by_recency.get(key)
         if kept is not None and kept[0] is threads and kept[1] == window.clear_after_us:
             ordered = kept[2]
@@ -1341,7 +1413,19 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
             with self._hot.lock:
                 v = found.view()
             counts[t.context_id] = window_count(v, window.with_thread_clear(t.last_clear_us))
-        return activity_of(newest, counts)
+        activity = activity_of(newest, counts)
+        again = before is threads or (
+            isinstance(before, ActivityKept) and before.threads is threads
+        )
+        remembered = (
+            activity_kept(threads, window, limit, newest, activity)
+            if again and not partial
+            else None
+        )
+        if len(self._hot.activity) >= MAX_RECENCY_ORDERS:
+            self._hot.activity.clear()
+        self._hot.activity[key] = threads if remembered is None else remembered
+        return activity
 
     def _load_scope(
         self, key: tuple[Any, ...], tenant: str, agent: str, scope: str

@@ -120,6 +120,33 @@ def status_preamble(
     service's own view (message counts, last activity), the current one first. Returns ""
     when nothing else is going on, so a lone thread pays no tokens for it.
     """
+    body, _until = status_body(
+        entries, activity, now_us, current_thread, max_entries=max_entries, max_threads=max_threads
+    )
+    return status_with_time(body, now_us)
+
+
+def status_with_time(body: str | None, now_us: int) -> str:
+    """The status block of a `status_body` at ``now_us``: its "as of" line heads it."""
+    if body is None:
+        return ""
+    as_of = datetime.fromtimestamp(now_us / 1_000_000, UTC).isoformat(timespec="seconds")
+    return f"Status as of {as_of}:\n{body}"
+
+
+def status_body(
+    entries: Sequence[StatusEntry],
+    activity: Sequence[ThreadActivity],
+    now_us: int,
+    current_thread: str,
+    *,
+    max_entries: int = 30,
+    max_threads: int = 30,
+) -> tuple[str | None, int]:
+    """The status block but its "as of" line (None: no block), and the first time after
+    ``now_us`` at which it reads otherwise (an entry expires, an "ago" or "expires in"
+    shows another number): from ``now_us`` until then the same inputs give the same
+    body, so a caller may keep it (the builder: an agent's builds within a second)."""
     live = sorted(
         (e for e in entries if e.is_live(now_us)), key=lambda e: (-e.update_time_us, e.key)
     )
@@ -128,10 +155,11 @@ def status_preamble(
         key=lambda a: (a.thread != current_thread, -a.last_message_time_us, a.thread),
     )
     others = [a for a in threads if a.thread != current_thread]
+    # An entry that expires later is no longer live then (the block may then be empty).
+    until = min((e.expire_time_us for e in live if e.expire_time_us is not None), default=_NEVER)
     if not live and not others:
-        return ""
-    as_of = datetime.fromtimestamp(now_us / 1_000_000, UTC).isoformat(timespec="seconds")
-    lines = [f"Status as of {as_of}:"]
+        return None, until
+    lines: list[str] = []
     if threads:
         lines.append("Threads of this agent with messages in the context window:")
         for a in threads[:max_threads]:
@@ -140,21 +168,29 @@ def status_preamble(
                 f"- {a.thread}{mark}: {a.window_message_count} messages, "
                 f"last {_ago(now_us - a.last_message_time_us)}"
             )
+            until = min(
+                until, a.last_message_time_us + _ago_changes(now_us - a.last_message_time_us)
+            )
         if len(threads) > max_threads:
             lines.append(f"- … {len(threads) - max_threads} more threads")
     if live:
         lines.append("Thread and process status:")
         for e in live[:max_entries]:
             when = f"updated {_ago(now_us - e.update_time_us)}"
+            until = min(until, e.update_time_us + _ago_changes(now_us - e.update_time_us))
             if e.expire_time_us is not None:
                 when += f", expires in {_span(e.expire_time_us - now_us)}"
+                until = min(until, e.expire_time_us - _span_holds(e.expire_time_us - now_us))
             lines.append(
                 f"- [{e.kind.value}] {_one_line(e.key, 80)} — {_one_line(e.state, 40)}: "
                 f"{_one_line(e.summary, 200)} ({when})"
             )
         if len(live) > max_entries:
             lines.append(f"- … {len(live) - max_entries} more entries")
-    return "\n".join(lines)
+    return "\n".join(lines), until
+
+
+_NEVER = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,10 +428,20 @@ class _Prepared:
     repaired: list[int]
     elided: list[int]
     order: tuple[int, ...]
+    # `protected_cost` by its argument: a remembered window's prepared history is
+    # assembled again by every build whose status block is not empty (the same answer:
+    # the columns are never changed once made).
+    protected: dict[bool, int] = field(default_factory=dict, compare=False, repr=False)
 
     def protected_cost(self, *, with_request: bool) -> int:
         """What the newest turn costs (as it would be kept, per-message cuts applied);
         with ``with_request``, from the latest user message on (the current request)."""
+        found = self.protected.get(with_request)
+        if found is None:
+            found = self.protected[with_request] = self._protected_cost(with_request)
+        return found
+
+    def _protected_cost(self, with_request: bool) -> int:
         items = self.work.items
         if not items:
             return 0
@@ -1039,6 +1085,35 @@ def _fit_text(text: str, max_tokens: int, count: TokenCounter, note: str) -> tup
 
 def _ago(delta_us: int) -> str:
     return "just now" if delta_us < 1_000_000 else _span(delta_us) + " ago"
+
+
+def _unit(seconds: int) -> int:
+    """The unit `_span` shows ``seconds`` in, in seconds."""
+    for size in (86_400, 3_600, 60):
+        if seconds >= size:
+            return size
+    return 1
+
+
+def _ago_changes(delta_us: int) -> int:
+    """The least delta after ``delta_us`` at which `_ago` reads otherwise (it grows with
+    the clock): the next whole second under a second ("just now"), else the next whole
+    unit `_span` shows."""
+    if delta_us < 1_000_000:
+        return 1_000_000
+    s = delta_us // 1_000_000
+    size = _unit(s)
+    return (s // size + 1) * size * 1_000_000
+
+
+def _span_holds(delta_us: int) -> int:
+    """For a delta that shrinks with the clock ("expires in"): the largest delta below
+    ``delta_us`` at which `_span` reads otherwise, as the time before the end it is
+    reached at (the block changes at ``end - _span_holds(...)``)."""
+    s = max(0, delta_us) // 1_000_000
+    size = _unit(s)
+    # Shows s // size units while the delta is at least (s // size) * size seconds.
+    return (s // size) * size * 1_000_000 - 1
 
 
 def _span(delta_us: int) -> str:

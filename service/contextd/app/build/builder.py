@@ -24,7 +24,8 @@ from contextd.app.build.assembly import (
     NO_CHAR_LIMIT,
     BudgetTooSmallError,
     assemble,
-    status_preamble,
+    status_body,
+    status_with_time,
 )
 from contextd.app.build.compaction import (
     make_summary_item,
@@ -44,7 +45,9 @@ from contextd.domain.context import (
     BuildStats,
     HistoryItem,
     IdList,
+    StatusEntry,
     StrategyOptions,
+    ThreadActivity,
     ToolCall,
     counter_for_model,
     counter_with_known,
@@ -162,6 +165,31 @@ class _Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class _StatusKept:
+    """A status block's body (`status_body`) and what it is a function of: the entries
+    and thread activity read, and a time in ``[since_us, until_us)``. The reads are
+    compared by identity first (the DuckDB hot cache hands the same activity list until
+    the agent's threads change), else by value."""
+
+    entries: Sequence[StatusEntry]
+    activity: Sequence[ThreadActivity]
+    since_us: int
+    until_us: int
+    body: str | None
+    second: int  # the whole second of the clock `text` was made at ("as of")
+    text: str  # the block (`status_with_time`) at that second
+
+    def answers(
+        self, entries: Sequence[StatusEntry], activity: Sequence[ThreadActivity], now_us: int
+    ) -> bool:
+        return (
+            self.since_us <= now_us < self.until_us
+            and (self.activity is activity or self.activity == activity)
+            and (self.entries is entries or self.entries == entries)
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class _Tail:
     """The trimmer's columns of what a newest-first read read (`_load_tail`): the
     window's rows from position `first` on, pair-repaired (a window extended from it
@@ -274,6 +302,10 @@ class ContextBuilder:
         # window's run): a commit to another thread leaves it valid, and a new state of
         # the thread replaces it (one window per thread and parameters is kept).
         self._windows: Memo[Hashable, tuple[Hashable, _Window]] = Memo(BUILT_RESULTS)
+        # The status block of each thread's last build but its "as of" line, with what it
+        # was made of and until when it reads the same (`_StatusKept`): an agent with
+        # many threads formatted their lines again at every build.
+        self._statuses: Memo[ContextKey, _StatusKept] = Memo(BUILT_RESULTS)
         # The newest generation remembered: results of older ones cannot be asked for
         # again (a new snapshot reads the newest), so `_built` is emptied when it moves.
         self._generation = -1
@@ -301,8 +333,9 @@ class ContextBuilder:
         # Threads whose last build left a window `_extended_tail` may extend (what a
         # build tells the store beforehand: `BuildReads.extend`).
         self._extendable: dict[ContextKey, bool] = {}
-        # Off: every build reads and assembles, and sends no read ahead on what earlier
-        # builds read (`plan_build_reads`): tests comparing read paths on one store.
+        # Off: every build reads and assembles (its status block made afresh too), and
+        # sends no read ahead on what earlier builds read (`plan_build_reads`): tests
+        # comparing read paths on one store.
         self.remember_results = True
 
     # ----------------------------------------------------------------- BuildContext
@@ -495,7 +528,21 @@ class ContextBuilder:
             plan.agent_window,
             STATUS_THREADS,
         )
-        return status_preamble(entries, activity, plan.now_us, plan.key.thread)
+        now = plan.now_us
+        second = now // 1_000_000
+        kept = self._statuses.peek(plan.key) if self.remember_results else None
+        if kept is not None and kept.answers(entries, activity, now):
+            if kept.second == second:
+                return kept.text  # the same string: its hash (the frame memo's key) is kept
+            since, until, body = kept.since_us, kept.until_us, kept.body
+        else:
+            since = now
+            body, until = status_body(entries, activity, now, plan.key.thread)
+        text = status_with_time(body, now)
+        self._statuses.put(
+            plan.key, _StatusKept(entries, activity, since, until, body, second, text)
+        )
+        return text
 
     # ----------------------------------------------------------------- CompactContext
 

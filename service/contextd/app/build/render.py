@@ -47,12 +47,13 @@ from __future__ import annotations
 import functools
 import json
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from contextd import core
 from contextd.app.build.compaction import repair_tool_pairs, trim_columns
+from contextd.app.build.memo import Memo
 from contextd.domain.context import (
     AssembledContext,
     HistoryItem,
@@ -365,24 +366,42 @@ def rendered_tokens(
     ctx: AssembledContext,
     count: TokenCounter,
     item_tokens: Callable[[Sequence[HistoryItem]], list[int]] | None = None,
+    cost_key: object = None,
 ) -> int:
     """The rendering ``fmt`` of ``ctx`` as its provider counts it (see the module
     docstring): what a budget bounds. For ``openai``, the messages :func:`to_openai` sends,
     counted as :func:`openai_tokens` counts them, without making them (see
-    :func:`openai_item_tokens`; ``item_tokens``, when given, answers what it would)."""
+    :func:`openai_item_tokens`; ``item_tokens``, when given, answers what it would).
+    ``cost_key`` names what ``count`` is a function of (the model, see `Framing.key`):
+    the messages around the history are then counted once per key and texts."""
     if fmt == "openai":
-        around: list[JsonObject] = []
         system = system_text(ctx)
-        if system:
-            around.append({"role": "system", "content": system})
-        if ctx.status:
-            around.append({"role": "user", "content": wire_text(ctx.status)})
-        if ctx.new_message:
-            around.append({"role": "user", "content": wire_text(ctx.new_message)})
+        status, new = ctx.status, ctx.new_message
+
+        def around_cost(_key: object) -> int:
+            around: list[JsonObject] = []
+            if system:
+                around.append({"role": "system", "content": system})
+            if status:
+                around.append({"role": "user", "content": wire_text(status)})
+            if new:
+                around.append({"role": "user", "content": wire_text(new)})
+            return sum(openai_tokens(around, count))
+
+        if cost_key is None:
+            around_c = around_cost(None)
+        else:
+            around_c = _AROUND.get((cost_key, system, status, new), around_cost)
         items = wire_order(ctx.history)
         per_item = openai_item_tokens(items, count) if item_tokens is None else item_tokens(items)
-        return sum(openai_tokens(around, count)) + sum(per_item) + OPENAI_REPLY_TOKENS
+        return around_c + sum(per_item) + OPENAI_REPLY_TOKENS
     return count([render(fmt, ctx)])[0]
+
+
+# What the messages around the history cost in the OpenAI rendering, by the counter's key
+# and their texts (system, status block, new message): every build of a thread with a
+# status block counted the block's rendering again. Never stale: the key is the input.
+_AROUND: Memo[Hashable, int] = Memo(256)
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +548,11 @@ class Framing:
         best, which = -1, ""
         for fmt in self.formats:
             tokens = rendered_tokens(
-                fmt, ctx, self.count, functools.partial(self._kept_costs, ("openai",))
+                fmt,
+                ctx,
+                self.count,
+                functools.partial(self._kept_costs, ("openai",)),
+                self.key,
             )
             if tokens > best:
                 best, which = tokens, fmt
