@@ -134,9 +134,22 @@ pub fn packed_int64(field: u32, values: &[i64]) -> Vec<u8> {
     let mut out = Vec::with_capacity(payload + 16);
     put_varint(&mut out, u64::from(field) << 3 | 2);
     put_varint(&mut out, payload as u64);
+    // Written into the sized buffer by index rather than pushed (a capacity check per
+    // byte).
+    let start = out.len();
+    out.resize(start + payload, 0);
+    let mut at = start;
     for &v in values {
-        put_varint(&mut out, v as u64);
+        let mut v = v as u64;
+        while v >= 0x80 {
+            out[at] = (v as u8) | 0x80;
+            at += 1;
+            v >>= 7;
+        }
+        out[at] = v as u8;
+        at += 1;
     }
+    debug_assert_eq!(at, start + payload);
     out
 }
 
@@ -225,6 +238,32 @@ mod tests {
             };
             assert_eq!(encode(&m)[0], MESSAGES);
         }
+    }
+
+    #[test]
+    fn packed_ids_are_the_varints_one_by_one() {
+        let mut values: Vec<i64> = vec![0, 1, -1, i64::MIN, i64::MAX];
+        for shift in 0..64 {
+            let p = 1u64 << shift;
+            values.extend([
+                p as i64,
+                (p - 1) as i64,
+                p.wrapping_add(1) as i64,
+                (p as i64).wrapping_neg(),
+            ]);
+        }
+        values.extend(
+            (0..2_000).map(|i: i64| i.wrapping_mul(0x9E37_79B9_7F4A_7C15_u64 as i64) >> (i % 64)),
+        );
+        let got = packed_int64(10, &values);
+        let mut payload = Vec::new();
+        for &v in &values {
+            put_varint(&mut payload, v as u64);
+        }
+        let mut want = vec![0x52];
+        put_varint(&mut want, payload.len() as u64);
+        want.extend(payload);
+        assert_eq!(got, want);
     }
 
     #[test]
