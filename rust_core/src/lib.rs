@@ -7,6 +7,7 @@
 //! around large inputs.
 
 pub mod bm25;
+pub mod build_wire;
 pub mod error;
 pub mod estimate;
 pub mod models;

@@ -16,12 +16,16 @@
 use pyo3::buffer::{Element, PyBuffer};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyBufferError, PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+
+use std::collections::HashSet;
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use crate::bm25;
+use crate::build_wire;
 use crate::error::{catch_panic, CoreError, CoreResult};
 use crate::models;
 use crate::pairs;
@@ -127,6 +131,83 @@ fn encode_receipts<'py>(
             sequences: &sequences,
         })?)
     })?;
+    Ok(PyBytes::new(py, &bytes))
+}
+
+/// The kept messages of a BuildContextResponse as its field 4 entries (see
+/// `build_wire.rs`): one `ContextMessage` per history item (read from the items'
+/// attributes `id`, `role`, `content`, `tool_calls`, `tool_call_id`, `token_count`,
+/// `is_summary`; its stamp, when `stamps` has one for its id, from `create_time_us`,
+/// `source_time_us` and `sequence`), flagged truncated or elided when its id is in those
+/// lists, then the new message when there is one: `(content, token_count, truncated)`,
+/// role user. What `contextd.api.convert._add_messages` builds, serialized, without a
+/// protobuf object per message.
+#[pyfunction]
+fn encode_context_messages<'py>(
+    py: Python<'py>,
+    items: &Bound<'py, PyAny>,
+    stamps: &Bound<'py, PyDict>,
+    truncated_ids: Vec<i64>,
+    elided_ids: Vec<i64>,
+    new_message: Option<(Bound<'py, PyString>, i64, bool)>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let truncated: HashSet<i64> = truncated_ids.into_iter().collect();
+    let elided: HashSet<i64> = elided_ids.into_iter().collect();
+    let mut out = Vec::with_capacity(4096);
+    let mut body = Vec::with_capacity(1024);
+    for item in items.try_iter()? {
+        let item = item?;
+        let id_obj = item.getattr(intern!(py, "id"))?;
+        let id: i64 = id_obj.extract()?;
+        let content = item.getattr(intern!(py, "content"))?;
+        let content = content.cast::<PyString>()?;
+        let tool_calls = item.getattr(intern!(py, "tool_calls"))?;
+        let tool_calls = tool_calls.cast::<PyString>()?;
+        let tool_call_id = item.getattr(intern!(py, "tool_call_id"))?;
+        let tool_call_id = tool_call_id.cast::<PyString>()?;
+        let mut message = build_wire::ContextMessage {
+            id,
+            role: item.getattr(intern!(py, "role"))?.extract()?,
+            content: content.to_str()?,
+            tool_calls: tool_calls.to_str()?,
+            tool_call_id: tool_call_id.to_str()?,
+            token_count: item.getattr(intern!(py, "token_count"))?.extract()?,
+            truncated: truncated.contains(&id),
+            elided: elided.contains(&id),
+            is_summary: item.getattr(intern!(py, "is_summary"))?.extract()?,
+            ..Default::default()
+        };
+        if let Some(stamp) = stamps.get_item(&id_obj)? {
+            message.create_time_us = Some(stamp.getattr(intern!(py, "create_time_us"))?.extract()?);
+            message.source_time_us = stamp.getattr(intern!(py, "source_time_us"))?.extract()?;
+            message.sequence = stamp.getattr(intern!(py, "sequence"))?.extract()?;
+        }
+        build_wire::put_context_message(&mut out, &mut body, &message);
+    }
+    if let Some((content, token_count, truncated)) = new_message {
+        let message = build_wire::ContextMessage {
+            role: 1, // ROLE_USER
+            content: content.to_str()?,
+            token_count,
+            truncated,
+            ..Default::default()
+        };
+        build_wire::put_context_message(&mut out, &mut body, &message);
+    }
+    Ok(PyBytes::new(py, &out))
+}
+
+/// `values` (a 1-D C-contiguous int64 buffer, e.g. a NumPy array, read in place) as the
+/// packed repeated int64 field numbered `field`: key, length and varints; empty bytes
+/// for no values. About 20 us for 10,000 ids.
+#[pyfunction]
+fn encode_packed_int64<'py>(
+    py: Python<'py>,
+    field: u32,
+    values: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let column = Column::<i64>::new(values, "values", "int64")?;
+    let bytes = build_wire::packed_int64(field, column.as_slice(py));
     Ok(PyBytes::new(py, &bytes))
 }
 
@@ -978,6 +1059,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_tokens_batch, m)?)?;
     m.add_function(wrap_pyfunction!(search_vectors, m)?)?;
     m.add_function(wrap_pyfunction!(encode_receipts, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_context_messages, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_packed_int64, m)?)?;
     m.add_function(wrap_pyfunction!(decode_append_messages, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(count_tokens_batch, m)?)?;

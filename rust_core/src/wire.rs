@@ -33,7 +33,7 @@ pub struct Receipts<'a> {
     pub sequences: &'a [i64],
 }
 
-fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut value: u64) {
     while value >= 0x80 {
         out.push((value as u8) | 0x80);
         value >>= 7;

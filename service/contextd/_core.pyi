@@ -5,6 +5,7 @@ The one set of docstrings of the core's functions is here (editors and type chec
 it); :mod:`contextd.core` re-exports them and adds the Python-side names.
 """
 
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal, final
 
 from numpy.typing import NDArray
@@ -28,6 +29,8 @@ __all__ = [
     "count_tokens_batch",
     "count_tokens_for_model_batch",
     "decode_append_messages",
+    "encode_context_messages",
+    "encode_packed_int64",
     "encode_receipts",
     "estimate_tokens",
     "estimate_tokens_batch",
@@ -74,6 +77,30 @@ def decode_append_messages(
     where a field repeats the last one wins. Raises ``ValueError`` for bytes that are
     not such a request (cut short, bad lengths or varints, text that is not UTF-8, proto2
     groups) or arguments of another length."""
+
+def encode_context_messages(
+    items: Iterable[Any],
+    stamps: dict[int, Any],
+    truncated_ids: Sequence[int],
+    elided_ids: Sequence[int],
+    new_message: tuple[str, int, bool] | None,
+) -> bytes:
+    """The kept messages of a ``contextd.v1.BuildContextResponse``, serialized as its
+    field 4 entries (each ``ContextMessage`` with its key and length), exactly as the
+    protobuf runtime writes them: one per item of ``items`` (history items: read from
+    their ``id``, ``role``, ``content``, ``tool_calls``, ``tool_call_id``,
+    ``token_count`` and ``is_summary``), with ``create_time``, ``source_time`` and
+    ``sequence`` from ``stamps[item.id]`` when present (``create_time_us``,
+    ``source_time_us`` or None, ``sequence``; microseconds split as ``divmod``),
+    ``truncated`` / ``elided`` when the id is listed; then ``new_message``
+    (content, token count, truncated) as a user message. Raises ``TypeError`` or
+    ``AttributeError`` for items of another shape."""
+
+def encode_packed_int64(field: int, values: _Column) -> bytes:
+    """``values`` (a 1-D C-contiguous int64 buffer, read in place) as the packed
+    repeated int64 field numbered ``field``: its key, the payload's length and each
+    value's varint (a negative one in ten bytes); ``b""`` when empty, as the protobuf
+    runtime writes no empty packed field."""
 
 def encode_receipts(
     ids: list[int],

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from contextd import core
@@ -207,141 +207,152 @@ MAX_LISTED_DROPPED_IDS = 10_000
 
 
 def build_response(result: BuildResult, full: bool) -> pb.BuildContextResponse:
+    """The response of a build as a message (what `build_response_bytes` serializes)."""
+    return pb.BuildContextResponse.FromString(build_response_bytes(result, full))
+
+
+# BuildStats' fields numbered below dropped_ids (10): written before the listed ids, the
+# others after them, so the joined bytes are in field-number order as the runtime writes.
+_DROPPED_IDS_FIELD = pb.BuildStats.DROPPED_IDS_FIELD_NUMBER
+_STATS_BEFORE_IDS = frozenset(
+    f.name for f in pb.BuildStats.DESCRIPTOR.fields if f.number < _DROPPED_IDS_FIELD
+)
+# The key of BuildContextResponse.stats (field 5, length-delimited).
+_STATS_TAG = bytes([pb.BuildContextResponse.STATS_FIELD_NUMBER << 3 | 2])
+
+
+def build_response_bytes(result: BuildResult, full: bool) -> bytes:
+    """The serialized BuildContextResponse of a build (`full`: with the structured
+    context; else the stats, renderings and excerpts only), which the servicer returns
+    as it is (see `contextd.api.server.pass_bytes`).
+
+    Why bytes, joined from parts: this runs for every LLM call an agent makes, and
+    building the response as one protobuf message (a ContextMessage and two Timestamps
+    per kept message, up to 10,000 dropped ids packed and merged into the stats, then
+    the whole message serialized by gRPC) cost a 10,000-message thread's call about as
+    much interpreter time as its build. The kept messages and the dropped ids are
+    written by the Rust core (`core.encode_context_messages`, `core.encode_packed_int64`)
+    straight into wire bytes; the small fields are serialized by the protobuf runtime,
+    in parts (fields 1-3, the stats on either side of the ids, fields 9-10), and the
+    parts joined in field-number order: the same bytes as the message built whole and
+    serialized, which tests/test_build_response_bytes.py checks against the earlier
+    construction for varied results.
+    """
     ctx = result.context
     s = ctx.stats
-    renderings = [
-        pb.Rendering(format=_FORMAT_NAMES[name], content=content)  # type: ignore[arg-type]
-        for name, content in result.renderings.items()
-    ]
-    first, last = s.summarized_range or (0, 0)
-    stats = pb.BuildStats(
-        budget_tokens=s.budget,
-        total_tokens=s.total_tokens,
-        system_tokens=s.system_tokens,
-        docs_tokens=s.docs_tokens,
-        status_tokens=s.status_tokens,
-        history_tokens=s.history_tokens,
-        user_message_tokens=s.new_message_tokens,
-        messages_before=s.messages_before,
-        messages_after=s.messages_after,
-        dropped_count=len(s.dropped_ids),
-        truncated_ids=s.truncated_ids,
-        elided_ids=s.elided_ids,
-        first_summarized_id=first,
-        last_summarized_id=last,
-        summarizer_path=s.summarizer_path or "",
-        summarizer_error=s.summarizer_error or "",
-        tokenizer=result.tokenizer,
-        strategy=result.strategy,
-        user_message_truncated=s.new_message_truncated,
-        messages_loaded=result.messages_loaded,
-        orphaned_ids=result.orphaned_ids,
-        rendered_tokens=s.rendered_tokens,
-        rendered_format=s.rendered_format,
-        status_truncated=s.status_truncated,
-        status_dropped=s.status_dropped,
-        dropped_ranges=[pb.MessageIdRange(first_id=a, last_id=b) for a, b in s.dropped_ranges],
-        ledger_entries=s.ledger_entries,
-        ledger_tokens=s.ledger_tokens,
-        ledger_added=s.ledger_added,
-        ledger_evicted=s.ledger_evicted,
-        ledger_in_context=s.ledger_in_context,
-        compaction_deferred=s.compaction_deferred,
-        summary_attempts=s.summary_attempts,
-        tool_output_excerpt_ids=[a.pointer.id for a in result.excerpts.added],
-        tool_output_excerpt_tokens=result.excerpts.tokens,
-        tool_output_excerpts_left_out_ids=result.excerpts.left_out_ids,
-        tool_output_candidates=result.excerpts.candidates,
+    parts: list[bytes] = []
+    if full:
+        if ctx.system_prompt or ctx.docs or ctx.status:
+            parts.append(
+                pb.BuildContextResponse(
+                    system_prompt=ctx.system_prompt,
+                    docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
+                    status=ctx.status,
+                ).SerializeToString()
+            )
+        new_message = (
+            None
+            if ctx.new_message is None
+            else (ctx.new_message, s.new_message_tokens, s.new_message_truncated)
+        )
+        parts.append(
+            core.encode_context_messages(
+                ctx.history, result.stamps, s.truncated_ids, s.elided_ids, new_message
+            )
+        )
+    stats = _stats_fields(result)
+    before = {k: v for k, v in stats.items() if k in _STATS_BEFORE_IDS}
+    after = {k: v for k, v in stats.items() if k not in _STATS_BEFORE_IDS}
+    body = b"".join(
+        (
+            pb.BuildStats(**before).SerializeToString(),
+            dropped_ids_field(s.dropped_ids),
+            pb.BuildStats(**after).SerializeToString(),
+        )
     )
-    excerpts = [
-        pb.BuildExcerpt(
-            output_id=a.pointer.id,
-            tool_name=a.pointer.tool_name,
-            args_json=a.pointer.args_json,
-            score=a.score,
-            parts=[
-                pb.BuildExcerptPart(offset=e.offset, length=e.length, text=e.text, part=e.part)
-                for e in a.parts
-            ],
-            tokens=a.tokens,
+    parts += (_STATS_TAG, varint(len(body)), body)  # present even when empty, as before
+    if result.renderings or result.excerpts.added:
+        parts.append(
+            pb.BuildContextResponse(
+                renderings=[
+                    pb.Rendering(format=_FORMAT_NAMES[name], content=content)  # type: ignore[arg-type]
+                    for name, content in result.renderings.items()
+                ],
+                tool_output_excerpts=[
+                    pb.BuildExcerpt(
+                        output_id=a.pointer.id,
+                        tool_name=a.pointer.tool_name,
+                        args_json=a.pointer.args_json,
+                        score=a.score,
+                        parts=[
+                            pb.BuildExcerptPart(
+                                offset=e.offset, length=e.length, text=e.text, part=e.part
+                            )
+                            for e in a.parts
+                        ],
+                        tokens=a.tokens,
+                    )
+                    for a in result.excerpts.added
+                ],
+            ).SerializeToString()
         )
-        for a in result.excerpts.added
-    ]
-    if not full:
-        response = pb.BuildContextResponse(
-            stats=stats, renderings=renderings, tool_output_excerpts=excerpts
-        )
-    else:
-        response = pb.BuildContextResponse(
-            system_prompt=ctx.system_prompt,
-            docs=[pb.AgentDoc(name=d.name, content=d.content) for d in ctx.docs],
-            status=ctx.status,
-            stats=stats,
-            renderings=renderings,
-            tool_output_excerpts=excerpts,
-        )
-        _add_messages(response, result)
-    # Into the response's own stats: a message given to a constructor is copied, and the
-    # listed ids (up to 10,000) are most of a long window's response.
-    _add_dropped_ids(response.stats, s.dropped_ids)
-    return response
+    return b"".join(parts)
 
 
-def _add_messages(response: pb.BuildContextResponse, result: BuildResult) -> None:
-    """The context's messages (each kept item with its stamp, then the new message), made
-    in the response's own list: a message given to a constructor is copied, and the
-    Timestamps set in place rather than made and copied (a fifth of a response's making
-    per kept message)."""
-    ctx, s, stamps = result.context, result.context.stats, result.stamps
-    truncated, elided = set(s.truncated_ids), set(s.elided_ids)
-    add = response.messages.add
-    for item in ctx.history:
-        message = add(
-            id=item.id,
-            role=int(item.role),
-            content=item.content,
-            tool_calls=item.tool_calls,
-            tool_call_id=item.tool_call_id,
-            token_count=item.token_count,
-            truncated=item.id in truncated,
-            elided=item.id in elided,
-            is_summary=item.is_summary,
-        )
-        stamp = stamps.get(item.id)
-        if stamp is None:
-            continue
-        seconds, micros = divmod(stamp.create_time_us, 1_000_000)
-        at = message.create_time
-        at.seconds, at.nanos = seconds, micros * 1_000
-        if stamp.source_time_us is not None:
-            seconds, micros = divmod(stamp.source_time_us, 1_000_000)
-            at = message.source_time
-            at.seconds, at.nanos = seconds, micros * 1_000
-        message.sequence = stamp.sequence
-    if ctx.new_message is not None:
-        add(
-            role=pb.ROLE_USER,
-            content=ctx.new_message,
-            token_count=s.new_message_tokens,
-            truncated=s.new_message_truncated,
-        )
+def _stats_fields(result: BuildResult) -> dict[str, Any]:
+    """BuildStats' fields by name, all but the listed dropped ids."""
+    s = result.context.stats
+    first, last = s.summarized_range or (0, 0)
+    return {
+        "budget_tokens": s.budget,
+        "total_tokens": s.total_tokens,
+        "system_tokens": s.system_tokens,
+        "docs_tokens": s.docs_tokens,
+        "status_tokens": s.status_tokens,
+        "history_tokens": s.history_tokens,
+        "user_message_tokens": s.new_message_tokens,
+        "messages_before": s.messages_before,
+        "messages_after": s.messages_after,
+        "dropped_count": len(s.dropped_ids),
+        "truncated_ids": s.truncated_ids,
+        "elided_ids": s.elided_ids,
+        "first_summarized_id": first,
+        "last_summarized_id": last,
+        "summarizer_path": s.summarizer_path or "",
+        "summarizer_error": s.summarizer_error or "",
+        "tokenizer": result.tokenizer,
+        "strategy": result.strategy,
+        "user_message_truncated": s.new_message_truncated,
+        "messages_loaded": result.messages_loaded,
+        "orphaned_ids": result.orphaned_ids,
+        "rendered_tokens": s.rendered_tokens,
+        "rendered_format": s.rendered_format,
+        "status_truncated": s.status_truncated,
+        "status_dropped": s.status_dropped,
+        "dropped_ranges": [pb.MessageIdRange(first_id=a, last_id=b) for a, b in s.dropped_ranges],
+        "ledger_entries": s.ledger_entries,
+        "ledger_tokens": s.ledger_tokens,
+        "ledger_added": s.ledger_added,
+        "ledger_evicted": s.ledger_evicted,
+        "ledger_in_context": s.ledger_in_context,
+        "compaction_deferred": s.compaction_deferred,
+        "summary_attempts": s.summary_attempts,
+        "tool_output_excerpt_ids": [a.pointer.id for a in result.excerpts.added],
+        "tool_output_excerpt_tokens": result.excerpts.tokens,
+        "tool_output_excerpts_left_out_ids": result.excerpts.left_out_ids,
+        "tool_output_candidates": result.excerpts.candidates,
+    }
 
 
-def _add_dropped_ids(stats: pb.BuildStats, ids: Sequence[int]) -> None:
-    """The newest MAX_LISTED_DROPPED_IDS of ``ids`` appended to ``stats.dropped_ids``:
-    from an IdList's array, as the packed field's bytes merged in (what extending by a
-    list of Python ints made, without an int per id)."""
-    if not isinstance(ids, IdList):
-        stats.dropped_ids.extend(ids[-MAX_LISTED_DROPPED_IDS:])
-        return
-    newest = ids.newest(MAX_LISTED_DROPPED_IDS)
-    if len(newest):
-        payload = packed_varints(newest)
-        stats.MergeFromString(_DROPPED_IDS_TAG + varint(len(payload)) + payload)
-
-
-# The key of BuildStats.dropped_ids (field 10) as a packed (length-delimited) field.
-_DROPPED_IDS_TAG = bytes([pb.BuildStats.DROPPED_IDS_FIELD_NUMBER << 3 | 2])
+def dropped_ids_field(ids: Sequence[int]) -> bytes:
+    """BuildStats.dropped_ids as serialized: the newest MAX_LISTED_DROPPED_IDS of
+    ``ids`` packed by the Rust core from an IdList's array (no Python int per id)."""
+    newest = (
+        ids.newest(MAX_LISTED_DROPPED_IDS)
+        if isinstance(ids, IdList)
+        else np.asarray(ids[-MAX_LISTED_DROPPED_IDS:], dtype=np.int64)
+    )
+    return core.encode_packed_int64(_DROPPED_IDS_FIELD, np.ascontiguousarray(newest))
 
 
 def varint(value: int) -> bytes:
@@ -352,31 +363,6 @@ def varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
-
-
-def packed_varints(values: npt.NDArray[np.int64]) -> bytes:
-    """``values`` as the payload of a packed repeated int64 field: each a varint of its
-    64-bit two's complement (a negative one takes ten bytes), vectorised one byte
-    position at a time (1-D passes: NumPy is slow over a narrow second axis)."""
-    v = np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
-    most = max(1, (int(v.max()).bit_length() + 6) // 7)  # the widest varint's bytes
-    widths = np.ones(len(v), dtype=np.int64)
-    for k in range(1, most):
-        widths += v >= np.uint64(1 << (7 * k))
-    bytes_at = [((v >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8) for j in range(most)]
-    for j in range(most - 1):
-        bytes_at[j][widths > j + 1] |= 0x80  # more bytes follow
-    if int(widths.min()) == most:  # the usual case: ids of one width, a plain grid
-        grid = np.empty((len(v), most), dtype=np.uint8)
-        for j, column in enumerate(bytes_at):
-            grid[:, j] = column
-        return grid.tobytes()
-    starts = np.cumsum(widths) - widths
-    out = np.empty(int(starts[-1] + widths[-1]), dtype=np.uint8)
-    for j, column in enumerate(bytes_at):
-        has = widths > j
-        out[starts[has] + j] = column[has]
-    return out.tobytes()
 
 
 def agent_pb(agent: Agent) -> pb.Agent:

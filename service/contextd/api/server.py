@@ -187,6 +187,8 @@ class Interceptors(grpc.ServerInterceptor):  # type: ignore[type-arg]
         pool = self._pools.get(handler_call_details.method)
         if composed is not None and pool is not None:
             composed = on_pool(composed, pool)
+        if composed is not None and composed.unary_unary is not None:
+            composed = pass_bytes(composed)
         self._composed[key] = (handler, composed)
         return composed
 
@@ -231,6 +233,35 @@ def on_pool(
         run,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
+    )
+
+
+def pass_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` (a unary-unary one) whose behaviour may return its response already
+    serialized: bytes are sent as they are, a message is serialized as before.
+
+    Why: BuildContext, on every LLM call an agent makes, writes its response's bulk (the
+    kept messages, up to 10,000 dropped ids) as wire bytes in the Rust core
+    (`contextd.api.convert.build_response_bytes`); parsing them into a message only for
+    gRPC to serialize it again cost about a third of the response's making. The check is
+    made once per call, in the serializer gRPC calls anyway.
+    """
+    behaviour = handler.unary_unary
+    serialize = handler.response_serializer
+    if behaviour is None:
+        raise ValueError("only unary-unary methods may return bytes")
+    if serialize is None:
+        return handler  # gRPC sends what the behaviour returns (bytes) unchanged
+
+    def serializer(response: Any) -> bytes:
+        if type(response) is bytes:
+            return response
+        return serialize(response)  # type: ignore[no-any-return]
+
+    return grpc.unary_unary_rpc_method_handler(
+        behaviour,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=serializer,
     )
 
 

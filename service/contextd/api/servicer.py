@@ -15,7 +15,7 @@ from google.protobuf.message import Message
 
 from contextd.api.convert import (
     agent_pb,
-    build_response,
+    build_response_bytes,
     event_pb,
     formats_of,
     message_pb,
@@ -281,9 +281,9 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
         )
         return pb.GetContextStatsResponse(stats=stats_pb(stats))
 
-    def BuildContext(
-        self, request: pb.BuildContextRequest, context: grpc.ServicerContext
-    ) -> pb.BuildContextResponse:
+    def BuildContext(self, request: pb.BuildContextRequest, context: grpc.ServicerContext) -> bytes:
+        """The serialized BuildContextResponse: the server sends bytes as they are
+        (`contextd.api.server.pass_bytes`; see `build_response_bytes` for why)."""
         full = view_of(request.view)
         result = self._service.build_context(
             BuildRequest(
@@ -297,7 +297,7 @@ class ContextServicer(pb_grpc.ContextServiceServicer):
                 formats=formats_of(request.formats),
             )
         )
-        return build_response(result, full)
+        return build_response_bytes(result, full)
 
     def CompactContext(
         self, request: pb.CompactContextRequest, context: grpc.ServicerContext
