@@ -86,15 +86,7 @@ fn put_time(out: &mut Vec<u8>, tag: u8, us: Option<i64>) {
     ] {
         if value != 0 {
             stamp[len] = field;
-            len += 1;
-            let mut v = value as u64;
-            while v >= 0x80 {
-                stamp[len] = (v as u8) | 0x80;
-                len += 1;
-                v >>= 7;
-            }
-            stamp[len] = v as u8;
-            len += 1;
+            len = write_varint(&mut stamp, len + 1, value as u64);
         }
     }
     out.push(tag);
@@ -123,6 +115,20 @@ pub fn put_context_message(out: &mut Vec<u8>, body: &mut Vec<u8>, m: &ContextMes
     out.extend_from_slice(body);
 }
 
+/// `value`'s varint written into `buf` from `at` (which must have room: at most ten
+/// bytes); returns the index after it. By index into a sized buffer rather than pushed
+/// (`put_varint`'s capacity check per byte).
+#[inline]
+fn write_varint(buf: &mut [u8], mut at: usize, mut value: u64) -> usize {
+    while value >= 0x80 {
+        buf[at] = (value as u8) | 0x80;
+        at += 1;
+        value >>= 7;
+    }
+    buf[at] = value as u8;
+    at + 1
+}
+
 /// A packed repeated int64 field numbered `field`: its key, the payload's length and
 /// each value's varint; nothing when `values` is empty (the runtime writes no empty
 /// packed field).
@@ -140,14 +146,7 @@ pub fn packed_int64(field: u32, values: &[i64]) -> Vec<u8> {
     out.resize(start + payload, 0);
     let mut at = start;
     for &v in values {
-        let mut v = v as u64;
-        while v >= 0x80 {
-            out[at] = (v as u8) | 0x80;
-            at += 1;
-            v >>= 7;
-        }
-        out[at] = v as u8;
-        at += 1;
+        at = write_varint(&mut out, at, v as u64);
     }
     debug_assert_eq!(at, start + payload);
     out
