@@ -187,7 +187,7 @@ class Interceptors(grpc.ServerInterceptor):  # type: ignore[type-arg]
         pool = self._pools.get(handler_call_details.method)
         if composed is not None and pool is not None:
             composed = on_pool(composed, pool)
-        if composed is not None and composed.unary_unary is not None:
+        if composed is not None and handler_call_details.method in BYTES_METHODS:
             composed = pass_bytes(composed)
         self._composed[key] = (handler, composed)
         return composed
@@ -234,6 +234,10 @@ def on_pool(
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+# Methods whose behaviour answers with its response already serialized (`pass_bytes`).
+BYTES_METHODS = frozenset({"/contextd.v1.ContextService/BuildContext"})
 
 
 def pass_bytes(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:

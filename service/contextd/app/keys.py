@@ -45,10 +45,8 @@ class KeyCalls(UseCases):
         at most, never the secret.
         """
         if bearer is None:
-            if not self._store.any_active_key():
-                return LOCAL_OPERATOR
-            log.info("call without an API key refused")
-            raise keyless_refused()
+            self._require_no_active_key()
+            return LOCAL_OPERATOR
         parsed = parse_token(bearer)
         if parsed is None:
             log.info("call with a malformed API key refused")
@@ -59,11 +57,18 @@ class KeyCalls(UseCases):
             log.info("call with an unknown or revoked API key refused", extra={"key_id": key_id})
             raise key_refused()
         key = found[0]
-        known = self._known_keys
-        if len(known) >= KNOWN_KEYS and key_id not in known:
-            known.clear()
-        known[key_id] = found
+        if self._store.confirms_owed_keys:  # only there are calls admitted from it
+            known = self._known_keys
+            if len(known) >= KNOWN_KEYS and key_id not in known:
+                known.clear()
+            known[key_id] = found
         return Caller(key.tenant, key.role, key.key_id)
+
+    def _require_no_active_key(self) -> None:
+        """UNAUTHENTICATED (logged) when any key is active: a call without one is refused."""
+        if self._store.any_active_key():
+            log.info("call without an API key refused")
+            raise keyless_refused()
 
     def writes_confirm_keys(self) -> bool:
         """Whether this store's writes confirm a key owed to them (`owed_key_check` in
@@ -92,9 +97,7 @@ class KeyCalls(UseCases):
         """Check what admitting `caller` unconfirmed assumed: its key is still active (or,
         without one, no key is active). UNAUTHENTICATED, logged, when it is not."""
         if not caller.key_id:
-            if self._store.any_active_key():
-                log.info("call without an API key refused")
-                raise keyless_refused()
+            self._require_no_active_key()
             return
         found = self._store.find_key(caller.key_id)
         if found is None or not found[0].active:

@@ -92,14 +92,18 @@ def key_not_found(key_id: str) -> NotFound:
     return NotFound(f"no API key {quote(key_id)} in this tenant", reason="KEY_NOT_FOUND")
 
 
+_KEYLESS_REFUSED = "this server needs an API key: send `authorization: Bearer <key>`"
+_KEY_REFUSED = "the API key is unknown or revoked"
+
+
 def keyless_refused() -> Unauthenticated:
     """The refusal of a call without a key by a server that has an active key."""
-    return Unauthenticated("this server needs an API key: send `authorization: Bearer <key>`")
+    return Unauthenticated(_KEYLESS_REFUSED)
 
 
 def key_refused() -> Unauthenticated:
     """The refusal of a call whose key is unknown, revoked or does not match."""
-    return Unauthenticated("the API key is unknown or revoked")
+    return Unauthenticated(_KEY_REFUSED)
 
 
 class KeyRefused(Unauthenticated):
@@ -110,8 +114,7 @@ class KeyRefused(Unauthenticated):
 def refused(caller: Caller) -> KeyRefused:
     """The refusal of `caller`, admitted unconfirmed, whose key (or, without one, the
     absence of any active key) no longer stands."""
-    message = (keyless_refused() if not caller.key_id else key_refused()).message
-    return KeyRefused(message)
+    return KeyRefused(_KEY_REFUSED if caller.key_id else _KEYLESS_REFUSED)
 
 
 # The caller of the running call whose key the store has not confirmed yet: set (by the
@@ -143,6 +146,14 @@ def owe_key_check(caller: Caller | None) -> object:
 def key_check_paid() -> None:
     """The running call's key was confirmed (or refused): nothing is owed any more."""
     _OWED_KEY_CHECK.set(None)
+
+
+def key_check_answered(owed: Caller, stands: bool) -> None:
+    """A store read whether `owed`'s key still stands: nothing is owed any more, and
+    KeyRefused when it does not."""
+    key_check_paid()
+    if not stands:
+        raise refused(owed)
 
 
 def restore_key_check(token: object) -> None:

@@ -20,7 +20,8 @@ class AccessMixin(DuckDBBase):
     comes without a key, and a call's key is found on every call with one, so both are
     kept in memory: exact here, because one process owns the file and every change goes
     through this store (`contextd keys --direct` needs the server stopped). A key read
-    from the file took about 0.7 ms of a call (a statement on a cursor of its own)."""
+    from the file was a read by SQL, whose barrier first applies the append journal:
+    every keyed append applied it (11 ms at the median against 1.3 ms, paired)."""
 
     _active_keys_known: bool | None = None
     # Keys found, by id (None: not initialized yet), and the revocations made so far: a

@@ -24,7 +24,7 @@ import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
 
-from contextd.domain.access import key_check_paid, owed_key_check, refused
+from contextd.domain.access import key_check_answered, owed_key_check
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import (
     ContextdError,
@@ -224,9 +224,7 @@ class PostgresBase:
                         self._local.planned = None  # by plan_build_reads
                     if owed is not None and check is not None:
                         stands = check.fetchone()
-                        key_check_paid()
-                        if not (stands and stands[0]):
-                            raise refused(owed)
+                        key_check_answered(owed, bool(stands and stands[0]))
                     conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
@@ -395,9 +393,7 @@ def pay_owed_key_check(conn: Conn) -> None:
     if owed is None:
         return
     row = first(conn, "SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
-    key_check_paid()
-    if not row[0]:
-        raise refused(owed)
+    key_check_answered(owed, bool(row[0]))
 
 
 def first(conn: Conn, sql: str, params: list[Any] | dict[str, Any]) -> Any:

@@ -46,7 +46,7 @@ from contextd.adapters.postgres.message_cache import MESSAGE_TAG, MessageCache
 from contextd.adapters.postgres.pending_list import PendingListMerger
 from contextd.adapters.postgres.search_vector import search_vectors
 from contextd.adapters.rows import MESSAGE_COLUMNS, agent_row, message_from_row
-from contextd.domain.access import key_check_paid, owed_key_check, refused
+from contextd.domain.access import key_check_answered, owed_key_check
 from contextd.domain.batches import stored_tokenizer
 from contextd.domain.errors import StaleModel
 from contextd.domain.idempotency import RequestRecord
@@ -575,9 +575,7 @@ class MessagesMixin(PostgresBase):
                     conn.autocommit = False
         owed = owed_key_check()
         if owed is not None:
-            key_check_paid()
-            if not row[5]:
-                raise refused(owed)
+            key_check_answered(owed, bool(row[5]))
         check_remembered(record, row[2:5])
         if row[0] is None:
             return None
