@@ -62,7 +62,15 @@ def _patch(step: str) -> None:
         Store._commit_appends = commit  # type: ignore[method-assign]
     elif step == "store":
 
+        stored = Store.append
+        agents: set[tuple[str, str]] = set()
+
         def append(self: Any, key: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+            # The first append of an agent is stored (it creates the agent), so the
+            # service finds the agent's settings cached, as it does when appends store.
+            if (key.tenant, key.agent) not in agents:
+                agents.add((key.tenant, key.agent))
+                return stored(self, key, batch, *args, **kwargs)
             return [receipt] * len(batch.messages)
 
         Store.append = append  # type: ignore[method-assign]
