@@ -21,6 +21,11 @@ The three servers run side by side for the whole benchmark and take turns load b
 alike; PostgreSQL skips the 100-message load. Latencies are per call as the caller sees
 it (p50 / p99 of the calls that ended in the measured windows).
 
+In the 32-caller load three more DuckDB servers take their turn, each with a part of
+contextd's work patched out (``bench.append_ladder``: the writer answering without
+writing, the store answering at once, the handler answering at once): not rows of the
+table, they show in a finding where the gap to the echo ceiling goes.
+
 The baseline is the reference design, SQLite with WAL and synchronous=FULL, in process
 with one caller (see ``bench.sqlite_baseline``): it shows the scale of a durable commit
 and of a bulk insert on this disk, not the same load, so no row has a contextd / SQLite
@@ -37,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench import append_probe, child, pg, servers, sqlite_baseline
+from bench import append_ladder, append_probe, child, pg, servers, sqlite_baseline
 from bench.model import Bar, Section, Target
 from bench.sizes import Sizes
 from bench.stats import fmt_num, fmt_ratio, median, progress, ratio
@@ -51,10 +56,13 @@ ENGINES = {
     "duckdb-key": "DuckDB, with an API key",
     "postgresql-key": "PostgreSQL, with an API key",
 }
+# contextd on DuckDB with a part of its work removed (bench/append_ladder.py), served in
+# the 32-caller load only: where the gap to the echo ceiling goes. Not rows of the table.
+LADDER = {f"ladder-{step}": step for step in append_ladder.STEPS[1:]}
 # (callers, messages per call, engines measured): the echo server takes every load.
 LOADS: list[tuple[int, int, tuple[str, ...]]] = [
     (1, 1, tuple(ENGINES)),
-    (CALLERS, 1, ("duckdb", "postgresql")),
+    (CALLERS, 1, ("duckdb", "postgresql", *LADDER)),
     (BATCH_CALLERS, 100, ("duckdb",)),
     (BATCH_CALLERS, 1_000, ("duckdb", "postgresql")),
 ]
@@ -77,6 +85,8 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
         started["postgresql-key"] = servers.start_contextd(
             tmp / "postgresql-key" / "data", store=pg.fresh_database("appends_key")
         )
+        for name, step in LADDER.items():
+            started[name] = append_ladder.start(step, tmp / name / "data")
         api_keys = {
             name: servers.create_write_key(started[name].address)
             for name in ("duckdb-key", "postgresql-key")
@@ -158,7 +168,7 @@ def section(raw: dict[str, Any]) -> Section:
         rate = "calls" if batch == 1 else "messages"
         echo = raw[_key("echo", callers, batch)]
         for engine in engines:
-            if _key(engine, callers, batch) not in raw:
+            if engine not in ENGINES or _key(engine, callers, batch) not in raw:
                 continue  # a saved run from before the row was measured
             ours = raw[_key(engine, callers, batch)]
             rows.append(
@@ -189,6 +199,13 @@ def section(raw: dict[str, Any]) -> Section:
     pg_share = ratio(pg1["calls"], echo1["calls"])
     best_batched = max(at("duckdb", BATCH_CALLERS, b)["messages"] for b in BATCHES)
     vs_sqlite_batch = ratio(ours1000, raw["sqlite"]["batch1000"])
+
+    # The ladder's share of the echo ceiling per step (None: a run from before it).
+    ladder = (
+        {name: ratio(at(name, CALLERS, 1)["calls"], echo1["calls"]) for name in LADDER}
+        if all(_key(name, CALLERS, 1) in raw for name in LADDER)
+        else None
+    )
 
     def p(engine: str, callers: int, batch: int, q: str) -> str:
         return f"{fmt_num(at(engine, callers, batch)['latency_ms'][q])} ms"
@@ -241,11 +258,16 @@ def section(raw: dict[str, Any]) -> Section:
             why="in process, without gRPC, the same store serves many times more calls (the "
             "group-commit probe below), so the gap is in serving over gRPC: each call wakes one "
             "of the server's handler threads, which contend for the one GIL with each other and "
-            "the writer thread (a profile of the served process found contextd's own Python "
-            "and the writer's commit about 40% of its CPU per call; grpc's threads and their "
-            "contention took the rest, about 1.5 times what the echo server spends per call). "
-            "Both servers run under the batch scheduling policy (--scheduling), which spares "
-            "the thread holding the GIL being preempted at each wake-up.",
+            "the writer thread. "
+            + (
+                f"Removing parts of contextd's work (the ladder below) shows every part "
+                f"counts: with nothing stored at all, its request handling alone reaches "
+                f"{ladder['ladder-store']:.0%} of the echo ceiling"
+                if ladder
+                else ""
+            )
+            + ". Both servers run under the batch scheduling policy (--scheduling), which "
+            "spares the thread holding the GIL being preempted at each wake-up.",
         ),
         Target(
             "Batched appends, durable",
@@ -291,6 +313,24 @@ def section(raw: dict[str, Any]) -> Section:
         "contextd adds per call: its own Python, the writer's commit, and the thread "
         "wake-ups and GIL hand-offs of a call that waits for its commit.",
     ]
+    if ladder:
+        findings.insert(
+            1,
+            f"Where the {CALLERS}-caller gap goes (bench/append_ladder.py: contextd on DuckDB "
+            "with a part of its work patched out, served beside the others in the same load): "
+            "AppendMessages answered at once by its handler, leaving gRPC and contextd's "
+            f"interceptors: {ladder['ladder-handler']:.0%} of the echo ceiling (CPU per call "
+            f"{_cpu_ms(at('ladder-handler', CALLERS, 1))}); the store's append answered at "
+            "once on the handler thread, leaving all of the request's handling (key check, "
+            "decoding, validation, request record, token counts) but storing nothing: "
+            f"{ladder['ladder-store']:.0%} ({_cpu_ms(at('ladder-store', CALLERS, 1))}); the "
+            "writer thread answering each group without writing it, adding the hand-off to "
+            f"the writer and back: {ladder['ladder-writer']:.0%} "
+            f"({_cpu_ms(at('ladder-writer', CALLERS, 1))}); contextd: {share:.0%} "
+            f"({_cpu_ms(ours1)}); the echo server {_cpu_ms(echo1)}. Each step is tens of "
+            "microseconds of Python per call, paid under the one GIL by the thread that "
+            "every other caller's thread is waiting for.",
+        )
     if all(_key(f"{e}-key", 1, 1) in raw for e in ("duckdb", "postgresql")):
         findings.insert(
             1,
