@@ -61,7 +61,6 @@ def _patch(step: str) -> None:
 
         Store._commit_appends = commit  # type: ignore[method-assign]
     elif step == "store":
-
         stored = Store.append
         agents: set[tuple[str, str]] = set()
 
