@@ -1001,19 +1001,35 @@ class MessagesMixin(PostgresBase):
         )
         self._local.extend = key if reads.extend else None
         guess = self._bounds_guess.get(key)
-        moved = self._moved_here.get(key)
-        if guess is None or moved is None:
+        if guess is None:
             return
+        moved = self._moved_here.get(key)
         ref, summary_last = guess
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains:
             return
-        if moved <= APPENDED_ROWS and self._queue_appended(conn, ref):
-            return
+        if moved is None or moved <= APPENDED_ROWS:
+            # The rows appended since the window this replica saw (by any replica; none
+            # when the thread is as it was): with them the build keeps or extends the
+            # window it holds, and needs no other read.
+            appended = self._queue_appended(conn, ref)
+            if (appended or moved is None) and self._hot_build(reads, ref):
+                self._end_snapshot_early(conn)
+            if appended or moved is None:
+                return
         params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
         cursor = conn.execute(_BOUNDS, params, binary=True)
         match = (ref, window, summary_last, reads.first_page, reads.held)
         self._local.bounds = (match, cursor, tags)
+
+    def _hot_build(self, reads: BuildReads, guess: ContextRef) -> bool:
+        """Whether the build `reads` announces is likely one its reads sent ahead answer
+        whole (so that `_send_planned` ends its snapshot with them): its builder keeps a
+        window of the thread, and this replica saw the thread's window (read or extended
+        it) at the ref it last read. A wrong guess costs the build a second snapshot
+        (`SnapshotMoved`), never a wrong answer: the snapshot ends, and no read is made
+        outside it."""
+        return reads.kept and (_tenant(guess), guess.context_id) in self._windows_seen
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window's narrow columns as one row of six binary arrays (PostgreSQL's
