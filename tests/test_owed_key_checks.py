@@ -320,3 +320,38 @@ def test_a_build_with_a_key_the_replica_knows_makes_no_round_trip_for_it(
     assert len(trips) == HOT_BUILD_ROUND_TRIPS, trips
     sent = [line for line in (tmp_path / "trace").read_text().splitlines() if line[:1] == "F"]
     assert sum("api_keys" in line for line in sent) == 1  # the check, in the first trip
+
+
+def _clear(caller: Caller) -> None:
+    caller.context.ClearContext(
+        pb.ClearContextRequest(agent="a", thread="t"), metadata=caller.metadata
+    )
+
+
+@pytest.mark.parametrize("cleared", [False, True], ids=["hot", "run-again"])
+def test_a_hot_build_with_a_key_revoked_through_another_replica_is_refused(
+    replicas: tuple[Replica, Replica], tmp_path: Path, cleared: bool
+) -> None:
+    """A hot build's snapshot ends with the reads sent ahead, the key's check among
+    them (one round trip): a key revoked through another replica is refused with
+    nothing answered; and so it is when the build needs another read and runs again in
+    a second snapshot (the thread cleared elsewhere), which reads the check again."""
+    one, two = replicas
+    admin, created = _keys(one)
+    writer = Caller(two, created.secret)
+    writer.append("hello")
+    for _ in range(2):
+        assert [m.content for m in _build(writer).messages][-1:] == ["hello"]
+    if cleared:
+        _clear(admin)
+    admin.revoke(created.key.key_id)
+    trace = tmp_path / "trace"
+    with _traced(two.store, trace) as trips:
+        _unauthenticated(lambda: _build(writer))
+    sent = [line for line in trace.read_text().splitlines() if line[:1] == "F"]
+    snapshots = sum("BEGIN ISOLATION LEVEL REPEATABLE READ" in line for line in sent)
+    assert sum("api_keys" in line for line in sent) == snapshots
+    if cleared:
+        assert snapshots == 2 and len(trips) > HOT_BUILD_ROUND_TRIPS, trips
+    else:
+        assert snapshots == 1 and len(trips) == HOT_BUILD_ROUND_TRIPS, trips

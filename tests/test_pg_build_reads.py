@@ -32,11 +32,15 @@ from contextd.domain.model import AgentSettings, BuildOverrides, ContextKey, New
 from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
-# A hot build: the thread (with its summary and agent's version, after the snapshot's
-# queued BEGIN), and with it the status block and the window's bounds and its newest page
-# (and the kept messages among them), sent with the arguments the replica's last build
-# of the thread had (`plan_build_reads`); COMMIT.
-HOT_BUILD_ROUND_TRIPS = 2
+# A hot build (the replica keeps a window of the thread): the thread (with its summary
+# and agent's version, after the snapshot's queued BEGIN), and with it the status block
+# and the rows appended since the window the replica saw (by any replica), sent with the
+# arguments the replica's last build of the thread had (`plan_build_reads`), then COMMIT
+# and Sync: its snapshot ends with the reads sent ahead (`_end_snapshot_early`).
+HOT_BUILD_ROUND_TRIPS = 1
+# A build that reads its window's bounds afresh (more rows appended here than extend a
+# window): the thread, the status block, the bounds and the newest page; COMMIT.
+BOUNDS_BUILD_ROUND_TRIPS = 2
 
 
 @pytest.fixture
@@ -105,18 +109,19 @@ def test_a_build_after_more_appended_rows_than_extend_a_window_reads_its_bounds_
     trips = _round_trips(store, functools.partial(_build_into, service, request, after))
     assert after[0].context.history[-1].content.startswith(f"more{len(batches) - 1} ")
     assert service._builder.window_extensions == extended
-    assert trips == HOT_BUILD_ROUND_TRIPS
+    assert trips == BOUNDS_BUILD_ROUND_TRIPS
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
-def test_a_hot_build_makes_two_round_trips(
+def test_a_hot_build_makes_one_round_trip(
     store: PostgresStore, service: ContextService, interleaved: bool
 ) -> None:
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
-    a hot build makes the same two round trips, and they do not grow with the thread;
+    a hot build makes the same one round trip, and it does not grow with the thread;
     the build right after an append too (three before `plan_build_reads`; interleaved,
-    three before a build extended its window by the appended rows)."""
+    three before a build extended its window by the appended rows; two before its
+    snapshot ended with the reads sent ahead)."""
     for step in range(6):
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"main{step}", 100))
         if interleaved:
@@ -336,3 +341,90 @@ def test_queued_bounds_answer_only_the_call_they_were_read_for(
         store.status_and_activity(TENANT, AGENT, "", 0, 10, WindowSpec(0, 0), 10)
         again = store.window_bounds(ref, WindowSpec(0, 0), 0, 16, 100)
     assert again is not None and again.count == 50 and again.first_id == stored[0].id
+
+
+def _other_appended(other: ContextService, conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    other.append_messages(TENANT, AGENT, "", "main", _turns("other", 3))
+
+
+def _other_cleared(other: ContextService, conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    clock = other._store.clock
+    assert isinstance(clock, ManualClock)
+    clock.advance(1_000)
+    other.clear_context(TENANT, AGENT, "", "main")
+    clock.advance(1_000)
+    other.append_messages(TENANT, AGENT, "", "main", _turns("after", 4))
+
+
+def _deleted(other: ContextService, conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    conn.execute("DELETE FROM messages WHERE id = %s", [ids[-2]])
+
+
+def _rewritten(other: ContextService, conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    conn.execute("UPDATE messages SET content = 'rewritten' WHERE id = %s", [ids[-3]])
+
+
+def _agent_changed(other: ContextService, conn: psycopg.Connection[Any], ids: list[int]) -> None:
+    other.update_agent(TENANT, AGENT, AgentSettings(system_prompt="changed"), ["system_prompt"])
+
+
+# Changes between two builds of a replica that keeps the thread's window, and whether its
+# next build still takes everything from the reads it sent ahead (one snapshot, one round
+# trip) or needs another read, and runs again in a snapshot that ends last.
+CHANGES = {
+    "appended elsewhere": (_other_appended, True),
+    "cleared elsewhere": (_other_cleared, False),
+    "a message deleted": (_deleted, False),
+    "a message rewritten": (_rewritten, False),
+    "agent changed elsewhere": (_agent_changed, False),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_hot_build_that_needs_another_read_runs_again_in_a_snapshot_that_ends_last(
+    store: PostgresStore, service: ContextService, postgres_dsn: str, change: str
+) -> None:
+    """A hot build's snapshot ends with the reads sent ahead (`_end_snapshot_early`):
+    when the thread changed in a way they cannot answer (another replica cleared it, a
+    message was deleted or rewritten, the agent's settings changed), its next read
+    raises SnapshotMoved, and the build runs again in a snapshot that ends after its
+    reads; another replica's plain append is among the reads sent ahead. Either way
+    the build equals the one a replica that never built before makes, and the build
+    after it is hot again."""
+    make, hot = CHANGES[change]
+    clock = store.clock
+    other = PostgresStore.open(postgres_dsn, clock=clock, pool_size=1)
+    try:
+        elsewhere = ContextService(other, ExtractiveSummarizer())
+        service.append_messages(TENANT, AGENT, "", "main", _turns("m", 300))
+        request = BuildRequest(
+            TENANT, AGENT, "", "main", overrides=BuildOverrides(budget_tokens=2_000)
+        )
+        for _ in range(2):
+            before = service.build_context(request)
+        ids = [m.id for m in before.context.history]
+        with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+            make(elsewhere, conn, ids)
+        got: list[Any] = []
+        statements: list[str] = []
+        extended = service._builder.window_extensions
+        trips = _round_trips(
+            store, functools.partial(_build_into, service, request, got), statements
+        )
+        snapshots = sum("BEGIN ISOLATION LEVEL REPEATABLE READ" in s for s in statements)
+        fresh = PostgresStore.open(postgres_dsn, clock=clock, pool_size=1)
+        try:
+            expected = ContextService(fresh, ExtractiveSummarizer()).build_context(request)
+        finally:
+            fresh.close()
+        assert got[0].context == expected.context
+        assert got[0].stamps == expected.stamps
+        if hot:
+            assert (trips, snapshots) == (HOT_BUILD_ROUND_TRIPS, 1)
+            assert service._builder.window_extensions == extended + 1
+        else:
+            assert snapshots == 2 and trips > HOT_BUILD_ROUND_TRIPS
+        again = _round_trips(store, functools.partial(_build_into, service, request, got))
+        assert got[1].context == got[0].context and again == HOT_BUILD_ROUND_TRIPS
+    finally:
+        other.close()

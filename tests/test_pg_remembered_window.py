@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
-from test_pg_build_reads import HOT_BUILD_ROUND_TRIPS, _round_trips
+from test_pg_build_reads import BOUNDS_BUILD_ROUND_TRIPS, HOT_BUILD_ROUND_TRIPS, _round_trips
 
 from contextd.adapters.postgres.store import PostgresStore
 from contextd.app.build.builder import BuildRequest, BuildResult
@@ -235,9 +235,8 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
 ) -> None:
     """A build of a state this replica built before sends neither the window's bounds
     nor a read of its messages: the thread's row (with its version) and the status
-    block are all it reads. After another replica's append, the bounds are read in a
-    round trip of their own (after one of its own, they go with the thread's read:
-    `test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments`)."""
+    block are all it reads. After an append through any replica, the rows appended
+    since go with the thread's read, and the snapshot ends with them: one round trip."""
     a_store, b_store, _ = replicas
     a = ContextService(a_store, ExtractiveSummarizer())
     b = ContextService(b_store, ExtractiveSummarizer())
@@ -254,21 +253,21 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
     assert not [s for s in statements if "FROM messages" in s and "ANY(string_to_array" in s]
     # Another replica's append: the next build reads the rows appended since (schema
-    # version 15's counter tells nothing else changed) in a round trip of their own,
+    # version 15's counter tells nothing else changed), sent with the thread's read,
     # not the window's bounds, and extends the window it keeps.
     b.append_messages(TENANT, AGENT, "", "main", [_said("one more")])
     statements.clear()
     extended = a._builder.window_extensions
     assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
-        HOT_BUILD_ROUND_TRIPS + 1
+        HOT_BUILD_ROUND_TRIPS
     )
     assert remembered(a) == hits + 1
     assert a._builder.window_extensions == extended + 1
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
-    assert [s for s in statements if "m.sequence > $3 ORDER BY m.sequence LIMIT" in s]
+    assert [s for s in statements if "AND t.last_sequence > $2 ORDER BY x.sequence LIMIT" in s]
     assert a.build_context(request).context.history[-1].content == "one more"
     assert remembered(a) == hits + 2
-    # Its own append: those rows travel with the thread's read (as hot, two round trips).
+    # Its own append: those rows travel with the thread's read (as hot, one round trip).
     a.append_messages(TENANT, AGENT, "", "main", [_said("and mine")])
     statements.clear()
     got: list[BuildResult] = []
@@ -279,7 +278,8 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     assert not [s for s in statements if "FROM messages" in s and "string_agg" in s]
     assert got[0].context.history[-1].content == "and mine"
     # Its own tool turn: no window extends by tool rows, so the bounds go with the
-    # thread's read as before, and no round trip asks for the appended rows.
+    # thread's read as before (the snapshot ends after them, as the bounds may not be
+    # all the build reads), and no round trip asks for the appended rows.
     a.append_messages(
         TENANT,
         AGENT,
@@ -296,10 +296,10 @@ def test_a_remembered_window_reads_no_bounds_and_no_messages(
     )
     statements.clear()
     assert _round_trips(a_store, lambda: a.build_context(request), statements) == (
-        HOT_BUILD_ROUND_TRIPS
+        BOUNDS_BUILD_ROUND_TRIPS
     )
     assert a._builder.window_extensions == extended + 2
-    assert not [s for s in statements if "m.sequence > $3 ORDER BY m.sequence LIMIT" in s]
+    assert not [s for s in statements if ".sequence > $" in s and "sequence LIMIT" in s]
     a.append_messages(TENANT, AGENT, "", "main", [_said("plain again")])
     newest = a.build_context(request).context.history[-1]
     assert newest.content == "plain again"
@@ -370,7 +370,7 @@ def test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments(
 
     build()
     build()
-    # Changes the sent reads' arguments do not name: read by them, in two round trips.
+    # Changes the sent reads' arguments do not name: read by them, in one round trip.
     changes: tuple[tuple[Callable[[], object], int], ...] = (
         (
             lambda: b.set_status(
@@ -383,8 +383,8 @@ def test_reads_sent_with_the_threads_read_are_taken_only_with_their_arguments(
             0,
         ),
         (lambda: b.append_messages(TENANT, AGENT, "", "other", _turns("meanwhile", 2)), 0),
-        # Another replica's append: the bounds in a round trip of their own.
-        (lambda: b.append_messages(TENANT, AGENT, "", "main", [_said("newer")]), 1),
+        # Another replica's append: the rows appended since, with the thread's read.
+        (lambda: b.append_messages(TENANT, AGENT, "", "main", [_said("newer")]), 0),
         # This replica's: with the thread's read.
         (lambda: a.append_messages(TENANT, AGENT, "", "main", [_said("newest")]), 0),
     )

@@ -52,8 +52,10 @@ T = TypeVar("T")
 class SnapshotMoved(Exception):
     """Raised by a read inside `snapshot()` of an engine that serves some reads from
     memory (DuckDB's hot cache) when a commit happened between those reads and one it
-    must make by SQL: the reads would not be of one state. The block is run again
-    (`read_consistently`), and then reads by SQL alone."""
+    must make by SQL: the reads would not be of one state; or (PostgreSQL) by a read
+    the snapshot cannot make any more, as it ended with the reads sent ahead of a build
+    expected to need no other (`plan_build_reads`). The block is run again
+    (`read_consistently`), and then reads by SQL alone, in a snapshot that ends last."""
 
 
 def read_consistently(store: ContextReader, block: Callable[[], T]) -> T:
@@ -128,6 +130,10 @@ class BuildReads:
     # The builder keeps a window of the thread it may extend by appended messages (an
     # engine with `appended_messages` may then send that read instead of the bounds).
     extend: bool = False
+    # The builder keeps a window of the thread from an earlier build (an engine may then
+    # end the snapshot with the reads it sends ahead, in one round trip: a build that
+    # needs another read is run again, `SnapshotMoved`).
+    kept: bool = False
 
 
 class AgentStore(Protocol):

@@ -16,7 +16,7 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -37,6 +37,7 @@ from contextd.domain.errors import (
 from contextd.domain.idempotency import AlreadyDone, Remembered, RequestRecord, replay
 from contextd.domain.model import Agent, MessageReceipt
 from contextd.domain.window import WindowSpec
+from contextd.ports.store import SnapshotMoved
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,12 @@ class PostgresBase:
         (its statements see everything committed before each began)."""
         pinned: Conn | None = getattr(self._local, "conn", None)
         if pinned is not None:
+            if getattr(self._local, "ended", False):
+                # The snapshot ended with the reads sent ahead (`_end_snapshot_early`):
+                # this one would be of another state. The next snapshot of this thread,
+                # `read_consistently`'s second run, makes no such guess.
+                self._local.no_early_end = True
+                raise SnapshotMoved("a read after the snapshot ended with its reads ahead")
             yield pinned
             return
         if self._closed:
@@ -183,19 +190,26 @@ class PostgresBase:
         with the block's first statement, and its COMMIT with the Sync that ends the
         pipeline, so a snapshot costs no round trip of its own, and a read may queue a
         statement whose result a later read of the block takes (`status_and_activity`
-        queues the bounds of the thread `context_ref` read). (No cache of windows on this
+        queues the bounds of the thread `context_ref` read). A build expected to need
+        only the reads it sends ahead may end the snapshot with them, COMMIT and Sync in
+        the same round trip (`_end_snapshot_early`). (No cache of windows on this
         engine: other replicas write too; the few shortcuts it keeps, the windows builds
         read among them, are validated by reads of the snapshot, see
         docs/architecture.md, The hot cache.)"""
         if getattr(self._local, "conn", None) is not None:
             yield
             return
+        early = not getattr(self._local, "no_early_end", False)
+        self._local.no_early_end = False
         with self._reading() as conn:
             # Autocommit (client side) so that psycopg sends no BEGIN of its own, with a
             # Sync, before the first statement: the block's BEGIN is the queued one.
             conn.autocommit = True
             try:
-                with conn.pipeline():
+                # Left by the pipeline's exit, which sends the Sync: at the block's end,
+                # or earlier (`_end_snapshot_early`).
+                with ExitStack() as pipeline:
+                    pipeline.enter_context(conn.pipeline())
                     conn.execute(SNAPSHOT_BEGIN)
                     # A key the call owes a check of is read with the snapshot's first
                     # statement, so it costs no round trip; its answer is taken at the end,
@@ -207,10 +221,14 @@ class PostgresBase:
                         else None
                     )
                     self._local.conn = conn
+                    self._local.end_pipeline = pipeline.close if early else None
                     try:
                         yield
                     finally:
                         self._local.conn = None
+                        ended = bool(getattr(self._local, "ended", False))
+                        self._local.ended = False  # by `_end_snapshot_early`
+                        self._local.end_pipeline = None  # likewise
                         self._local.summary = None  # read by context_ref in this block
                         self._local.agent_version = None  # likewise
                         self._local.page = None  # read by window_bounds in this block
@@ -225,7 +243,8 @@ class PostgresBase:
                     if owed is not None and check is not None:
                         stands = check.fetchone()
                         key_check_answered(owed, bool(stands and stands[0]))
-                    conn.execute("COMMIT")
+                    if not ended:
+                        conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
                     not conn.closed
@@ -233,6 +252,23 @@ class PostgresBase:
                     conn.rollback()  # the block failed: its transaction ends unused
                 if not conn.closed:
                     conn.autocommit = False
+
+    def _end_snapshot_early(self, conn: Conn) -> bool:
+        """End this snapshot now, with the statements queued in it: COMMIT, then the
+        pipeline's Sync, one round trip for all of them (the COMMIT a block's end sends
+        otherwise costs one of its own, as the block reads results before it ends).
+        For a build whose reads the replica sent ahead (`_send_planned`): their results
+        are taken from their cursors, all of one snapshot; any other read in the block
+        raises SnapshotMoved (`_reading`), and `read_consistently` runs the block again
+        in a snapshot that ends last. Whether it ended (not in a second run)."""
+        end: Callable[[], None] | None = getattr(self._local, "end_pipeline", None)
+        if end is None or getattr(self._local, "conn", None) is not conn:
+            return False
+        conn.execute("COMMIT")
+        self._local.end_pipeline = None
+        self._local.ended = True
+        end()
+        return True
 
     def _queue_bounds(
         self, conn: Conn, tenant: str, agent: str, scope: str, agent_window: WindowSpec

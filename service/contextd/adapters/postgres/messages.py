@@ -267,6 +267,16 @@ _APPENDED = (
 # The most appended rows a build takes to extend a window it keeps (past it, it reads the
 # window afresh).
 APPENDED_ROWS = 64
+# `_APPENDED`'s read joined to the thread's read of a build (`context_ref`): a row per
+# appended row (the thread's columns repeated), or one with these NULL.
+_APPENDED_JOIN = (
+    "LEFT JOIN LATERAL (SELECT * FROM messages x WHERE x.tenant = t.tenant "
+    "AND x.context_id = t.context_id AND x.sequence > %s "
+    # Outer alone: a filter once per thread row, so an unchanged thread probes nothing.
+    "AND t.last_sequence > %s ORDER BY x.sequence LIMIT %s) x ON true "
+)
+_APPENDED_COLUMNS = "x.chars, " + ", ".join("x." + c[2:] for c in _KEYLESS_MESSAGES.split(", "))
+_APPENDED_WIDTH = len(_APPENDED_COLUMNS.split(", "))
 
 # `window_unread_orphans`: the open tool rows of the range (schema version 13), and the
 # results in it whose call is before its start, which lie within the thread's tool_span
@@ -922,24 +932,41 @@ class MessagesMixin(PostgresBase):
         which `latest_summary` then answers from memory inside the same snapshot, and
         the version of its agent's row, with which `get_agent` may answer from this
         replica's cache of agents (see agents.py)."""
+        appended = self._appended_after(key)
+        columns, join = "", ""
+        params: list[Any] = [key.tenant, key.agent, key.scope, key.thread]
+        holder: list[Any] = []
+        if appended is not None:
+            # The rows appended since the window this replica saw, in this statement
+            # (`appended_messages` takes them): one more would cost a hot build the
+            # time it saves by ending its snapshot early.
+            guess, after = appended
+            columns, join = ", " + _APPENDED_COLUMNS, _APPENDED_JOIN
+            params = [after, after, APPENDED_ROWS + 1, *params]
+            self._local.appended = ((key.tenant, guess.context_id, after), lambda: holder)
         with self._reading() as conn:
             cursor = conn.execute(
                 "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
                 f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
                 "t.rewrites, t.last_sequence, t.message_count, t.min_source_time_us IS NULL, "
-                f"{_SELECT_MESSAGES} "
+                f"{_SELECT_MESSAGES}{columns} "
                 # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
                 # condition): a plan along the thread's primary key scanned all of it.
                 "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
-                "AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id "
+                f"AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id {join}"
                 "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
-                [key.tenant, key.agent, key.scope, key.thread],
+                params,
             )
             if getattr(self._local, "conn", None) is conn:
                 self._send_planned(conn, key)  # in this round trip
-            row = cursor.fetchone()
-        if row is None:
+            rows = cursor.fetchall()
+        if not rows:
             return None
+        row = rows[0]
+        if appended is not None:
+            n = len(row) - _APPENDED_WIDTH
+            holder.extend(r[n:] for r in rows if r[n + 1] is not None)
+            row = row[:n]
         ref = ContextRef(int(row[0]), row[1], int(row[2]), key)
         if getattr(self._local, "conn", None) is not None:
             self._local.ref = ref  # for `_queue_bounds`, in this snapshot
@@ -955,6 +982,24 @@ class MessagesMixin(PostgresBase):
                 summary = message_from_row(row[9:]) if row[9] is not None else None
                 self._local.summary = (ref.context_id, ref.latest_summary_id, summary)
         return ref
+
+    def _appended_after(self, key: ContextKey) -> tuple[ContextRef, int] | None:
+        """When the build announced for `key` in this snapshot keeps a window it may
+        extend by appended rows (`BuildReads.extend`) and this replica saw one of the
+        thread it may extend (`_extendable`), not more rows behind than an extension
+        takes: the thread's ref it last read and the last sequence of the window seen,
+        after which `context_ref` reads the appended rows with the thread's row."""
+        reads: BuildReads | None = getattr(self._local, "planned", None)
+        if reads is None or reads.key != key or not reads.extend or not self._in_snapshot():
+            return None
+        guess = self._bounds_guess.get(key)
+        moved = self._moved_here.get(key)
+        if guess is None or (moved is not None and moved > APPENDED_ROWS):
+            return None
+        seen = self._extendable(guess[0])
+        if seen is None or seen.state is None:
+            return None
+        return guess[0], seen.state.last_sequence
 
     def plan_build_reads(self, reads: BuildReads) -> None:
         """Inside a snapshot, the build's next read is its thread's ref (`context_ref`):
@@ -1001,19 +1046,35 @@ class MessagesMixin(PostgresBase):
         )
         self._local.extend = key if reads.extend else None
         guess = self._bounds_guess.get(key)
-        moved = self._moved_here.get(key)
-        if guess is None or moved is None:
+        if guess is None:
             return
+        moved = self._moved_here.get(key)
         ref, summary_last = guess
         window = agent_window.with_thread_clear(ref.last_clear_time_us)
         if window.retains:
             return
-        if moved <= APPENDED_ROWS and self._queue_appended(conn, ref):
-            return
+        if moved is None or moved <= APPENDED_ROWS:
+            # The rows appended since the window this replica saw (by any replica; none
+            # when the thread is as it was): with them the build keeps or extends the
+            # window it holds, and needs no other read.
+            appended = self._queue_appended(conn, ref)
+            if (appended or moved is None) and self._hot_build(reads, ref):
+                self._end_snapshot_early(conn)
+            if appended or moved is None:
+                return
         params, tags = self._bounds_params(ref, window, summary_last, reads.first_page, reads.held)
         cursor = conn.execute(_BOUNDS, params, binary=True)
         match = (ref, window, summary_last, reads.first_page, reads.held)
         self._local.bounds = (match, cursor, tags)
+
+    def _hot_build(self, reads: BuildReads, guess: ContextRef) -> bool:
+        """Whether the build `reads` announces is likely one its reads sent ahead answer
+        whole (so that `_send_planned` ends its snapshot with them): its builder keeps a
+        window of the thread, and this replica saw the thread's window (read or extended
+        it) at the ref it last read. A wrong guess costs the build a second snapshot
+        (`SnapshotMoved`), never a wrong answer: the snapshot ends, and no read is made
+        outside it."""
+        return reads.kept and (_tenant(guess), guess.context_id) in self._windows_seen
 
     def window_columns(self, context: ContextRef, window: WindowSpec) -> pa.Table:
         """The window's narrow columns as one row of six binary arrays (PostgreSQL's
@@ -1245,7 +1306,7 @@ class MessagesMixin(PostgresBase):
         cursor = conn.execute(
             _APPENDED, [key.tenant, ref.context_id, after, APPENDED_ROWS + 1], binary=True
         )
-        self._local.appended = ((key.tenant, ref.context_id, after), cursor)
+        self._local.appended = ((key.tenant, ref.context_id, after), cursor.fetchall)
         return True
 
     def appended_messages(
@@ -1297,7 +1358,7 @@ class MessagesMixin(PostgresBase):
         if not 0 < count <= APPENDED_ROWS or state.message_count - old.message_count != count:
             return None
         if queued is not None and queued[0] == (key.tenant, context.context_id, old.last_sequence):
-            rows = queued[1].fetchall()
+            rows = queued[1]()
         elif (
             getattr(self._local, "bounds", None) is not None
             or self._moved_here.get(key, 0) > APPENDED_ROWS
@@ -1316,7 +1377,12 @@ class MessagesMixin(PostgresBase):
         if len(rows) != count:
             return None
         names = (key.agent, key.scope, key.thread)
-        appended = [message_from_row((*r[1:3], *names, *r[3:])) for r in rows]
+        # In sequence order (the thread's read returns them joined, in no set order).
+        read = sorted(
+            ((message_from_row((*r[1:3], *names, *r[3:])), int(r[0])) for r in rows),
+            key=lambda pair: pair[0].sequence,
+        )
+        appended = [m for m, _ in read]
         for at, m in enumerate(appended, old.last_sequence + 1):
             if m.sequence != at or m.is_summary or m.source_time_us is not None:
                 return None
@@ -1327,7 +1393,7 @@ class MessagesMixin(PostgresBase):
         guess = self._bounds_guess.get(key)
         if guess is not None:
             self._bounds_guess[key] = (context, guess[1])
-        return appended, [int(r[0]) for r in rows]
+        return appended, [chars for _, chars in read]
 
     def _window_unchanged(self, context: ContextRef, window: WindowSpec) -> WindowSeen | None:
         """What `_saw_window` remembered of the thread, if it holds in this snapshot: the

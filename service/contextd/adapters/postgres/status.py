@@ -122,6 +122,11 @@ class StatusMixin(PostgresBase):
         args = StatusArgs(tenant, agent, scope, live_at_us, entries, window, threads)
         sent: tuple[StatusArgs, Any] | None = getattr(self._local, "status", None)
         self._local.status = None
+        if sent is not None and sent[0] == args and getattr(self._local, "ended", False):
+            # The snapshot ended with the reads sent ahead (`_end_snapshot_early`), this
+            # one among them; no bounds can be queued after it.
+            rows = sent[1].fetchall()
+            return _status_and_activity(rows)
         with self._reading() as conn:
             in_snapshot = getattr(self._local, "conn", None) is conn
             if sent is not None and sent[0] == args and in_snapshot:
@@ -133,9 +138,7 @@ class StatusMixin(PostgresBase):
                 # with this statement.
                 self._queue_bounds(conn, tenant, agent, scope, window)
             rows = cursor.fetchall()
-        status = [status_from_row(r[2:]) for r in rows if r[0] == 0]
-        found = [ThreadActivity(r[2], r[6], int(r[7])) for r in rows if r[0] == 1]
-        return status, [a for a in found if a.window_message_count > 0]
+        return _status_and_activity(rows)
 
     def clear_status(
         self,
@@ -217,3 +220,10 @@ class StatusMixin(PostgresBase):
                 },
             ).fetchall()
         return [Event(*r) for r in rows]
+
+
+def _status_and_activity(rows: list[Any]) -> tuple[list[StatusEntry], list[ThreadActivity]]:
+    """The rows of `status_query`'s statement as `status_and_activity` answers them."""
+    status = [status_from_row(r[2:]) for r in rows if r[0] == 0]
+    found = [ThreadActivity(r[2], r[6], int(r[7])) for r in rows if r[0] == 1]
+    return status, [a for a in found if a.window_message_count > 0]

@@ -646,6 +646,7 @@ class ContextBuilder:
                     FIRST_PAGE,
                     HELD_DROPPED_IDS,
                     self._extendable.get(key, False),
+                    key in self._extendable,
                 )
             )
         context = self._store.context_ref(key)
