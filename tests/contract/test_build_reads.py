@@ -419,9 +419,14 @@ def test_a_long_run_of_appends_extends_the_window_within_its_bounds(
         assert most > builder_module._KNOWN_SLACK - 8
 
 
-# One change of a thread (`test_random_appends_build_what_a_build_afresh_builds`).
+# One change of a thread (`test_random_appends_build_what_a_build_afresh_builds`); plain
+# turns most often, as an agent appends them (what extends a remembered window).
+_SAID = st.tuples(st.just("said"), st.integers(1, 3))  # plain turns, in one append
 _STEPS = st.one_of(
-    st.tuples(st.just("said"), st.integers(1, 3)),  # plain turns, in one append
+    _SAID,
+    _SAID,
+    _SAID,
+    _SAID,
     st.tuples(st.just("call"), st.integers(1, 2)),  # a tool_use; its results come later
     st.tuples(st.just("answer"), st.integers(1, 2)),  # results of the oldest pending calls
     st.tuples(st.just("turn"), st.integers(1, 2)),  # a tool_use and its results at once
@@ -434,11 +439,11 @@ _examples = itertools.count()
 
 
 @settings(
-    max_examples=12,
+    max_examples=25,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(steps=st.lists(_STEPS, min_size=1, max_size=30), budget=st.sampled_from([150, 400]))
+@given(steps=st.lists(_STEPS, min_size=1, max_size=40), budget=st.sampled_from([150, 400]))
 def test_random_appends_build_what_a_build_afresh_builds(
     store: Store, clock: ManualClock, steps: list[tuple[str, int]], budget: int
 ) -> None:
