@@ -233,6 +233,30 @@ def test_random_histories_keep_every_invariant(
     check_context(ctx, h.items, new_message, budget, count)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(h=histories(), chat=st.booleans(), with_request=st.booleans())
+def test_the_newest_turn_of_chat_turns_costs_what_its_cuts_find(
+    h: History, chat: bool, with_request: bool
+) -> None:
+    """A prepared window of chat turns alone finds its newest turn (and the request
+    before it) without its tool groups (`_Prepared.chat`: every cut is valid), as a
+    window extended after an append does; what that costs equals what the cuts find
+    (`valid_cuts`), and only chat windows take that path."""
+    from dataclasses import replace
+
+    from contextd.app.build.assembly import _prepare
+    from contextd.app.build.compaction import chat_only
+    from contextd.app.build.render import Framing
+
+    items = [it for it in h.items if chat_only([it])] if chat else h.items
+    prepared = _prepare(items, StrategyOptions(), Framing(O200K, ()).items, None)
+    assert prepared.chat == chat_only(prepared.work.items)
+    by_cuts = replace(prepared, chat=False, protected={})
+    assert prepared.protected_cost(with_request=with_request) == by_cuts.protected_cost(
+        with_request=with_request
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(h=histories(max_turns=8), budget=st.integers(1, 60))
 def test_tiny_budgets_still_keep_the_newest_turn_or_say_so(h: History, budget: int) -> None:

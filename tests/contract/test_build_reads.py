@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import HealthCheck, given, settings, target
+from hypothesis import strategies as st
 
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -413,3 +417,122 @@ def test_a_long_run_of_appends_extends_the_window_within_its_bounds(
         # builds read it afresh (each of those keeps the loaded messages' counts alone).
         assert steps - 10 <= builder.window_extensions < steps
         assert most > builder_module._KNOWN_SLACK - 8
+
+
+# One change of a thread (`test_random_appends_build_what_a_build_afresh_builds`); plain
+# turns most often, as an agent appends them (what extends a remembered window).
+_SAID = st.tuples(st.just("said"), st.integers(1, 3))  # plain turns, in one append
+_STEPS = st.one_of(
+    _SAID,
+    _SAID,
+    _SAID,
+    _SAID,
+    st.tuples(st.just("call"), st.integers(1, 2)),  # a tool_use; its results come later
+    st.tuples(st.just("answer"), st.integers(1, 2)),  # results of the oldest pending calls
+    st.tuples(st.just("turn"), st.integers(1, 2)),  # a tool_use and its results at once
+    st.tuples(st.just("orphan"), st.just(1)),  # a result whose call is nowhere
+    st.tuples(st.just("long"), st.just(1)),  # a turn longer than the window's budget
+    st.tuples(st.just("clear"), st.just(1)),
+    st.tuples(st.just("cap"), st.integers(2, 6)),  # retention deletes all but the newest
+)
+_examples = itertools.count()
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(steps=st.lists(_STEPS, min_size=1, max_size=40), budget=st.sampled_from([150, 400]))
+def test_random_appends_build_what_a_build_afresh_builds(
+    store: Store, clock: ManualClock, steps: list[tuple[str, int]], budget: int
+) -> None:
+    """Random runs of appends (plain turns; tool calls whose results come in a later
+    append, one by one or together; orphan results; a turn longer than the budget) mixed
+    with clears and messages deleted by retention: after each, the build of a builder
+    that remembers the thread's window (and extends it after appends, checking only
+    what an append changed: `ContextBuilder._extended`, `_carried_over`,
+    `assembly._extend_prepared`) equals the build of one that remembers nothing, in
+    kept messages, dropped and orphaned ids, token counts and renderings. The budgets
+    are small, so the kept part moves with each append and the turns leaving it hold
+    tool rows or not."""
+    from contextd.domain.retention import RetentionPolicy
+
+    agent = f"r{next(_examples)}"
+    service = ContextService(store, ExtractiveSummarizer())
+    plain = ContextService(store, ExtractiveSummarizer())
+    plain._builder.remember_results = False
+    request = BuildRequest(
+        "default",
+        agent,
+        "",
+        "main",
+        overrides=BuildOverrides(budget_tokens=budget, truncate=False),
+        formats=("openai", "anthropic"),
+    )
+    service.create_agent("default", agent, AgentSettings())
+    pending: list[str] = []
+    n = itertools.count()
+
+    def append(*messages: NewMessage) -> None:
+        service.append_messages("default", agent, "", "main", list(messages))
+        clock.advance(SECOND)
+
+    def use(k: int) -> tuple[NewMessage, list[str]]:
+        calls = [f"c{next(n)}" for _ in range(k)]
+        spec = ", ".join(f'{{"id": "{c}", "name": "ls", "arguments": "{{}}"}}' for c in calls)
+        return NewMessage(role=Role.TOOL_USE, content="", tool_calls=f"[{spec}]"), calls
+
+    def result(call: str) -> NewMessage:
+        return NewMessage(role=Role.TOOL_RESULT, content=f"listing {call} " * 6, tool_call_id=call)
+
+    append(*[_said(f"older words {i} " * 6) for i in range(8)])
+    extended = 0
+    for kind, k in steps:
+        if kind == "said":
+            append(
+                *[
+                    NewMessage(
+                        role=Role.ASSISTANT if i % 2 else Role.USER,
+                        content=f"turn {next(n)} " * 8,
+                    )
+                    for i in range(k)
+                ]
+            )
+        elif kind == "call":
+            message, calls = use(k)
+            append(message)
+            pending += calls
+        elif kind == "answer" and pending:
+            answered, pending = pending[:k], pending[k:]
+            append(*map(result, answered))
+        elif kind == "turn":
+            message, calls = use(k)
+            append(message, *map(result, calls))
+        elif kind == "orphan":
+            append(result(f"nowhere{next(n)}"))
+        elif kind == "long":
+            append(_said(f"a long turn {next(n)} " * 200))
+        elif kind == "clear":
+            service.clear_context("default", agent, "", "main")
+            clock.advance(SECOND)
+        elif kind == "cap":
+            policy = RetentionPolicy(max_messages=k, delete_overflow=True)
+            service.update_agent("default", agent, AgentSettings(retention=policy), ["retention"])
+            service.sweep_retention()
+            service.update_agent("default", agent, AgentSettings(), ["retention"])
+            clock.advance(SECOND)
+        before = service._builder.window_extensions
+        got = service.build_context(request)
+        extended += service._builder.window_extensions - before
+        expected = plain.build_context(request)
+        assert got.context == expected.context
+        assert _history(got) == _history(expected)
+        assert got.context.stats.dropped_ids == expected.context.stats.dropped_ids
+        assert got.orphaned_ids == expected.orphaned_ids
+        assert got.messages_loaded == expected.messages_loaded
+        assert got.stamps == expected.stamps
+        assert got.renderings == expected.renderings
+    # Toward runs whose builds extend the remembered window (an orphan or a pending call
+    # in the window keeps it from extending): those are the ones checked here.
+    target(float(extended), label="windows extended")

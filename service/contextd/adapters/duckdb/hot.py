@@ -310,18 +310,18 @@ def window_index(v: ContextView, window: WindowSpec) -> slice | npt.NDArray[np.i
         if window.expire_after_us is not None and not v.newest_create > window.expire_after_us:
             return slice(0, 0)
     create = cols["create"]
-    start = int(np.searchsorted(create, window.clear_after_us, side="right"))
-    if v.has_source:
-        # A message's own time is at most MAX_SOURCE_LEAD_US after its commit time.
-        low = window.age_after_us - MAX_SOURCE_LEAD_US
-        start = max(start, int(np.searchsorted(create, low, side="right")))
-    else:
-        start = max(start, int(np.searchsorted(create, window.age_after_us, side="right")))
+    # The arrays' own `searchsorted`: `np.searchsorted` dispatches through NumPy's
+    # function protocol first, which cost a build after an append (a new view of the
+    # thread, so a window searched anew) about 2 us a search, five times the search.
+    # One search for both time bounds: past the later one is past both.
+    # A message's own time is at most MAX_SOURCE_LEAD_US after its commit time.
+    age = window.age_after_us - MAX_SOURCE_LEAD_US if v.has_source else window.age_after_us
+    start = int(create.searchsorted(max(window.clear_after_us, age), side="right"))
     floor = 0
     if window.max_messages:
         assert v.newest_sequence is not None
         floor = v.newest_sequence - window.max_messages
-        start = max(start, int(np.searchsorted(cols["sequence"], floor, side="right")))
+        start = max(start, int(cols["sequence"].searchsorted(floor, side="right")))
     if start >= n:
         return slice(n, n)
     mask: npt.NDArray[np.bool_] | None = None
@@ -1334,7 +1334,7 @@ class HotMixin(AgentsMixin, MessagesMixin, StatusMixin):
         v = self._context_of(context)
         if v is None:
             return super().window_messages_from(context, window, from_sequence, id_range)
-        at = int(np.searchsorted(v.cols["sequence"], from_sequence, side="left"))
+        at = int(v.cols["sequence"].searchsorted(from_sequence, side="left"))
         if at < v.recent_from:  # older than the cached content: read by SQL
             return super().window_messages_from(context, window, from_sequence, id_range)
         index = v.index(window)

@@ -34,6 +34,7 @@ from contextd.app.build import ledger
 from contextd.app.build.blobs import stub_blobs
 from contextd.app.build.compaction import (
     CompactionPlan,
+    chat_only,
     elide_tool_results,
     fold_into_ledger,
     make_summary_item,
@@ -432,6 +433,11 @@ class _Prepared:
     # assembled again by every build whose status block is not empty (the same answer:
     # the columns are never changed once made).
     protected: dict[bool, int] = field(default_factory=dict, compare=False, repr=False)
+    # Whether the items are chat turns alone (`chat_only`): their newest turn is then the
+    # last item, found without their tool groups (`_protected_cost`). A window extended
+    # by an append is a new `_Prepared`, which found its newest turn over every cut of
+    # the window (`valid_cuts`, twice) though only chat turns were appended.
+    chat: bool = False
 
     def protected_cost(self, *, with_request: bool) -> int:
         """What the newest turn costs (as it would be kept, per-message cuts applied);
@@ -445,6 +451,14 @@ class _Prepared:
         items = self.work.items
         if not items:
             return 0
+        if self.chat:  # every cut is valid (`valid_cuts`): what follows, without them
+            start = len(items) - 1
+            if with_request:
+                for k in range(start - 1, -1, -1):
+                    if items[k].role is Role.USER and not items[k].is_summary:
+                        start = k
+                        break
+            return sum(self.work.costs[start:])
         start = newest_unit_start(items)
         if with_request:
             cuts = valid_cuts(items)
@@ -481,7 +495,7 @@ def _prepare(
         # Counted as stored: the entries it held out mostly stay out (see ledger.restore).
         summary = replace(ledger.restore(summary), token_count=cost([summary])[0])
     work = _Columns.build(raw, max_chars, cost)
-    return _Prepared(summary, work, before, repaired, elided, order)
+    return _Prepared(summary, work, before, repaired, elided, order, chat=chat_only(work.items))
 
 
 class _Once:
@@ -806,9 +820,11 @@ def _extend_prepared(
     whose first ``dropped`` items ``history`` leaves out and whose other items are
     ``history``'s first, the same objects; None when preparing afresh could give
     another answer. Each step of `_prepare` is then a function of each item alone: no
-    summary, nothing repaired (checked over the whole of ``history``), stubbed or elided
-    in ``base`` nor among the appended items, no tool result to elide, and each item
-    costed alone (`Framing.costs_each_item_alone`). The old items keep their
+    summary, nothing repaired (``base`` repaired nothing, so when the items left out and
+    the appended ones are chat turns, `chat_only`, ``history`` needs no repair either;
+    otherwise it is checked whole), stubbed or elided in ``base`` nor among the appended
+    items, no tool result to elide, and each item costed alone
+    (`Framing.costs_each_item_alone`). The old items keep their
     prepared copies and costs; only the appended ones are made ready (a thread's build
     after an append prepared its whole window again, a third of the assembly)."""
     if base.summary is not None or base.repaired or base.elided:
@@ -824,9 +840,10 @@ def _extend_prepared(
     added = list(history[kept:])
     if any(it.is_summary for it in added):
         return None
-    _, repaired = repair_tool_pairs(history)
-    if repaired:
-        return None
+    if not (chat_only(base.work.items[:dropped]) and chat_only(added)):
+        _, repaired = repair_tool_pairs(history)
+        if repaired:
+            return None
     added, stubbed = stub_blobs(added)
     if stubbed:
         return None
@@ -846,7 +863,7 @@ def _extend_prepared(
         old.costs[dropped:] + new.costs,
         max_chars,
     )
-    return _Prepared(None, work, len(ids), [], [], ids)
+    return _Prepared(None, work, len(ids), [], [], ids, chat=base.chat and chat_only(new.items))
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from contextd.app.build.assembly import (
     status_with_time,
 )
 from contextd.app.build.compaction import (
+    chat_only,
     make_summary_item,
     plan_compaction,
     repair_tool_pairs,
@@ -1260,6 +1261,12 @@ def _carried_over(
     messages added: its items (pair-repaired: None if that changed any, the caller
     reads afresh), stamps and stored counts.
 
+    `old`'s items are ones the repair left unchanged (both callers extend only a window
+    with no orphan), so when the items left out and the appended ones are all chat
+    turns (`chat_only`), the items need no repair and none is made: the pair check
+    follows what an append changed, not the window (it repaired every kept item again
+    after each append). Otherwise the items are repaired as a fresh read repairs them.
+
     The stamps are `old`'s (its items' and the stored summary's, which `_load_history`
     gives even when it applies to none of the window) less the dropped items', plus the
     appended ones': a copy, then a step per changed message only. Stored counts are
@@ -1281,9 +1288,12 @@ def _carried_over(
         stamps[item.id] = stamp
         if m.tokenizer == label:
             known[m.content + m.tool_calls] = m.token_count
-    items, repaired = repair_tool_pairs(old.items[dropped:] + [item for item, _ in made])
-    if repaired:
-        return None
+    added = [item for item, _ in made]
+    items = old.items[dropped:] + added
+    if not (chat_only(old.items[:dropped]) and chat_only(added)):
+        items, repaired = repair_tool_pairs(items)
+        if repaired:
+            return None
     return items, stamps, known
 
 

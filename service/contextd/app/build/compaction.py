@@ -52,6 +52,18 @@ _CALLS_OF = operator.attrgetter("tool_calls")
 _CHAT_ROLES = frozenset({Role.USER, Role.ASSISTANT})
 
 
+def chat_only(items: Sequence[HistoryItem]) -> bool:
+    """Whether ``items`` hold no tool role and no call (user and plain assistant turns).
+
+    Such items take no part in :func:`repair_tool_pairs`: they issue no call and answer
+    none, and it returns them as they are. So taking them out of a history, or appending
+    them to it, changes none of its pairs: a history the repair left unchanged stays
+    unchanged. A build after an append checks what it left out and what was appended
+    this way, instead of repairing its whole window again (`ContextBuilder._extended`,
+    `assembly._extend_prepared`)."""
+    return set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items))
+
+
 def repair_tool_pairs(
     items: Sequence[HistoryItem], outside_calls: Mapping[str, ToolCall] | None = None
 ) -> tuple[list[HistoryItem], list[int]]:
@@ -70,7 +82,7 @@ def repair_tool_pairs(
     text it is valid in both the Anthropic and the OpenAI renderings (adjacent turns of
     one role merge). Nothing is dropped, so no text is lost.
     """
-    if set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items)):
+    if chat_only(items):
         # A chat window (no tool role, no calls): nothing to pair, found without a
         # Python step per item (every build repairs its history, and renders it, more
         # than once); the loop below finds the same.
