@@ -21,10 +21,12 @@ The three servers run side by side for the whole benchmark and take turns load b
 alike; PostgreSQL skips the 100-message load. Latencies are per call as the caller sees
 it (p50 / p99 of the calls that ended in the measured windows).
 
-In the 32-caller load three more DuckDB servers take their turn, each with a part of
+After the loads, a pass of its own serves 32 callers (one message per call) in turn to
+the echo server, contextd on DuckDB, and three more DuckDB servers, each with a part of
 contextd's work patched out (``bench.append_ladder``: the writer answering without
 writing, the store answering at once, the handler answering at once): not rows of the
-table, they show in a finding where the gap to the echo ceiling goes.
+table, they show in a finding where the gap to the echo ceiling goes. They run only in
+that pass, so none of them sits idle beside the other loads.
 
 The baseline is the reference design, SQLite with WAL and synchronous=FULL, in process
 with one caller (see ``bench.sqlite_baseline``): it shows the scale of a durable commit
@@ -57,12 +59,15 @@ ENGINES = {
     "postgresql-key": "PostgreSQL, with an API key",
 }
 # contextd on DuckDB with a part of its work removed (bench/append_ladder.py), served in
-# the 32-caller load only: where the gap to the echo ceiling goes. Not rows of the table.
+# a 32-caller pass of its own after the loads (with the echo server and contextd on
+# DuckDB again), so that no idle ladder server runs beside the other loads: where the gap
+# to the echo ceiling goes. Not rows of the table.
 LADDER = {f"ladder-{step}": step for step in append_ladder.STEPS[1:]}
+LADDER_PASS = ("echo", "duckdb", *LADDER)
 # (callers, messages per call, engines measured): the echo server takes every load.
 LOADS: list[tuple[int, int, tuple[str, ...]]] = [
     (1, 1, tuple(ENGINES)),
-    (CALLERS, 1, ("duckdb", "postgresql", *LADDER)),
+    (CALLERS, 1, ("duckdb", "postgresql")),
     (BATCH_CALLERS, 100, ("duckdb",)),
     (BATCH_CALLERS, 1_000, ("duckdb", "postgresql")),
 ]
@@ -85,8 +90,6 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
         started["postgresql-key"] = servers.start_contextd(
             tmp / "postgresql-key" / "data", store=pg.fresh_database("appends_key")
         )
-        for name, step in LADDER.items():
-            started[name] = append_ladder.start(step, tmp / name / "data")
         api_keys = {
             name: servers.create_write_key(started[name].address)
             for name in ("duckdb-key", "postgresql-key")
@@ -116,6 +119,27 @@ def _measure(tmp: Path, sz: Sizes) -> dict[str, Any]:
         results = child.run(
             "bench.load:child_loads", {"phases": phases, "seconds": sz.append_seconds}
         )
+        for name, step in LADDER.items():
+            started[name] = append_ladder.start(step, tmp / name / "data")
+        progress(f"appends: the ladder, {len(LADDER_PASS)} load phases of {CALLERS} x 1")
+        ladder = child.run(
+            "bench.load:child_loads",
+            {
+                "phases": [
+                    {
+                        "address": started[name].address,
+                        "server_pid": started[name].proc.pid,
+                        "concurrency": CALLERS,
+                        "batch": 1,
+                    }
+                    for name in LADDER_PASS
+                ],
+                "seconds": sz.append_seconds,
+            },
+        )
+        for name, res in zip(LADDER_PASS, ladder, strict=True):
+            res["calls"] = median(res["calls_per_s"])
+            raw[f"ladder/{name}"] = res
     finally:
         for server in started.values():
             server.stop()
@@ -200,12 +224,18 @@ def section(raw: dict[str, Any]) -> Section:
     best_batched = max(at("duckdb", BATCH_CALLERS, b)["messages"] for b in BATCHES)
     vs_sqlite_batch = ratio(ours1000, raw["sqlite"]["batch1000"])
 
-    # The ladder's share of the echo ceiling per step (None: a run from before it).
+    # The ladder pass's share of its echo ceiling per server (None: a run from before it).
     ladder = (
-        {name: ratio(at(name, CALLERS, 1)["calls"], echo1["calls"]) for name in LADDER}
-        if all(_key(name, CALLERS, 1) in raw for name in LADDER)
+        {
+            name: ratio(raw[f"ladder/{name}"]["calls"], raw["ladder/echo"]["calls"])
+            for name in LADDER_PASS
+        }
+        if all(f"ladder/{name}" in raw for name in LADDER_PASS)
         else None
     )
+
+    def ladder_cpu(name: str) -> str:
+        return _cpu_ms(raw[f"ladder/{name}"])
 
     def p(engine: str, callers: int, batch: int, q: str) -> str:
         return f"{fmt_num(at(engine, callers, batch)['latency_ms'][q])} ms"
@@ -317,17 +347,18 @@ def section(raw: dict[str, Any]) -> Section:
         findings.insert(
             1,
             f"Where the {CALLERS}-caller gap goes (bench/append_ladder.py: contextd on DuckDB "
-            "with a part of its work patched out, served beside the others in the same load): "
+            "with a part of its work patched out, in a pass of its own after the loads, with "
+            "the echo server and contextd again, each share of that pass's echo): "
             "AppendMessages answered at once by its handler, leaving gRPC and contextd's "
             f"interceptors: {ladder['ladder-handler']:.0%} of the echo ceiling (CPU per call "
-            f"{_cpu_ms(at('ladder-handler', CALLERS, 1))}); the store's append answered at "
+            f"{ladder_cpu('ladder-handler')}); the store's append answered at "
             "once on the handler thread, leaving all of the request's handling (key check, "
             "decoding, validation, request record, token counts) but storing nothing: "
-            f"{ladder['ladder-store']:.0%} ({_cpu_ms(at('ladder-store', CALLERS, 1))}); the "
+            f"{ladder['ladder-store']:.0%} ({ladder_cpu('ladder-store')}); the "
             "writer thread answering each group without writing it, adding the hand-off to "
             f"the writer and back: {ladder['ladder-writer']:.0%} "
-            f"({_cpu_ms(at('ladder-writer', CALLERS, 1))}); contextd: {share:.0%} "
-            f"({_cpu_ms(ours1)}); the echo server {_cpu_ms(echo1)}. Each step is tens of "
+            f"({ladder_cpu('ladder-writer')}); contextd: {ladder['duckdb']:.0%} "
+            f"({ladder_cpu('duckdb')}); the echo server {ladder_cpu('echo')}. Each step is tens of "
             "microseconds of Python per call, paid under the one GIL by the thread that "
             "every other caller's thread is waiting for.",
         )
