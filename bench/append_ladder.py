@@ -17,24 +17,21 @@ served process before it serves (`serve`): a diagnostic, as `bench.append_probe`
 never used by the service. The answers carry one receipt per message, which is what the
 load checks.
 
-Benchmark 5 serves the three lower steps beside contextd and the echo server in its
-32-caller load (``bench.appends``); alone, with rounds of its own:
-``python -m bench.append_ladder --rounds 6 --seconds 3``.
+Benchmark 5 serves the three lower steps, with the echo server and contextd, in a
+32-caller pass of its own (``bench.appends``; alone: ``python -m bench --only appends``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench import servers
 
-STEPS = ("full", "writer", "store", "handler")
+# The steps below contextd as served, each removing more of its work.
+STEPS = ("writer", "store", "handler")
 
 
 def _patch(step: str) -> None:
@@ -92,69 +89,15 @@ def serve(step: str) -> int:
 
 def start(step: str, data_dir: Path) -> servers.ServerProcess:
     """``contextd serve`` with the work below `step` removed, on a free loopback port over
-    the DuckDB file in ``data_dir`` (as `servers.start_contextd` starts it)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    return servers._start(
-        f"contextd-{step}",
-        [sys.executable, "-m", "bench.append_ladder", "--serve", step],
-        {
-            "CONTEXTD_STORE": "",
-            "CONTEXTD_DATA_DIR": str(data_dir),
-            "CONTEXTD_ADDR": "127.0.0.1:0",
-            "CONTEXTD_LOG_FORMAT": "json",
-            "CONTEXTD_LOG_LEVEL": "INFO",
-            "CONTEXTD_WORKERS": "32",
-        },
-        data_dir.parent / "contextd.log",
-        '"contextd serving"',
-    )
-
-
-def run(rounds: int, seconds: float) -> dict[str, list[tuple[float, float]]]:
-    """Calls/s and server CPU ms per call of each server, round after round."""
-    from bench.load import child_load
-
-    tmp = Path(tempfile.mkdtemp(prefix="contextd-append-ladder-"))
-    started = {"echo": servers.start_echo(tmp / "echo")}
-    try:
-        started["full"] = servers.start_contextd(tmp / "full" / "data")
-        for step in STEPS[1:]:
-            started[step] = start(step, tmp / step / "data")
-        measured: dict[str, list[tuple[float, float]]] = {name: [] for name in started}
-        for r in range(rounds):
-            order = list(started) if r % 2 == 0 else list(reversed(started))
-            for name in order:
-                server = started[name]
-                out = child_load(server.address, server.proc.pid, 32, 1, seconds)
-                rate = statistics.mean(out["calls_per_s"])
-                measured[name].append((rate, out["server_cpu"] / rate * 1000))
-        return measured
-    finally:
-        for server in started.values():
-            server.stop()
+    the DuckDB file in ``data_dir`` (as `servers.start_contextd` starts contextd)."""
+    return servers.start_contextd(data_dir, module=("bench.append_ladder", step))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", choices=STEPS, help="serve one step (used by the runner)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    args = parser.parse_args()
-    if args.serve:
-        return serve(args.serve)
-    measured = run(args.rounds, args.seconds)
-    echo = [rate for rate, _ in measured["echo"]]
-    print(f"{'server':8} {'calls/s':>8} {'of echo (median, min)':>22} {'server CPU ms/call':>19}")
-    for name, rows in measured.items():
-        ratios = [rate / e for (rate, _), e in zip(rows, echo, strict=True)]
-        print(
-            f"{name:8} {statistics.median(r for r, _ in rows):8,.0f} "
-            f"{statistics.median(ratios):14.2f}, {min(ratios):.2f} "
-            f"{statistics.median(c for _, c in rows):19.3f}"
-        )
-    return 0
+    parser.add_argument("step", choices=STEPS, help="the step to serve")
+    return serve(parser.parse_args().step)
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -62,7 +62,7 @@ ENGINES = {
 # a 32-caller pass of its own after the loads (with the echo server and contextd on
 # DuckDB again), so that no idle ladder server runs beside the other loads: where the gap
 # to the echo ceiling goes. Not rows of the table.
-LADDER = {f"ladder-{step}": step for step in append_ladder.STEPS[1:]}
+LADDER = {f"ladder-{step}": step for step in append_ladder.STEPS}
 LADDER_PASS = ("echo", "duckdb", *LADDER)
 # (callers, messages per call, engines measured): the echo server takes every load.
 LOADS: list[tuple[int, int, tuple[str, ...]]] = [

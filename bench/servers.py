@@ -63,11 +63,17 @@ def _start(
     raise RuntimeError(f"{name} did not start:\n{log_path.read_text()[-3000:]}")
 
 
-def start_contextd(data_dir: Path, workers: int = 32, store: str = "") -> ServerProcess:
+def start_contextd(
+    data_dir: Path,
+    workers: int = 32,
+    store: str = "",
+    module: tuple[str, ...] = ("contextd", "serve"),
+) -> ServerProcess:
     """``python -m contextd serve`` on a free loopback port over ``data_dir`` (its DuckDB
     file), or over the PostgreSQL database ``store`` names (a postgresql:// URL). The log
     goes next to ``data_dir``. ``store`` is always set, so that a CONTEXTD_STORE in the
-    caller's environment cannot turn a DuckDB row into a PostgreSQL one."""
+    caller's environment cannot turn a DuckDB row into a PostgreSQL one. ``module``: the
+    module run and its arguments (a probe serving contextd with a part patched out)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     env = {
         "CONTEXTD_STORE": store,
@@ -79,7 +85,7 @@ def start_contextd(data_dir: Path, workers: int = 32, store: str = "") -> Server
     }
     return _start(
         "contextd",
-        [sys.executable, "-m", "contextd", "serve"],
+        [sys.executable, "-m", *module],
         env,
         data_dir.parent / "contextd.log",
         '"contextd serving"',
