@@ -254,6 +254,11 @@ def test_large_texts_take_the_detached_path_cleanly() -> None:
     assert words == tokenize_reference(big)
     assert clean(core.keyword_select, words[-1], [big, "nothing"]) == [0]
     assert all(found in big for found in clean(core.extract_specifics, big))
+    # Search vectors of 64 KiB of messages (detached) are those made one by one (attached).
+    pieces = [big[i : i + 500] for i in range(0, len(big), 500)]
+    vectors = clean(core.search_vectors, pieces, [""] * len(pieces))
+    assert vectors == [core.search_vectors([p], [""])[0] for p in pieces]
+    assert any(vectors)
 
 
 SURROGATE = "ok \ud800 ok"
