@@ -16,11 +16,14 @@ of every word its rows hold (a word's posting list, decoded and re-encoded with 
 row ids, and written to the WAL whole): merged every 2,000 rows, that was about half of
 the database's CPU of a batched append (measured: ~50 of ~90 ms per 1,000 messages, and
 4.4 of 6.9 MB of WAL), as most words of a batch recur in the next one and each merge
-rewrote their entries again. Merged every 20,000 rows, each such entry is rewritten a
-tenth as often. A search meanwhile scans every row of the list (measured ~1.3 ms per
-1,000 rows, so at most ~25 ms more than a merged index): the list is merged as well once
-this replica's appends pause for IDLE_SECONDS, so that searches after a load, or
-between bursts, find it merged.
+rewrote their entries again. Merged every 10,000 rows, each such entry is rewritten a
+fifth as often. A search meanwhile scans every row of the list (measured ~1.3 ms per
+1,000 rows, so ~13 ms more than a merged index at most), and the planner counts the
+list's pages against the index: with 18,000 rows waiting over 3,000 merged, it chose the
+id range read newest first over the index (test_search's statistics_lag test; fine with
+10,000 over 11,000, and with 20,000 over 21,000). The list is merged as well once this
+replica's appends pause for IDLE_SECONDS, so that searches after a load, or between
+bursts, find it merged.
 
 Each replica runs its own; of two merges at once the second waits on the index's cleanup
 lock and finds little left, or is skipped. A merge waits for that lock (or the index's)
@@ -51,9 +54,9 @@ log = logging.getLogger(__name__)
 # The limit (kB) of an append's own transaction while the merging thread runs: past it,
 # the append merges the list itself, as PostgreSQL does by default past 4 MB.
 PENDING_LIMIT_KB = 65_536
-# Rows appended by this replica between two merges (about 17 MB of list for messages of
-# ~55 distinct words; a quarter of PENDING_LIMIT_KB).
-CLEAN_EVERY_ROWS = 20_000
+# Rows appended by this replica between two merges (about 8.5 MB of list for messages of
+# ~55 distinct words; an eighth of PENDING_LIMIT_KB).
+CLEAN_EVERY_ROWS = 10_000
 # A pause of this replica's appends after which the rows appended since the last merge
 # are merged, however few.
 IDLE_SECONDS = 1.0
