@@ -254,6 +254,12 @@ def test_large_texts_take_the_detached_path_cleanly() -> None:
     assert words == tokenize_reference(big)
     assert clean(core.keyword_select, words[-1], [big, "nothing"]) == [0]
     assert all(found in big for found in clean(core.extract_specifics, big))
+    # Search vectors of 64 KiB of messages (detached) are those made one by one (attached).
+    pieces = [big[i : i + 500] for i in range(0, len(big), 500)]
+    pieces += [f"Word{i} x{i % 7}: alpha beta-{i} " * 20 for i in range(200)]  # ASCII: made
+    vectors = clean(core.search_vectors, pieces, [""] * len(pieces))
+    assert vectors == [core.search_vectors([p], [""])[0] for p in pieces]
+    assert all(vectors[-200:])
 
 
 SURROGATE = "ok \ud800 ok"

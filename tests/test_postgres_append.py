@@ -2,7 +2,8 @@
 
 - Appends leave the search index's pending list to the store's merging thread
   (adapters/postgres/pending_list.py): no append merges it, whatever its size up to the
-  backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows.
+  backstop, and the thread merges it after every CLEAN_EVERY_ROWS appended rows, and
+  the rows appended since its last merge once appends pause for IDLE_SECONDS.
 - A merge gives up on a lock held past half of deadlock_timeout (an autovacuum's) and
   is skipped, rather than have PostgreSQL cancel that autovacuum.
 - Searches see rows still in the pending list.
@@ -85,7 +86,8 @@ def test_appends_leave_the_pending_list_to_the_merger(
     store: PostgresStore, postgres_dsn: str
 ) -> None:
     assert store._pending.enabled  # the test role owns the index: it may merge it
-    store._pending._every = 10**9  # the thread never wakes in this test
+    store._pending._every = 10**9  # the thread never merges in this test
+    store._pending._idle = 10**6
     service = ContextService(store, ExtractiveSummarizer())
     for k in range(8):
         service.append_messages(TENANT, "a", "", "t", _batch(k * 1_000, 1_000), create_agent=True)
@@ -104,6 +106,7 @@ def test_appends_leave_the_pending_list_to_the_merger(
 
 def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: str) -> None:
     store._pending._every = 1_500
+    store._pending._idle = 10**6  # no pause merges in this test
     service = ContextService(store, ExtractiveSummarizer())
     service.append_messages(TENANT, "a", "", "t", _batch(0, 1_000), create_agent=True)
     assert _pending_pages(postgres_dsn) > 0  # 1,000 rows: not yet
@@ -114,13 +117,33 @@ def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: 
     assert _pending_pages(postgres_dsn) == 0
 
 
+def test_the_merger_merges_what_is_left_once_appends_pause(
+    store: PostgresStore, postgres_dsn: str
+) -> None:
+    """Rows short of the count are merged once this replica's appends pause, so the
+    searches after a load do not scan them in the list; appends after that merge are
+    watched again."""
+    store._pending._every = 10**9  # the count never merges in this test
+    store._pending._idle = 0.2
+    service = ContextService(store, ExtractiveSummarizer())
+    for k in range(2):
+        service.append_messages(TENANT, "a", "", "t", _batch(k * 1_000, 1_000), create_agent=True)
+        deadline = time.monotonic() + 60
+        while _pending_pages(postgres_dsn) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the store's own thread, not a clock: it runs in real time
+        assert _pending_pages(postgres_dsn) == 0
+    found = service.search_messages(TENANT, "a", "", "t", MessageRange.ALL, "w61000x", 5)
+    assert [h.message.sequence for h in found.hits] == [1_001]
+
+
 def test_the_merger_skips_a_merge_rather_than_wait_for_a_held_lock(
     store: PostgresStore, postgres_dsn: str
 ) -> None:
     """An autovacuum cleaning the index holds the lock a merge needs, and PostgreSQL
     cancels an autovacuum (its ANALYZE too) that a backend waits on past
     deadlock_timeout: the merge gives up first and is skipped, never waits."""
-    store._pending._every = 10**9  # the thread never wakes in this test
+    store._pending._every = 10**9  # the thread never merges in this test
+    store._pending._idle = 10**6
     service = ContextService(store, ExtractiveSummarizer())
     service.append_messages(TENANT, "a", "", "t", _batch(0, 1_000), create_agent=True)
     pending = _pending_pages(postgres_dsn)

@@ -7,10 +7,6 @@
 //! text every maximal run of letters and digits is one word, lower-cased, at positions 1,
 //! 2, ...; `None` for anything else PostgreSQL might read otherwise.
 
-use std::fmt::Write;
-
-use hashbrown::HashMap;
-
 /// Characters of content and of tool_calls the database's expression reads.
 pub const CONTENT_CHARS: usize = 196_608;
 pub const TOOL_CALLS_CHARS: usize = 65_536;
@@ -40,57 +36,70 @@ pub fn search_vector(content: &str, tool_calls: &str) -> Option<String> {
     }
     let content = content.to_ascii_lowercase();
     let tool_calls = tool_calls.to_ascii_lowercase();
-    let mut words: Vec<&[u8]> = Vec::new();
+    // Each word with its position (1, 2, ...).
+    let mut words: Vec<(&[u8], u32)> = Vec::new();
     for part in [content.as_bytes(), tool_calls.as_bytes()] {
-        words.extend(
-            part.split(|b| !b.is_ascii_alphanumeric())
-                .filter(|w| !w.is_empty()),
-        );
-    }
-    if words.len() > MAX_POSITION {
-        return None;
-    }
-    for word in &words {
-        if word.len() > MAX_WORD {
-            return None;
-        }
-        let digits = word.iter().take_while(|b| b.is_ascii_digit()).count();
-        if digits > 0 && word.get(digits) == Some(&b'e') {
-            return None;
-        }
-    }
-    // Each word once, with its positions in order ("'a':1,3 'b':2"), in order of first
-    // appearance: PostgreSQL reads that faster than one entry per position.
-    let mut order: Vec<&[u8]> = Vec::new();
-    let mut positions: HashMap<&[u8], Vec<usize>> = HashMap::new();
-    for (i, &word) in words.iter().enumerate() {
-        let found = positions.entry(word).or_insert_with(|| {
-            order.push(word);
-            Vec::new()
-        });
-        found.push(i + 1);
-        if found.len() > MAX_POSITIONS {
-            return None;
+        for word in part
+            .split(|b| !b.is_ascii_alphanumeric())
+            .filter(|w| !w.is_empty())
+        {
+            if word.len() > MAX_WORD {
+                return None;
+            }
+            let digits = word.iter().take_while(|b| b.is_ascii_digit()).count();
+            if digits > 0 && word.get(digits) == Some(&b'e') {
+                return None;
+            }
+            // At most MAX_POSITION + 1 words are counted before the check below.
+            words.push((word, words.len() as u32 + 1));
+            if words.len() > MAX_POSITION {
+                return None;
+            }
         }
     }
+    // Each word once, with its positions in order ("'a':1,3 'b':2"): PostgreSQL reads
+    // that faster than one entry per position. Words in byte order, the order a tsvector
+    // keeps them (tsCompareString: bytes, then length): the database then finds them
+    // sorted and unique instead of sorting them (a quick check, not a sort). Sorting the
+    // (word, position) pairs gives both orders at once, without a map of words.
+    words.sort_unstable();
     let mut out = String::with_capacity(content.len() + tool_calls.len() + 8 * words.len());
-    for word in order {
+    let mut digits = [0u8; 10];
+    for group in words.chunk_by(|a, b| a.0 == b.0) {
+        if group.len() > MAX_POSITIONS {
+            return None;
+        }
         if !out.is_empty() {
             out.push(' ');
         }
         out.push('\'');
         // ASCII letters and digits only: nothing needs escaping inside the quotes.
-        out.extend(word.iter().map(|&b| b as char));
+        out.extend(group[0].0.iter().map(|&b| b as char));
         out.push_str("':");
-        for (k, position) in positions[word].iter().enumerate() {
+        for (k, &(_, position)) in group.iter().enumerate() {
             if k > 0 {
                 out.push(',');
             }
-            // Writing to a String cannot fail.
-            let _ = write!(out, "{position}");
+            out.push_str(decimal(position, &mut digits));
         }
     }
     Some(out)
+}
+
+/// `n` in decimal, written into `buf` (a position is at most 16,383): `write!` through
+/// `fmt` cost more than the rest of a word.
+fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // Only ASCII digits were written.
+    std::str::from_utf8(&buf[at..]).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -101,7 +110,7 @@ mod tests {
     fn words_positions_and_refusals() {
         assert_eq!(
             search_vector("Foo, bar/FOO x1", "{\"a\": 2}").as_deref(),
-            Some("'foo':1,3 'bar':2 'x1':4 'a':5 '2':6")
+            Some("'2':6 'a':5 'bar':2 'foo':1,3 'x1':4")
         );
         assert_eq!(search_vector("", "").as_deref(), Some(""));
         assert_eq!(search_vector("café", ""), None);
@@ -115,5 +124,16 @@ mod tests {
         let long = format!("{}é", format!("{} ", "a".repeat(2000)).repeat(99));
         assert!(search_vector(&long, "").is_some());
         assert_eq!(search_vector(&format!("{}é", "a ".repeat(10)), ""), None);
+        assert_eq!(
+            search_vector("b10 a 9 b10 ab a", "").as_deref(),
+            Some("'9':3 'a':2,6 'ab':5 'b10':1,4")
+        );
+        assert_eq!(decimal(16_383, &mut [0; 10]), "16383");
+        assert_eq!(decimal(0, &mut [0; 10]), "0");
+        // Positions up to PostgreSQL's highest, and no further.
+        assert!(search_vector(&"x ".repeat(MAX_POSITION), "").is_none()); // > 256 of one word
+        let many: String = (0..MAX_POSITION).map(|i| format!("w{i} ")).collect();
+        assert!(search_vector(&many, "").is_some());
+        assert!(search_vector(&format!("{many} w"), "").is_none());
     }
 }

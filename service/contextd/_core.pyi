@@ -116,9 +116,9 @@ def encode_receipts(
 
 def search_vectors(contents: list[str], tool_calls: list[str]) -> list[str | None]:
     """The PostgreSQL search vector literal of each message (its content and tool_calls),
-    or None where only the database can make it exactly (see
-    ``contextd.adapters.postgres.search_vector``). Raises ``ValueError`` when the lists
-    differ in length."""
+    its words in the order a tsvector keeps them, or None where only the database can
+    make it exactly (see ``contextd.adapters.postgres.search_vector``). Raises
+    ``ValueError`` when the lists differ in length."""
 
 def count_tokens(text: str, encoding: _EncodingName) -> int:
     """Token count of ``text`` with ``encoding``.
