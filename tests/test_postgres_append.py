@@ -28,6 +28,7 @@ from psycopg import pq
 
 from conftest import USER, Client, connect
 from contextd.adapters.postgres.messages import _text_array
+from contextd.adapters.postgres.pending_list import IDLE_SECONDS
 from contextd.adapters.postgres.store import PostgresStore
 from contextd.api.server import RunningServer, create_server
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -120,18 +121,25 @@ def test_the_merger_merges_after_every_rows(store: PostgresStore, postgres_dsn: 
 def test_the_merger_merges_what_is_left_once_appends_pause(
     store: PostgresStore, postgres_dsn: str
 ) -> None:
-    """Rows short of the count are merged once this replica's appends pause, so the
-    searches after a load do not scan them in the list; appends after that merge are
-    watched again."""
-    store._pending._every = 10**9  # the count never merges in this test
-    store._pending._idle = 0.2
+    """Rows short of the count are merged once this replica's appends pause for
+    IDLE_SECONDS, so the searches after a load do not scan them in the list; appends
+    after that merge are watched again. The merger's own step (`merge_due`), on a clock
+    the test moves (its thread stopped)."""
+    merger = store._pending
+    merger.stop()
+    now = [1_000.0]
+    merger._now = lambda: now[0]
+    merger._every = 10**9  # the count never merges in this test
     service = ContextService(store, ExtractiveSummarizer())
     for k in range(2):
         service.append_messages(TENANT, "a", "", "t", _batch(k * 1_000, 1_000), create_agent=True)
-        deadline = time.monotonic() + 60
-        while _pending_pages(postgres_dsn) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the store's own thread, not a clock: it runs in real time
+        now[0] += IDLE_SECONDS / 2
+        assert not merger.merge_due()  # appends have not paused long enough
+        assert _pending_pages(postgres_dsn) > 0
+        now[0] += IDLE_SECONDS / 2
+        assert merger.merge_due()
         assert _pending_pages(postgres_dsn) == 0
+        assert not merger.merge_due()  # nothing left until the next append
     found = service.search_messages(TENANT, "a", "", "t", MessageRange.ALL, "w61000x", 5)
     assert [h.message.sequence for h in found.hits] == [1_001]
 

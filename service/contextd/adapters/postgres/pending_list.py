@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -85,14 +86,18 @@ class PendingListMerger:
         pool: psycopg_pool.ConnectionPool[Any],
         every_rows: int = CLEAN_EVERY_ROWS,
         idle_seconds: float = IDLE_SECONDS,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
+        # Real time by default (not the store's clock): the pause is of this replica's
+        # own appends, and the thread waits for it in real time.
+        self._now = now
         self._every = every_rows
         self._idle = idle_seconds
         self._lock = threading.Lock()
         self._rows = 0
         self._full = False
-        self._last_append = time.monotonic()
+        self._last_append = now()
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -125,7 +130,7 @@ class PendingListMerger:
         with self._lock:
             first = not self._rows
             self._rows += rows
-            self._last_append = time.monotonic()
+            self._last_append = self._now()
             if self._rows >= self._every:
                 self._rows = 0
                 self._full = True
@@ -143,7 +148,7 @@ class PendingListMerger:
             if self._full:
                 self._full = False
                 return 0
-            if not self._rows or time.monotonic() - self._last_append < self._idle:
+            if not self._rows or self._now() - self._last_append < self._idle:
                 return None
             rows, self._rows = self._rows, 0
             return rows
@@ -166,23 +171,27 @@ class PendingListMerger:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def merge_due(self) -> bool:
+        """Merge now if a merge is due (the count's, or a pause's); whether one was."""
+        idle = self._rows_to_merge()
+        if idle is None:
+            return False
+        if self.merge() is None and idle:
+            # Skipped for a held lock: counted again, so the next pause retries.
+            with self._lock:
+                self._rows += idle
+        return True
+
     def _run(self) -> None:
         while True:
-            # Real time (not the store's clock): a wait of a background thread.
             with self._lock:
                 timeout = self._idle if self._rows else None
             self._wake.wait(timeout)
             self._wake.clear()
             if self._stopping:
                 return
-            idle = self._rows_to_merge()
-            if idle is None:
-                continue
             try:
-                if self.merge() is None and idle:
-                    # Skipped for a held lock: counted again, so the next pause retries.
-                    with self._lock:
-                        self._rows += idle
+                self.merge_due()
             except (psycopg.Error, psycopg_pool.PoolTimeout) as exc:
                 # The next wake tries again; meanwhile appends merge past the backstop.
                 if self._stopping:
