@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import zlib
 from pathlib import Path
 
 import duckdb
@@ -20,7 +21,7 @@ import grpc
 import pytest
 
 from conftest import SpawnServer
-from contextd.adapters.duckdb.journal import JournalFile, journal_path
+from contextd.adapters.duckdb.journal import _GROUP, _HEADER, MAGIC, JournalFile, journal_path
 from contextd.adapters.duckdb.store import Store
 from contextd.app.build.builder import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
@@ -99,10 +100,39 @@ def test_acknowledged_journaled_appends_survive_a_crash_once(tmp_path: Path) -> 
     store = _open(path)
     try:
         assert _contents(store) == [("m0", 1), ("m1", 2), ("m2", 3), ("m3", 4)]
-        assert journal_path(path).stat().st_size == 0  # applied at open, then emptied
+        assert store._journal is not None and store._journal.size == 0  # applied, emptied
         [receipt] = store.append(KEY, _batch("m4"), None)
         assert receipt.sequence == 5
         assert receipt.id > max(m.id for m in store.list_messages(WHERE, None, None, 4))
+    finally:
+        store.close()
+    assert journal_path(path).stat().st_size == 0  # a clean close leaves no record
+
+
+def test_an_emptied_journal_is_written_again_in_place(tmp_path: Path) -> None:
+    """After an apply the next records go to the start of the file, over the applied ones,
+    without growing it (a synchronous write that grows a file also syncs its size); a
+    crash then replays only the newest run, never what is left of the older one behind
+    it, whether that reads as records or not."""
+    path = tmp_path / "db.duckdb"
+    _crash_after(
+        path,
+        APPEND_FOUR
+        + f"""
+size = journal_path(path).stat().st_size
+store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)  # applies 1-3
+assert store._journal.size == 0
+store.append(key, batch("m4"), None)  # group 4, over group 1's record
+assert journal_path(path).stat().st_size == size
+open({str(tmp_path / "ok")!r}, "w").close()
+""",
+    )
+    assert (tmp_path / "ok").exists()
+    # Groups 2 and 3 still follow as whole records when group 4's is as long as group 1's.
+    assert [n for n, _ in JournalFile(journal_path(path)).records()] == [4]
+    store = _open(path)
+    try:
+        assert _contents(store) == [("m0", 1), ("m1", 2), ("m2", 3), ("m3", 4), ("m4", 5)]
     finally:
         store.close()
 
@@ -159,19 +189,27 @@ def test_records_applied_before_a_crash_are_not_applied_twice(tmp_path: Path) ->
         + f"""
 shutil.copy(journal_path(path), {str(saved)!r})  # records of groups 1-3
 store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)  # applies
-assert journal_path(path).stat().st_size == 0
+assert store._journal.size == 0
 store.append(key, batch("m4"), None)  # group 4, journaled
 """,
     )
     jpath = journal_path(path)
-    # As if emptying the journal never reached the disk: groups 1-3 again before group 4.
-    jpath.write_bytes(saved.read_bytes() + jpath.read_bytes())
+    # As if the journal had been emptied by cutting the file, and that never reached the
+    # disk: groups 1-3 again before group 4.
+    [group4] = JournalFile(jpath).records()
+    jpath.write_bytes(saved.read_bytes() + _record_bytes(*group4))
     assert [n for n, _ in JournalFile(jpath).records()] == [1, 2, 3, 4]
     store = _open(path)
     try:
         assert _contents(store) == [("m0", 1), ("m1", 2), ("m2", 3), ("m3", 4), ("m4", 5)]
     finally:
         store.close()
+
+
+def _record_bytes(group: int, payload: bytes) -> bytes:
+    """One journal record as `JournalFile.append` writes it."""
+    crc = zlib.crc32(payload, zlib.crc32(_GROUP.pack(group)))
+    return _HEADER.pack(MAGIC, len(payload), crc, group) + payload
 
 
 def _record(request_id: str) -> RequestRecord:
@@ -264,7 +302,7 @@ def test_a_failed_apply_keeps_the_journal_and_reads_fail_unavailable(tmp_path: P
         rows = store.list_messages(WHERE, None, None, 5_000)
         assert [m.sequence for m in rows] == list(range(1, 2 + 8 * 255 + 1))
         assert [m.content for m in rows[:3]] == ["m0", "m1", "b0-0"]
-        assert journal_path(path).stat().st_size == 0
+        assert store._journal is not None and store._journal.size == 0
     finally:
         store.close()
 
@@ -310,14 +348,17 @@ def test_kill9_during_single_appends_keeps_every_acknowledged_message_once(
         t.join()
     client.channel.close()
 
-    client = spawn_server().start()
+    restarted = spawn_server()
+    client = restarted.start()
     for k in range(4):
         stored = client.contents(client.history("a1", thread=f"t{k}"))
         acked = acknowledged[k]
         assert stored[: len(acked)] == acked, k
         assert len(stored) in (len(acked), len(acked) + 1), (k, len(acked), len(stored))
         assert len(set(stored)) == len(stored)
-    if proc.extra_env.get("CONTEXTD_STORE") is None:
+    client.channel.close()
+    restarted.stop()
+    if proc.extra_env.get("CONTEXTD_STORE") is None:  # a clean stop leaves no record
         assert os.path.getsize(proc.data_dir / "contextd.duckdb.journal") == 0
 
 

@@ -3,11 +3,18 @@
 Why: a DuckDB transaction costs about 3.6 ms of CPU for one message (parsing, binding, the
 scan of an Arrow batch, two index updates, the WAL), whatever it carries; a single-message
 AppendMessages cannot be faster than that while each group commits its own transaction.
-So the writer (writer.py) makes a small group durable by appending one record to this file
+So the writer (writer.py) makes a small group durable by writing one record to this file
 (one synchronous `write`), answers its callers, and applies many journaled groups
 to DuckDB later in ONE transaction, which also records the number of the last group it
-applied (`store_state.journal_applied_group`). When everything is applied the file is
-truncated.
+applied (`store_state.journal_applied_group`). When everything is applied the journal is
+emptied: the next record is written at the start of the file, over the applied ones.
+
+Why in place: a synchronous write that extends a file must also make the file's new size
+durable (on ext4 a commit of the file system's own journal beside the data); one into
+blocks the file already holds writes the data alone. Measured here (700-byte records,
+O_DSYNC, four alternating rounds of 1,500): 0.30 ms on average and 55 us of CPU per write
+at the end of a growing file, 0.18 ms and 44 us in place. So the file keeps its size
+(the most a run between two applies wrote), and a clean close cuts it to nothing.
 
 A record: magic, payload length, CRC-32 (of the group number and the payload), the group
 number (increasing by one per group, never reused: it continues from the applied mark),
@@ -16,13 +23,17 @@ the messages' columns, the threads it creates, summary pointers, expiry
 markers, request records, and the id block it reserved.
 
 At open (`Store.__init__`), the records after the applied mark are applied in one
-transaction before anything reads the database; reading stops at the first short or
-damaged record (its write never completed, so its callers were never answered). A record
-at or below the mark was applied before a crash that came before the truncation: skipped.
+transaction before anything reads the database. Reading stops at the first short or
+damaged record (its write never completed, so its callers were never answered) and at
+the first whose number does not follow the one before it: what lies after the newest
+records is what was left of older, applied ones, whose numbers are all lower. A record
+at or below the mark was applied before a crash (or lies behind an emptied journal):
+skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import marshal
 import os
@@ -195,7 +206,10 @@ class GroupWrite:
 
 
 class JournalFile:
-    """The file: appended by the writer thread only, read once at open."""
+    """The file: written by the writer thread only, read once at open.
+
+    `size` is the journal's length (the end of its newest record; 0 when empty), not the
+    file's: the file keeps the blocks of earlier runs, rewritten in place (see above)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -205,48 +219,58 @@ class JournalFile:
         # system call releases the GIL, and the writer thread must win it back from every
         # handler thread before it answers anyone; under many callers each release costs
         # the writer (and so each group's callers) a wait for the GIL, so one is cheaper
-        # than two.
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_DSYNC, 0o600)
+        # than two. Not O_APPEND: records are written at an offset (Linux appends every
+        # write of an O_APPEND file at its end, whatever the offset).
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DSYNC, 0o600)
         if created:  # the file's name must survive a crash too
             dir_fd = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-        self._size = os.fstat(self._fd).st_size
+        self._size = self._scan()[1]
 
-    def records(self) -> list[tuple[int, bytes]]:
-        """The whole records from the start, in order: (group number, payload); stops at
-        the first short or damaged one (a write that never completed)."""
-        data = os.pread(self._fd, self._size, 0) if self._size else b""
+    def _scan(self) -> tuple[list[tuple[int, bytes]], int]:
+        """The newest run of whole records from the start of the file, and where it ends."""
+        length = os.fstat(self._fd).st_size
+        data = os.pread(self._fd, length, 0) if length else b""
         out: list[tuple[int, bytes]] = []
         at = 0
         while at + _HEADER.size <= len(data):
-            magic, length, crc, group = _HEADER.unpack_from(data, at)
+            magic, size, crc, group = _HEADER.unpack_from(data, at)
             start = at + _HEADER.size
-            payload = data[start : start + length]
-            if magic != MAGIC or len(payload) != length:
+            payload = data[start : start + size]
+            if magic != MAGIC or len(payload) != size:
                 break
             if zlib.crc32(payload, zlib.crc32(_GROUP.pack(group))) != crc:
                 break
+            if out and group != out[-1][0] + 1:
+                break  # what is left of an older run (see the module)
             out.append((group, payload))
-            at = start + length
-        return out
+            at = start + size
+        return out, at
+
+    def records(self) -> list[tuple[int, bytes]]:
+        """The whole records from the start, in order: (group number, payload); stops at
+        the first short or damaged one (a write that never completed) and at the first
+        that does not follow the one before it (an older run's)."""
+        return self._scan()[0]
 
     def append(self, group: int, payload: bytes) -> None:
-        """Write one record, durably (the file is O_DSYNC: the write returns once the
-        record is on disk). On failure the file is cut back to where it was, so the record
-        can never be replayed (its callers are told it failed); if even that fails,
-        OSError is raised with `cut_back` False."""
+        """Write one record after the others, durably (the file is O_DSYNC: the write
+        returns once the record is on disk). On failure the file is cut back to where the
+        journal ends, so the record can never be replayed (its callers are told it
+        failed); if even that fails, OSError is raised with `cut_back` False."""
         crc = zlib.crc32(payload, zlib.crc32(_GROUP.pack(group)))
         record = _HEADER.pack(MAGIC, len(payload), crc, group) + payload
+        at = self._size
         try:
             view = memoryview(record)
             while view:
-                written = os.write(self._fd, view)
-                view = view[written:]
+                written = os.pwrite(self._fd, view, at)
+                view, at = view[written:], at + written
         except OSError as exc:
-            try:
+            try:  # everything after the journal goes (older runs' records are applied)
                 os.ftruncate(self._fd, self._size)
                 os.fdatasync(self._fd)
             except OSError:
@@ -254,17 +278,23 @@ class JournalFile:
                 raise exc from None
             exc.cut_back = True  # type: ignore[attr-defined]
             raise
-        self._size += len(record)
+        self._size = at
 
     @property
     def size(self) -> int:
         return self._size
 
-    def truncate(self) -> None:
-        """Empty the file (everything in it is applied). Not synced: if a crash undoes it,
-        the records are skipped by their group numbers."""
-        os.ftruncate(self._fd, 0)
+    def empty(self) -> None:
+        """Empty the journal (everything in it is applied): the next record is written at
+        the start of the file, over the applied ones. Nothing is written now: should a
+        crash come before the next record, the applied ones are skipped by their numbers
+        (so are those a shorter newer run leaves behind it)."""
         self._size = 0
 
     def close(self) -> None:
+        """Close the file; an empty journal's file is cut to nothing (a stopped store's
+        journal holds no record). Not synced: records left by a crash are applied ones."""
+        if self._size == 0:
+            with contextlib.suppress(OSError):  # tidiness only: the records are applied
+                os.ftruncate(self._fd, 0)
         os.close(self._fd)

@@ -363,7 +363,7 @@ class Store(
                     extra={"groups": len(todo), "rows": merged.rows},
                 )
             if journal.size:
-                journal.truncate()
+                journal.empty()
         except BaseException as exc:
             journal.close()
             if isinstance(exc, Exception):

@@ -695,10 +695,7 @@ class WriterMixin(DuckDBBase):
         self._journal_requests.clear()
         self._journal_applied = last
         assert self._journal is not None
-        try:
-            self._journal.truncate()
-        except OSError:  # its records are skipped by number at the next start
-            log.exception("emptying the append journal failed")
+        self._journal.empty()
 
     def _apply_journal_quietly(self, writer: duckdb.DuckDBPyConnection) -> bool:
         """`_apply_journal` on the writer's own account (idle, past its bounds, at stop):
