@@ -64,7 +64,8 @@ pub fn search_vector(content: &str, tool_calls: &str) -> Option<String> {
     // (word, position) pairs gives both orders at once, without a map of words.
     words.sort_unstable();
     let mut out = String::with_capacity(content.len() + tool_calls.len() + 8 * words.len());
-    let mut digits = [0u8; 10];
+    // Positions in decimal by `itoa`: `write!` through `fmt` cost more than the rest of a word.
+    let mut digits = itoa::Buffer::new();
     for group in words.chunk_by(|a, b| a.0 == b.0) {
         if group.len() > MAX_POSITIONS {
             return None;
@@ -80,26 +81,10 @@ pub fn search_vector(content: &str, tool_calls: &str) -> Option<String> {
             if k > 0 {
                 out.push(',');
             }
-            out.push_str(decimal(position, &mut digits));
+            out.push_str(digits.format(position));
         }
     }
     Some(out)
-}
-
-/// `n` in decimal, written into `buf` (a position is at most 16,383): `write!` through
-/// `fmt` cost more than the rest of a word.
-fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
-    let mut at = buf.len();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    // Only ASCII digits were written.
-    std::str::from_utf8(&buf[at..]).unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -128,8 +113,6 @@ mod tests {
             search_vector("b10 a 9 b10 ab a", "").as_deref(),
             Some("'9':3 'a':2,6 'ab':5 'b10':1,4")
         );
-        assert_eq!(decimal(16_383, &mut [0; 10]), "16383");
-        assert_eq!(decimal(0, &mut [0; 10]), "0");
         // Positions up to PostgreSQL's highest, and no further.
         assert!(search_vector(&"x ".repeat(MAX_POSITION), "").is_none()); // > 256 of one word
         let many: String = (0..MAX_POSITION).map(|i| format!("w{i} ")).collect();
