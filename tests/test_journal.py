@@ -118,7 +118,7 @@ def test_an_emptied_journal_is_written_again_in_place(tmp_path: Path) -> None:
     _crash_after(
         path,
         APPEND_FOUR
-        + f"""
+        + """
 size = journal_path(path).stat().st_size
 store.list_messages(ThreadFilter("default", "a1", "", "t1"), None, None, 10)  # applies 1-3
 assert store._journal.size == 0
