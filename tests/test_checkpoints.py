@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -34,6 +33,7 @@ from contextd.app.service import ContextService
 from contextd.config import Settings
 from contextd.domain.model import NewMessage, Role
 from contextd.v1 import context_service_pb2 as pb
+from waiting import wait_until
 
 pytestmark = pytest.mark.duckdb_only  # the DuckDB file and its WAL themselves
 
@@ -60,16 +60,6 @@ def test_the_store_checkpoints_at_256mb_of_wal_by_default(tmp_path: Path) -> Non
         store.close()
 
 
-def _wait_for(check: Callable[[], bool], seconds: float) -> bool:
-    """Poll `check` (the writer's idleness is real time, not the test clock's)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
-
-
 def test_an_idle_writer_checkpoints_the_wal_of_a_burst(tmp_path: Path) -> None:
     path = tmp_path / "x.duckdb"
     store = Store.open(path)
@@ -82,7 +72,10 @@ def test_an_idle_writer_checkpoints_the_wal_of_a_burst(tmp_path: Path) -> None:
         n += len(batch)
         assert n <= 50_000, "the WAL never grew past the idle checkpoint's size"
     # Then idle: the writer folds the WAL into the file on its own.
-    assert _wait_for(lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES, 30.0)
+    wait_until(
+        lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES,
+        "the idle writer checkpoints the WAL",
+    )
     row = store._con.execute("SELECT count(*) FROM messages").fetchone()
     assert row is not None and row[0] == n
     store.close()
@@ -130,13 +123,17 @@ def test_kill9_during_a_burst_past_the_old_threshold_loses_nothing_acknowledged(
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
-    grew = _wait_for(lambda: wal_bytes(wal) > 20 << 20, 60.0)
-    proc.kill9()
-    stop.set()
-    for t in threads:
-        t.join()
-    client.channel.close()
-    assert grew, "the WAL never passed 20 MB: a checkpoint ran during the burst"
+    try:
+        wait_until(
+            lambda: wal_bytes(wal) > 20 << 20,
+            "the WAL passes 20 MB (it does not if a checkpoint runs during the burst)",
+        )
+    finally:
+        proc.kill9()
+        stop.set()
+        for t in threads:
+            t.join()
+        client.channel.close()
 
     # Each thread's batches commit in order, whole: its count is that of its
     # acknowledged batches, plus at most the one in flight at the kill (never a part).
@@ -178,11 +175,14 @@ def test_a_read_running_after_a_burst_does_not_hold_off_the_idle_checkpoint(
         reader = reading.sql("SELECT id, content FROM messages").to_arrow_reader(100)
         first = reader.read_next_batch()  # the read is running, paused mid-stream
         assert first.num_rows == 100
-        assert _wait_for(lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES, 30.0)
+        wait_until(
+            lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES,
+            "the idle writer checkpoints the WAL",
+        )
         rest = sum(b.num_rows for b in reader)
         assert first.num_rows + rest == n  # the read saw its snapshot whole
         # The counters were flushed after the checkpoint.
-        assert _wait_for(lambda: not len(store._pending), 10.0)
+        wait_until(lambda: not len(store._pending), "the pending counters are flushed")
     finally:
         reading.close()
         store.close()
@@ -215,12 +215,15 @@ def test_a_checkpoint_refused_for_running_reads_logs_one_line_and_succeeds_after
         def deferred() -> bool:
             return any("idle checkpoint deferred" in r.getMessage() for r in caplog.records)
 
-        assert _wait_for(deferred, 10.0), [r.getMessage() for r in caplog.records]
+        wait_until(deferred, "the idle checkpoint is deferred while a read holds the WAL")
         assert wal_bytes(wal_path(path)) >= IDLE_CHECKPOINT_BYTES  # refused, as expected
         for _ in reader:  # the read ends
             pass
         reader.close()
-        assert _wait_for(lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES, 30.0)
+        wait_until(
+            lambda: wal_bytes(wal_path(path)) < IDLE_CHECKPOINT_BYTES,
+            "the idle writer checkpoints the WAL",
+        )
         failures = [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
         assert not failures, [(r.getMessage(), r.exc_info) for r in failures]
     finally:

@@ -10,7 +10,6 @@ import random
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from contextd.api.server import create_server
 from contextd.config import Settings
 from contextd.domain.clock import ManualClock, wall_clock_us
 from contextd.v1 import context_service_pb2 as pb
+from waiting import wait_until
 
 # What a client may retry, with the same request id, through another replica: the call
 # may or may not have been written, and the request record makes the retry safe.
@@ -52,14 +52,6 @@ def _start(spawn_server: SpawnServer, tmp_path: Path, dsn: str, name: str) -> Re
     """A replica: its own process and data directory, the shared database."""
     proc = spawn_server(tmp_path / name, extra_env={"CONTEXTD_STORE": dsn})
     return Replica(name, proc, proc.start())
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
 
 
 def _reason(error: grpc.RpcError) -> str:
@@ -194,14 +186,13 @@ def test_replicas_survive_kill9_and_retries_write_once(
     for w in workers:
         w.start()
     try:
-        _wait_until(lambda: acked() >= ACKS_BEFORE_KILL, 30, "the first appends are acknowledged")
+        wait_until(lambda: acked() >= ACKS_BEFORE_KILL, "the first appends are acknowledged")
         slots[0].proc.kill9()  # calls in flight on it fail; their retries go to "b"
         replacement = _start(spawn_server, tmp_path, postgres_dsn, "a2")
         with lock:
             killed, slots[0] = slots[0], replacement
-        _wait_until(
+        wait_until(
             lambda: acked("a2") >= ACKS_THROUGH_REPLACEMENT,
-            30,
             "the replacement replica acknowledges appends",
         )
     finally:
@@ -371,7 +362,7 @@ def test_replicas_starting_together_migrate_once(
                 ).fetchone()
                 return int(row[0]) if row else 0
 
-            _wait_until(lambda: waiting() == 2, 30, "both replicas wait for the migration lock")
+            wait_until(lambda: waiting() == 2, "both replicas wait for the migration lock")
             assert not any(f.done() for f in starting)  # neither serves before migrating
             conn.execute("SELECT pg_advisory_unlock(%s)", [MIGRATION_LOCK])
             a, b = (f.result(timeout=60) for f in starting)

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Client, SpawnServer
 from contextd.v1 import context_service_pb2 as pb
+from waiting import wait_until
 
 
 def test_context_survives_restart_via_sqlite(spawn_server: SpawnServer) -> None:
@@ -93,7 +93,7 @@ def test_sigterm_drains_calls_in_flight(spawn_server: SpawnServer) -> None:
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    wait_until(lambda: len(acknowledged) >= 20, "appends are flowing")  # calls in flight
     assert proc.signal(signal.SIGTERM) == 0
     stop.set()
     for t in threads:
@@ -128,13 +128,14 @@ def test_kill9_loses_no_acknowledged_write(spawn_server: SpawnServer) -> None:
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    proc.kill9()
-    stop.set()
-    for t in threads:
-        t.join()
-    client.channel.close()
-    assert len(acknowledged) > 50
+    try:
+        wait_until(lambda: len(acknowledged) >= 300, "300 appends are acknowledged")
+    finally:
+        proc.kill9()  # while the writers' calls are in flight
+        stop.set()
+        for t in threads:
+            t.join()
+        client.channel.close()
 
     client = spawn_server().start()
     stored = set(

@@ -19,7 +19,6 @@ import os
 import resource
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -39,6 +38,7 @@ from contextd.api.server import SERVICE_NAME, create_server
 from contextd.config import Settings
 from contextd.domain.errors import StoreBusy, StoreExhausted, StoreUnavailable
 from contextd.v1 import context_service_pb2 as pb
+from waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -107,11 +107,12 @@ def _fill(client: Client, agent: str, total: int, batch: int = 50_000) -> None:
 def _wait_for_log(proc: ServerProcess, text: str, count: int = 1) -> None:
     """Wait until the server's log holds `text` (`count` times): the server said it did
     something, which is how a test outside the process learns it happened."""
-    deadline = time.monotonic() + 60
-    while proc.log().count(text) < count:
+
+    def logged() -> bool:
         assert proc.proc is not None and proc.proc.poll() is None, proc.log()[-3000:]
-        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{proc.log()[-3000:]}"
-        time.sleep(0.02)
+        return proc.log().count(text) >= count
+
+    wait_until(logged, lambda: f"the log holds {text!r} {count} time(s):\n{proc.log()[-3000:]}")
 
 
 def _random_text(n_bytes: int) -> str:
@@ -333,8 +334,7 @@ def test_deleting_a_large_agent_lets_other_appends_through(tmp_path: Path) -> No
 
         worker = threading.Thread(target=appender)
         worker.start()
-        while events.count("ack") < 3:  # appends are flowing
-            time.sleep(0.001)
+        wait_until(lambda: events.count("ack") >= 3, "appends are flowing")
         events.append("delete sent")
         response = client.stub.DeleteAgent(pb.DeleteAgentRequest(name="big"), timeout=120)
         events.append("delete done")

@@ -18,6 +18,7 @@ from test_tool_outputs import Tools
 
 from conftest import SpawnServer
 from contextd.v1 import tool_output_service_pb2 as tpb
+from waiting import wait_until
 
 MiB = 1 << 20
 
@@ -128,11 +129,13 @@ def test_kill_9_during_a_streamed_put_leaves_no_half_visible_output(
     putter = threading.Thread(target=put)
     putter.start()
     assert halfway.wait(30)
-    time.sleep(0.5)  # the pieces sent reach the server and its storage
+    # The pieces sent reach the server and its storage:
     if store_url:  # written, in a transaction no other connection sees
+        wait_until(lambda: _chunks_left(store_url) >= 3, "the pieces sent are stored")
         assert _chunks_left(store_url) == 3
     else:  # written, to a temporary file
-        assert list((server.data_dir / "tool_outputs").rglob(".*.chunks.tmp"))
+        tool_outputs = server.data_dir / "tool_outputs"
+        wait_until(lambda: any(tool_outputs.rglob(".*.chunks.tmp")), "the pieces sent are written")
     assert [p.id for p in tools.pointers()] == [kept.id]
     server.kill9()
     release.set()
