@@ -292,7 +292,10 @@ def section(raw: dict[str, Any]) -> Section:
             + (
                 f"Removing parts of contextd's work (the ladder below) shows every part "
                 f"counts: with nothing stored at all, its request handling alone reaches "
-                f"{ladder['ladder-store']:.0%} of the echo ceiling"
+                f"{ladder['ladder-store']:.0%} of the echo ceiling, and with the hand-off to "
+                f"the writer thread and back (its writer answering without writing) "
+                f"{ladder['ladder-writer']:.0%}: no storage work can lift the figure above "
+                "that"
                 if ladder
                 else ""
             )
