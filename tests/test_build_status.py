@@ -28,8 +28,8 @@ from contextd.adapters.duckdb.hot import (
     partial_threads,
 )
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.assembly import status_body, status_preamble
 from contextd.app.build.builder import BuildRequest
+from contextd.app.build.status_text import status_body, status_preamble
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
