@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 from test_hot_build import _same
 
 from conftest import Client
-from contextd.adapters.duckdb.hot import (
-    ScopeThread,
+from contextd.adapters.duckdb.hot_activity import (
     activity_kept,
     activity_of,
     by_recency,
     newest_of,
     partial_threads,
 )
+from contextd.adapters.duckdb.hot_entries import ScopeThread
 from contextd.adapters.duckdb.store import Store
 from contextd.app.build.builder import BuildRequest
 from contextd.app.build.status_text import status_body, status_preamble
