@@ -12,14 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contextd import core
-from contextd.app.build.assembly import (
-    BudgetTooSmallError,
-    assemble,
-    cut_text,
-    render_docs,
-    status_preamble,
-)
+from contextd.app.build.assembly import BudgetTooSmallError, assemble, render_docs
 from contextd.app.build.compaction import split_summary
+from contextd.app.build.status_text import status_preamble
+from contextd.app.build.trimming import cut_text
 from contextd.domain.context import (
     AssembledContext,
     Budget,
@@ -239,17 +235,17 @@ def test_the_newest_turn_of_chat_turns_costs_what_its_cuts_find(
     h: History, chat: bool, with_request: bool
 ) -> None:
     """A prepared window of chat turns alone finds its newest turn (and the request
-    before it) without its tool groups (`_Prepared.chat`: every cut is valid), as a
+    before it) without its tool groups (`PreparedHistory.chat`: every cut is valid), as a
     window extended after an append does; what that costs equals what the cuts find
     (`valid_cuts`), and only chat windows take that path."""
     from dataclasses import replace
 
-    from contextd.app.build.assembly import _prepare
     from contextd.app.build.compaction import chat_only
+    from contextd.app.build.compressor import prepare_history
     from contextd.app.build.render import Framing
 
     items = [it for it in h.items if chat_only([it])] if chat else h.items
-    prepared = _prepare(items, StrategyOptions(), Framing(O200K, ()).items, None)
+    prepared = prepare_history(items, StrategyOptions(), Framing(O200K, ()).items, None)
     assert prepared.chat == chat_only(prepared.work.items)
     by_cuts = replace(prepared, chat=False, protected={})
     assert prepared.protected_cost(with_request=with_request) == by_cuts.protected_cost(

@@ -23,7 +23,8 @@ from test_render import check_anthropic, check_openai
 
 from conftest import Client, rendering
 from contextd import core
-from contextd.app.build.assembly import SUMMARY_RESERVE_TOKENS, BudgetTooSmallError, assemble
+from contextd.app.build.assembly import BudgetTooSmallError, assemble
+from contextd.app.build.compressor import SUMMARY_RESERVE_TOKENS
 from contextd.app.build.render import to_anthropic, to_openai
 from contextd.domain.context import (
     HistoryItem,

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_hot_build import _same
 
-from contextd.adapters.duckdb.hot import ScopeThread, by_recency, newest_of
+from contextd.adapters.duckdb.hot_activity import by_recency, newest_of
+from contextd.adapters.duckdb.hot_entries import ScopeThread
 from contextd.adapters.duckdb.store import Store
 from contextd.app.build.builder import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer

@@ -19,17 +19,17 @@ from hypothesis import strategies as st
 from test_hot_build import _same
 
 from conftest import Client
-from contextd.adapters.duckdb.hot import (
-    ScopeThread,
+from contextd.adapters.duckdb.hot_activity import (
     activity_kept,
     activity_of,
     by_recency,
     newest_of,
     partial_threads,
 )
+from contextd.adapters.duckdb.hot_entries import ScopeThread
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.assembly import status_body, status_preamble
 from contextd.app.build.builder import BuildRequest
+from contextd.app.build.status_text import status_body, status_preamble
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock

@@ -452,7 +452,7 @@ def test_random_appends_build_what_a_build_afresh_builds(
     with clears and messages deleted by retention: after each, the build of a builder
     that remembers the thread's window (and extends it after appends, checking only
     what an append changed: `ContextBuilder._extended`, `_carried_over`,
-    `assembly._extend_prepared`) equals the build of one that remembers nothing, in
+    `compressor.extend_prepared`) equals the build of one that remembers nothing, in
     kept messages, dropped and orphaned ids, token counts and renderings. The budgets
     are small, so the kept part moves with each append and the turns leaving it hold
     tool rows or not."""

@@ -514,7 +514,7 @@ class DuckDBBase:
         state is fixed: the barrier ran when it began, and must not fail its COMMIT)."""
         if getattr(self._local, "in_snapshot", False):
             return True
-        view = getattr(self._local, "hot_view", None)  # hot.py's snapshot
+        view = getattr(self._local, "hot_view", None)  # hot_reads.py's snapshot
         return bool(view is not None and view.began)
 
     @contextlib.contextmanager

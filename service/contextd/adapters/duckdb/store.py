@@ -34,7 +34,9 @@ from contextd.adapters.duckdb.base import (
     log,
 )
 from contextd.adapters.duckdb.checkpoints import DEFAULT_CHECKPOINT_THRESHOLD, wal_path
-from contextd.adapters.duckdb.hot import DEFAULT_HOT_CACHE_BYTES, HotCache, HotMixin, LoadStats
+from contextd.adapters.duckdb.hot import HotCache
+from contextd.adapters.duckdb.hot_entries import DEFAULT_HOT_CACHE_BYTES
+from contextd.adapters.duckdb.hot_reads import HotMixin, LoadStats
 from contextd.adapters.duckdb.journal import APPLY_IDLE_S, GroupWrite, JournalFile, journal_path
 from contextd.adapters.duckdb.messages import MessagesMixin
 from contextd.adapters.duckdb.page_token_key import load_or_create_key

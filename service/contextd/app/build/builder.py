@@ -20,13 +20,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from contextd import core
-from contextd.app.build.assembly import (
-    NO_CHAR_LIMIT,
-    BudgetTooSmallError,
-    assemble,
-    status_body,
-    status_with_time,
-)
+from contextd.app.build.assembly import BudgetTooSmallError, assemble
 from contextd.app.build.compaction import (
     chat_only,
     make_summary_item,
@@ -37,7 +31,9 @@ from contextd.app.build.compaction import (
 from contextd.app.build.excerpts import ExcerptReport, add_excerpts
 from contextd.app.build.memo import Memo
 from contextd.app.build.render import render
+from contextd.app.build.status_text import status_body, status_with_time
 from contextd.app.build.summarizer import Summarizer
+from contextd.app.build.trimming import NO_CHAR_LIMIT
 from contextd.domain.batches import prepare_batch, stored_tokenizer
 from contextd.domain.context import (
     DEFAULT_SAFETY_MARGIN,

@@ -60,7 +60,7 @@ def chat_only(items: Sequence[HistoryItem]) -> bool:
     them to it, changes none of its pairs: a history the repair left unchanged stays
     unchanged. A build after an append checks what it left out and what was appended
     this way, instead of repairing its whole window again (`ContextBuilder._extended`,
-    `assembly._extend_prepared`)."""
+    `compressor.extend_prepared`)."""
     return set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items))
 
 
