@@ -13,7 +13,7 @@ change and can keep a copy of those reads exactly coherent:
   content; every other write job names what it touches (`Touches`) and that is dropped.
   A job that names nothing drops everything (the safe default).
 - a cold entry is loaded by SQL, once, in a transaction whose state is the cache's own
-  (see `HotCache.loaded`): it is installed only if no commit began or ended meanwhile.
+  (see `HotCache.install`): it is installed only if no commit began or ended meanwhile.
 - reads under `snapshot()` see one committed point: the first cached read of a snapshot
   fixes the cache generation `g0`; an entry is served only if it was last changed at or
   before `g0`. A read that must go to SQL opens the snapshot's DuckDB transaction and
