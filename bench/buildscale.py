@@ -473,7 +473,7 @@ def run(sz: Sizes) -> list[Section]:
     from bench.readpath import service_over
     from contextd.adapters.duckdb.store import Store
     from contextd.adapters.postgres.store import PostgresStore
-    from contextd.app.build.builder import BuildRequest
+    from contextd.app.build.build_types import BuildRequest
     from contextd.config import DATABASE_FILE
     from contextd.domain.model import BuildOverrides
 

@@ -643,7 +643,7 @@ def run_strategy(
     t: Transcript, strategy: str, budget: int, summarizer: Any, step: int, rolling: bool
 ) -> Outcome:
     from contextd.app.build.assembly import assemble
-    from contextd.app.build.builder import governing_formats
+    from contextd.app.build.build_options import governing_formats
     from contextd.domain.context import HistoryItem, counter_for_model
 
     count = counter_for_model(MODEL)

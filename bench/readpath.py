@@ -158,7 +158,7 @@ def run(sz: Sizes) -> Section:
     from bench import pg
     from contextd.adapters.duckdb.store import Store
     from contextd.adapters.postgres.store import PostgresStore
-    from contextd.app.build.builder import BuildRequest
+    from contextd.app.build.build_types import BuildRequest
     from contextd.domain.model import BuildOverrides
     from contextd.domain.window import WindowSpec
     from contextd.ports.store import ThreadFilter

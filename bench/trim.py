@@ -97,7 +97,7 @@ def run(sz: Sizes) -> Section:
     chars = [len(c) for c in contents]
     groups = [-1] * n
     budget = sz.budget
-    # The service's columns: what builder._candidates passes (from the store's Arrow table).
+    # The service's columns: what WindowLoading._candidates passes (from the store's Arrow table).
     roles_col = np.asarray(roles, dtype=np.uint8)
     tokens_col = np.asarray(tokens, dtype=np.uint64)
     chars_col = np.asarray(chars, dtype=np.uint64)

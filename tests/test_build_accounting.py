@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.build_types import BuildRequest, BuildResult
 from contextd.app.build.render import to_anthropic, to_openai
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService

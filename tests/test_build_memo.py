@@ -18,7 +18,7 @@ from test_hot_build import _same
 from contextd.adapters.duckdb.hot_activity import by_recency, newest_of
 from contextd.adapters.duckdb.hot_entries import ScopeThread
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.build_types import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock

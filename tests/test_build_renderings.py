@@ -9,7 +9,7 @@ import pytest
 
 from conftest import Client, rendering
 from contextd import core
-from contextd.app.build.builder import MAX_SUMMARY_SOURCE_CHARS
+from contextd.app.build.window_loading import MAX_SUMMARY_SOURCE_CHARS
 from contextd.domain.clock import ManualClock
 from contextd.v1 import context_service_pb2 as pb
 

@@ -28,7 +28,7 @@ from contextd.api.convert import (
     dropped_ids_field,
 )
 from contextd.api.server import pass_bytes
-from contextd.app.build.builder import BuildResult
+from contextd.app.build.build_types import BuildResult
 from contextd.app.build.excerpts import AddedExcerpts, ExcerptReport
 from contextd.app.tool_output_reads import Excerpt
 from contextd.domain.context import AssembledContext, BuildStats, HistoryItem, IdList

@@ -28,7 +28,7 @@ from contextd.adapters.duckdb.hot_activity import (
 )
 from contextd.adapters.duckdb.hot_entries import ScopeThread
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.build.status_text import status_body, status_preamble
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService

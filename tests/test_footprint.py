@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from contextd.adapters.duckdb.store import DEFAULT_MEMORY_LIMIT, Store
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.config import Settings

@@ -41,7 +41,7 @@ from contextd.api.convert import (
 )
 from contextd.app.build import compaction
 from contextd.app.build.assembly import BudgetTooSmallError, assemble
-from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.build_types import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock

@@ -50,7 +50,7 @@ from conftest import (
 )
 from contextd.adapters.duckdb.store import Store
 from contextd.api.server import create_server
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.config import Settings

@@ -23,7 +23,7 @@ import pytest
 from conftest import SpawnServer
 from contextd.adapters.duckdb.journal import _GROUP, _HEADER, MAGIC, JournalFile, journal_path
 from contextd.adapters.duckdb.store import Store
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.keys import LOCAL_OPERATOR
 from contextd.app.service import ContextService

@@ -24,7 +24,7 @@ import pytest
 from psycopg import pq
 
 from contextd.adapters.postgres.store import PostgresStore
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock

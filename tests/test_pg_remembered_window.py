@@ -17,7 +17,7 @@ import pytest
 from test_pg_build_reads import BOUNDS_BUILD_ROUND_TRIPS, HOT_BUILD_ROUND_TRIPS, _round_trips
 
 from contextd.adapters.postgres.store import PostgresStore
-from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.build_types import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.batches import prepare_batch

@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 from test_assembly import History, histories
 
 from contextd import core
-from contextd.app.build.builder import _repair_pair_columns
 from contextd.app.build.compaction import repair_tool_pairs, trim_columns
 from contextd.app.build.render import (
     OPENAI_REPLY_TOKENS,
@@ -31,6 +30,7 @@ from contextd.app.build.render import (
     wire_order,
 )
 from contextd.app.build.trimming import _counted
+from contextd.app.build.window_loading import _repair_pair_columns
 from contextd.domain.context import (
     AssembledContext,
     BuildStats,

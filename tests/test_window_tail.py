@@ -27,8 +27,9 @@ import psycopg
 import pytest
 
 from contextd.adapters.postgres.store import PostgresStore
-from contextd.app.build import builder
-from contextd.app.build.builder import BuildRequest, BuildResult, ContextBuilder
+from contextd.app.build import builder, window_extension, window_loading
+from contextd.app.build.build_types import BuildRequest, BuildResult
+from contextd.app.build.builder import ContextBuilder
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
@@ -55,6 +56,14 @@ def service(store: PostgresStore) -> ContextService:
     service = ContextService(store, ExtractiveSummarizer())
     service.create_agent(TENANT, AGENT, AgentSettings(rolling_window_us=2 * HOUR_US))
     return service
+
+
+def set_read_bound(monkeypatch: pytest.MonkeyPatch, name: str, value: int) -> None:
+    """Set a bound of the newest-first read (`FIRST_PAGE`, `HELD_DROPPED_IDS`) in every
+    module that reads it (each holds its own binding): the builder's plan, which sends it
+    to the store, and the loading and the extension of a window."""
+    for module in (builder, window_loading, window_extension):
+        monkeypatch.setattr(module, name, value)
 
 
 def _history_step(
@@ -140,8 +149,8 @@ def test_newest_first_builds_what_the_whole_window_builds(
     seed: int,
     tools: float,
 ) -> None:
-    monkeypatch.setattr(builder, "FIRST_PAGE", 3)
-    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", HELD)
+    set_read_bound(monkeypatch, "FIRST_PAGE", 3)
+    set_read_bound(monkeypatch, "HELD_DROPPED_IDS", HELD)
     served: list[int] = []  # how many window messages each newest-first build left unread
     load_tail = ContextBuilder._load_tail
 
@@ -207,7 +216,7 @@ def test_newest_first_builds_what_the_whole_window_builds(
 def test_the_held_ids_cover_what_a_response_lists() -> None:
     from contextd.api.convert import MAX_LISTED_DROPPED_IDS
 
-    assert builder.HELD_DROPPED_IDS >= MAX_LISTED_DROPPED_IDS
+    assert window_loading.HELD_DROPPED_IDS >= MAX_LISTED_DROPPED_IDS
 
 
 def test_an_id_list_with_unlisted_ids_serves_its_length_and_newest_ids() -> None:
@@ -262,7 +271,7 @@ def test_a_database_from_before_the_running_counts_migrates_to_them(
         with store._reading() as conn:
             assert (conn.execute(counts).fetchall(), conn.execute(totals).fetchall()) == written
         service = ContextService(store, ExtractiveSummarizer())
-        monkeypatch.setattr(builder, "HELD_DROPPED_IDS", HELD)
+        set_read_bound(monkeypatch, "HELD_DROPPED_IDS", HELD)
         whole_window = store.window_bounds
         served = 0
         for thread in THREADS:
@@ -323,8 +332,8 @@ def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
     """Tool-using threads written in turns with ten others (ids of a thread then jump):
     every build takes the newest-first read, never the whole window (counted), though
     the unread part holds tool rows and orphans, and builds what the whole read builds."""
-    monkeypatch.setattr(builder, "FIRST_PAGE", 16)
-    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", 40)
+    set_read_bound(monkeypatch, "FIRST_PAGE", 16)
+    set_read_bound(monkeypatch, "HELD_DROPPED_IDS", 40)
     rng = random.Random(seed)
     threads = [f"w{i}" for i in range(12)]
     pending: dict[str, list[str]] = {t: [] for t in threads}
@@ -385,7 +394,7 @@ def test_long_tool_threads_interleaved_read_newest_first_and_build_the_same(
     # A hot thread: the ids of its older messages (not contiguous: other threads wrote
     # between) come from the replica's run of them after a first read, and only those
     # of what was appended since are read; the build stays the whole read's.
-    monkeypatch.setattr(builder, "HELD_DROPPED_IDS", 200)
+    set_read_bound(monkeypatch, "HELD_DROPPED_IDS", 200)
     request = BuildRequest(TENANT, AGENT, "", "w0", overrides=BuildOverrides(budget_tokens=300))
     service.build_context(request)
     text = [NewMessage(role=Role.USER, content="word " * 60)] * 2

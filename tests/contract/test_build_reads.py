@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from contextd.app.build.builder import BuildRequest, BuildResult
+from contextd.app.build.build_types import BuildRequest, BuildResult
 from contextd.app.build.summarizer import ExtractiveSummarizer
 from contextd.app.service import ContextService
 from contextd.domain.clock import ManualClock
@@ -380,7 +380,7 @@ def test_a_long_run_of_appends_extends_the_window_within_its_bounds(
     appended messages, carrying the stored counts of those that left it until they
     outnumber its items past a bound: then it reads the window afresh, so what a
     remembered window holds stays bounded however long the run."""
-    from contextd.app.build import builder as builder_module
+    from contextd.app.build import window_extension
 
     service = ContextService(store, ExtractiveSummarizer())
     plain = ContextService(store, ExtractiveSummarizer())
@@ -410,13 +410,13 @@ def test_a_long_run_of_appends_extends_the_window_within_its_bounds(
         for _, window in builder._windows._found.values():
             assert len(window.stamps) <= len(window.items) + 1
             held = len(window.known_counts) - 2 * len(window.items)
-            assert held <= builder_module._KNOWN_SLACK + 1
+            assert held <= window_extension._KNOWN_SLACK + 1
             most = max(most, held)
     if hasattr(store, "appended_window") or hasattr(store, "appended_messages"):
         # Most builds extended the window; the counts reached their bound, and a few
         # builds read it afresh (each of those keeps the loaded messages' counts alone).
         assert steps - 10 <= builder.window_extensions < steps
-        assert most > builder_module._KNOWN_SLACK - 8
+        assert most > window_extension._KNOWN_SLACK - 8
 
 
 # One change of a thread (`test_random_appends_build_what_a_build_afresh_builds`); plain

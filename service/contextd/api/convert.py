@@ -15,7 +15,7 @@ import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from contextd import core
-from contextd.app.build.builder import BuildResult
+from contextd.app.build.build_types import BuildResult
 from contextd.domain import scopes
 from contextd.domain.context import IdList, StatusEntry, StatusKind
 from contextd.domain.errors import InvalidArgument

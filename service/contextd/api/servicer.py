@@ -40,7 +40,7 @@ from contextd.api.convert import (
     view_of,
 )
 from contextd.api.tenant import caller_tenant
-from contextd.app.build.builder import BuildRequest
+from contextd.app.build.build_types import BuildRequest
 from contextd.app.service import ContextService
 from contextd.app.snapshots import RestoreResult
 from contextd.domain.access import KeyRefused

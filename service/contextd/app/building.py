@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from contextd.app.base import UseCases
-from contextd.app.build.builder import (
-    FORMATS,
+from contextd.app.build.build_types import (
     BuildRequest,
     BuildResult,
     CompactResult,
     replayed_compaction,
 )
+from contextd.app.build.builder import FORMATS
 from contextd.domain.errors import (
     InvalidArgument,
 )

@@ -112,7 +112,7 @@ def assemble(
     this one extends, and how many of that history's first items this one leaves out:
     its other items are this ``history``'s first ones, the same objects, and the items
     after them were appended (a builder's window extended after an append, see
-    `ContextBuilder._extended`). The history is then made ready from that one's where
+    `WindowExtension._extended`). The history is then made ready from that one's where
     that is what preparing afresh gives (`extend_prepared`), else afresh.
     """
     opts = options or StrategyOptions()

@@ -59,7 +59,7 @@ def chat_only(items: Sequence[HistoryItem]) -> bool:
     none, and it returns them as they are. So taking them out of a history, or appending
     them to it, changes none of its pairs: a history the repair left unchanged stays
     unchanged. A build after an append checks what it left out and what was appended
-    this way, instead of repairing its whole window again (`ContextBuilder._extended`,
+    this way, instead of repairing its whole window again (`WindowExtension._extended`,
     `compressor.extend_prepared`)."""
     return set(map(_ROLE_OF, items)) <= _CHAT_ROLES and not any(map(_CALLS_OF, items))
 
