@@ -11,7 +11,7 @@ from contextd.app.build.build_types import (
     CompactResult,
     replayed_compaction,
 )
-from contextd.app.build.builder import FORMATS
+from contextd.app.build.render import FORMATS
 from contextd.domain.errors import (
     InvalidArgument,
 )

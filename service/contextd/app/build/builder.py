@@ -93,8 +93,6 @@ STATUS_ENTRIES = 100
 BUILT_RESULTS = 16
 STATUS_THREADS = 30
 
-FORMATS = ("anthropic", "openai", "text")
-
 
 @dataclass(frozen=True, slots=True)
 class _StatusKept:
