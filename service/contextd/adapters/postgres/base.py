@@ -153,6 +153,7 @@ class PostgresBase:
                 # `read_consistently`'s second run, makes no such guess.
                 self._local.no_early_end = True
                 raise SnapshotMoved("a read after the snapshot ended with its reads ahead")
+            self._begin(pinned)
             yield pinned
             return
         if self._closed:
@@ -210,16 +211,10 @@ class PostgresBase:
                 # or earlier (`_end_snapshot_early`).
                 with ExitStack() as pipeline:
                     pipeline.enter_context(conn.pipeline())
-                    conn.execute(SNAPSHOT_BEGIN)
-                    # A key the call owes a check of is read with the snapshot's first
-                    # statement, so it costs no round trip; its answer is taken at the end,
-                    # before anything read is answered (`owed_key_check`).
-                    owed = owed_key_check()
-                    check = (
-                        conn.execute("SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
-                        if owed is not None
-                        else None
-                    )
+                    # The BEGIN goes with the block's first read (`_begin`), so that a
+                    # build answered by one statement sends none (`_unbegun`).
+                    self._local.begun = False
+                    self._local.check = None
                     self._local.conn = conn
                     self._local.end_pipeline = pipeline.close if early else None
                     try:
@@ -240,10 +235,16 @@ class PostgresBase:
                         self._local.bounds = None  # queued by status_and_activity
                         self._local.status = None  # sent with context_ref's read
                         self._local.planned = None  # by plan_build_reads
+                    if not ended and owed_key_check() is not None:
+                        # A block that read nothing still answers the key it owes.
+                        self._begin(conn)
+                    check = self._local.check
+                    self._local.check = None
+                    owed = owed_key_check()
                     if owed is not None and check is not None:
                         stands = check.fetchone()
                         key_check_answered(owed, bool(stands and stands[0]))
-                    if not ended:
+                    if not ended and self._local.begun:
                         conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
@@ -252,6 +253,32 @@ class PostgresBase:
                     conn.rollback()  # the block failed: its transaction ends unused
                 if not conn.closed:
                     conn.autocommit = False
+
+    def _begin(self, conn: Conn) -> None:
+        """Queue the snapshot's BEGIN before its first read (nothing after the first):
+        the READ ONLY REPEATABLE READ transaction the block's reads share. A key the
+        call owes a check of is read with it, in the same snapshot, so it costs no round
+        trip; its answer is taken at the block's end, before anything read is answered
+        (`owed_key_check`)."""
+        if getattr(self._local, "begun", True):
+            return
+        self._local.begun = True
+        conn.execute(SNAPSHOT_BEGIN)
+        owed = owed_key_check()
+        if owed is not None:
+            self._local.check = conn.execute("SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
+
+    def _unbegun(self, conn: Conn) -> bool:
+        """Whether `conn` is this thread's snapshot and nothing was read in it yet (no
+        BEGIN sent), no key check is owed and the snapshot may end with its reads ahead:
+        then one statement may make every read of a build, in its own snapshot, with
+        no BEGIN or COMMIT around it (messages.py `context_ref`)."""
+        return (
+            getattr(self._local, "conn", None) is conn
+            and not getattr(self._local, "begun", True)
+            and getattr(self._local, "end_pipeline", None) is not None
+            and owed_key_check() is None
+        )
 
     def _end_snapshot_early(self, conn: Conn) -> bool:
         """End this snapshot now, with the statements queued in it: COMMIT, then the
@@ -264,7 +291,12 @@ class PostgresBase:
         end: Callable[[], None] | None = getattr(self._local, "end_pipeline", None)
         if end is None or getattr(self._local, "conn", None) is not conn:
             return False
-        conn.execute("COMMIT")
+        if getattr(self._local, "begun", True):
+            conn.execute("COMMIT")
+        else:
+            # Nothing was begun (`_unbegun`): the one statement sent ran in a snapshot of
+            # its own, its implicit transaction ended by the Sync.
+            self._local.begun = True
         self._local.end_pipeline = None
         self._local.ended = True
         end()
@@ -277,6 +309,10 @@ class PostgresBase:
 
     def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue the status block's read a build will make (see status.py)."""
+
+    def _status_statement(self, args: StatusArgs) -> tuple[str, dict[str, Any]]:
+        """The status block's statement and its named parameters (see status.py)."""
+        raise NotImplementedError
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""

@@ -15,6 +15,7 @@ leaves, having written nothing, to the transaction above.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Hashable, Sequence
@@ -933,7 +934,6 @@ class MessagesMixin(PostgresBase):
         the version of its agent's row, with which `get_agent` may answer from this
         replica's cache of agents (see agents.py)."""
         appended = self._appended_after(key)
-        columns, join = "", ""
         params: list[Any] = [key.tenant, key.agent, key.scope, key.thread]
         holder: list[Any] = []
         if appended is not None:
@@ -941,25 +941,22 @@ class MessagesMixin(PostgresBase):
             # (`appended_messages` takes them): one more would cost a hot build the
             # time it saves by ending its snapshot early.
             guess, after = appended
-            columns, join = ", " + _APPENDED_COLUMNS, _APPENDED_JOIN
             params = [after, after, APPENDED_ROWS + 1, *params]
             self._local.appended = ((key.tenant, guess.context_id, after), lambda: holder)
-        with self._reading() as conn:
-            cursor = conn.execute(
-                "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
-                f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
-                "t.rewrites, t.last_sequence, t.message_count, t.min_source_time_us IS NULL, "
-                f"{_SELECT_MESSAGES}{columns} "
-                # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
-                # condition): a plan along the thread's primary key scanned all of it.
-                "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
-                f"AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id {join}"
-                "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s",
-                params,
-            )
-            if getattr(self._local, "conn", None) is conn:
-                self._send_planned(conn, key)  # in this round trip
-            rows = cursor.fetchall()
+        pinned: Conn | None = getattr(self._local, "conn", None)
+        status = (
+            self._one_statement_status(key, appended is not None)
+            if pinned is not None and self._unbegun(pinned)
+            else None
+        )
+        if pinned is not None and status is not None:
+            rows = self._read_in_one(pinned, key, params, appended is not None, status)
+        else:
+            with self._reading() as conn:
+                cursor = conn.execute(_REF_SQL[appended is not None], params)
+                if getattr(self._local, "conn", None) is conn:
+                    self._send_planned(conn, key)  # in this round trip
+                rows = cursor.fetchall()
         if not rows:
             return None
         row = rows[0]
@@ -1000,6 +997,62 @@ class MessagesMixin(PostgresBase):
         if seen is None or seen.state is None:
             return None
         return guess[0], seen.state.last_sequence
+
+    def _one_statement_status(self, key: ContextKey, appended: bool) -> StatusArgs | None:
+        """The status block's arguments when the build announced for `key` is one
+        `_send_planned` would end the snapshot for with the status block's read alone
+        (the appended rows, if any, travelling with the thread's read: `appended`);
+        None otherwise. Then `context_ref` makes both reads one statement, in a
+        snapshot of its own, with no BEGIN and no COMMIT (`_read_in_one`): three
+        statements fewer for the server and the driver than `_send_planned`'s."""
+        reads: BuildReads | None = getattr(self._local, "planned", None)
+        if reads is None or reads.key != key:
+            return None
+        cached = self._agent_cache.get((key.tenant, key.agent))
+        guess = self._bounds_guess.get(key)
+        if cached is None or guess is None:
+            return None
+        moved = self._moved_here.get(key)
+        if moved is not None and (moved > APPENDED_ROWS or not appended):
+            return None  # the window's bounds are read too (`_send_planned`)
+        agent_window = cached[1].window_at(key.scope, reads.now_us)
+        if agent_window.with_thread_clear(guess[0].last_clear_time_us).retains:
+            return None
+        if not self._hot_build(reads, guess[0]):
+            return None
+        return StatusArgs(
+            key.tenant,
+            key.agent,
+            key.scope,
+            reads.now_us,
+            reads.status_entries,
+            agent_window,
+            reads.status_threads,
+        )
+
+    def _read_in_one(
+        self, conn: Conn, key: ContextKey, params: list[Any], appended: bool, status: StatusArgs
+    ) -> list[Any]:
+        """The thread's read (`_REF_SQL`) and the status block's (taken by
+        `status_and_activity` with these very arguments) as one statement (`_ONE_SQL`),
+        ending the snapshot with it: one statement sees one state, so it needs no
+        transaction of its own, and the Sync that ends the pipeline ends its implicit
+        one. The thread's rows (the status block's stand apart, `_TakenRows`)."""
+        reads: BuildReads | None = self._local.planned
+        self._local.planned = None
+        status_sql, status_params = self._status_statement(status)
+        named = {f"r{i}": v for i, v in enumerate(params)}
+        cursor = conn.execute(_one_sql(appended, status_sql), named | status_params)
+        self._local.extend = key if reads is not None and reads.extend else None
+        self._end_snapshot_early(conn)
+        rows = cursor.fetchall()
+        n = _REF_WIDTH[appended]
+        # The status block's rows in its statement's order (part, then rank), which the
+        # union need not keep; the thread's rows (its appended rows by sequence) come
+        # from the join's inner side in order, as from `_REF_SQL` alone.
+        found = sorted((r[n:] for r in rows if r[n] is not None), key=_status_order)
+        self._local.status = (status, _TakenRows(found))
+        return [r[:n] for r in rows if r[n] is None]
 
     def plan_build_reads(self, reads: BuildReads) -> None:
         """Inside a snapshot, the build's next read is its thread's ref (`context_ref`):
@@ -1709,6 +1762,65 @@ class WindowSeen:
     state: ThreadState | None = None
     clear_us: int | None = None
     summary_id: int = 0
+
+
+def _ref_sql(appended: bool) -> str:
+    """`context_ref`'s statement: the thread's row, its latest summary and its agent's
+    row version, and with `appended` the rows appended after a sequence (parameters:
+    that sequence twice and a row limit, then the thread's key)."""
+    columns, join = (", " + _APPENDED_COLUMNS, _APPENDED_JOIN) if appended else ("", "")
+    return (
+        "SELECT t.context_id, t.last_clear_us, t.latest_summary_id, "
+        f"({AGENT_VERSION_OF_THREAD}), t.xmin::text || ':' || t.ctid::text, "
+        "t.rewrites, t.last_sequence, t.message_count, t.min_source_time_us IS NULL, "
+        f"{_SELECT_MESSAGES}{columns} "
+        # By (tenant, id) alone (`+ 0` keeps the thread's key out of the index
+        # condition): a plan along the thread's primary key scanned all of it.
+        "FROM threads t LEFT JOIN messages m ON m.tenant = t.tenant "
+        f"AND m.context_id + 0 = t.context_id AND m.id = t.latest_summary_id {join}"
+        "WHERE t.tenant = %s AND t.agent = %s AND t.scope = %s AND t.thread = %s"
+    )
+
+
+_REF_SQL = {False: _ref_sql(False), True: _ref_sql(True)}
+# Its columns: the thread's nine, a message's, and the appended rows'.
+_REF_WIDTH = {
+    False: 9 + len(_SELECT_MESSAGES.split(", ")),
+    True: 9 + len(_SELECT_MESSAGES.split(", ")) + _APPENDED_WIDTH,
+}
+_STATUS_WIDTH = 8  # status.py `status_query`'s columns
+
+
+@functools.lru_cache(maxsize=8)
+def _one_sql(appended: bool, status_sql: str) -> str:
+    """`_REF_SQL` and the status block's statement as one (`_read_in_one`): a row of
+    either padded with NULLs in the other's columns; a status row's first column is
+    never NULL. `_REF_SQL`'s parameters are named r0, r1, ... (the status block's are
+    named)."""
+    parts = _REF_SQL[appended].split("%s")
+    ref = parts[0] + "".join(f"%(r{i})s{part}" for i, part in enumerate(parts[1:]))
+    return (
+        f"SELECT q.*, {', '.join(['NULL'] * _STATUS_WIDTH)} FROM ({ref}) q "
+        f"UNION ALL SELECT {', '.join(['NULL'] * _REF_WIDTH[appended])}, s.* "
+        f"FROM ({status_sql}) s"
+    )
+
+
+def _status_order(row: Sequence[Any]) -> tuple[int, int]:
+    """A status row's place in `status_query`'s order: entries, then threads, by rank."""
+    return int(row[0]), int(row[1])
+
+
+class _TakenRows:
+    """Rows already read, handed to a call that takes them as from a cursor."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[Any]) -> None:
+        self._rows = rows
+
+    def fetchall(self) -> list[Any]:
+        return self._rows
 
 
 def window_after(window: WindowSpec) -> int:
