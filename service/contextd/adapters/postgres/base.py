@@ -187,13 +187,15 @@ class PostgresBase:
         """Reads of this thread inside the block see one consistent state: one READ ONLY
         REPEATABLE READ transaction on one connection. Nested blocks join the outer one.
 
-        The connection is in pipeline mode for the block, its BEGIN queued: it travels
-        with the block's first statement, and its COMMIT with the Sync that ends the
-        pipeline, so a snapshot costs no round trip of its own, and a read may queue a
-        statement whose result a later read of the block takes (`status_and_activity`
-        queues the bounds of the thread `context_ref` read). A build expected to need
-        only the reads it sends ahead may end the snapshot with them, COMMIT and Sync in
-        the same round trip (`_end_snapshot_early`). (No cache of windows on this
+        From the block's first read on (`_begin`) the connection is in pipeline mode,
+        its BEGIN queued: it travels with that read's statement, and its COMMIT with the
+        Sync that ends the pipeline, so a snapshot costs no round trip of its own, and a
+        read may queue a statement whose result a later read of the block takes
+        (`status_and_activity` queues the bounds of the thread `context_ref` read). A
+        build expected to need only the reads it sends ahead may end the snapshot with
+        them, COMMIT and Sync in the same round trip (`_end_snapshot_early`); when they
+        are one statement, sent before anything else, it goes alone, with no pipeline,
+        BEGIN or COMMIT (`_unbegun`): one statement sees one state. (No cache of windows on this
         engine: other replicas write too; the few shortcuts it keeps, the windows builds
         read among them, are validated by reads of the snapshot, see
         docs/architecture.md, The hot cache.)"""
@@ -210,17 +212,19 @@ class PostgresBase:
                 # Left by the pipeline's exit, which sends the Sync: at the block's end,
                 # or earlier (`_end_snapshot_early`).
                 with ExitStack() as pipeline:
-                    pipeline.enter_context(conn.pipeline())
-                    # The BEGIN goes with the block's first read (`_begin`), so that a
-                    # build answered by one statement sends none (`_unbegun`).
+                    # The pipeline and its BEGIN go with the block's first read
+                    # (`_begin`), so that a build answered by one statement sends it
+                    # alone, in a round trip of its own (`_unbegun`).
                     self._local.begun = False
                     self._local.check = None
+                    self._local.pipeline = pipeline
                     self._local.conn = conn
                     self._local.end_pipeline = pipeline.close if early else None
                     try:
                         yield
                     finally:
                         self._local.conn = None
+                        self._local.pipeline = None
                         ended = bool(getattr(self._local, "ended", False))
                         self._local.ended = False  # by `_end_snapshot_early`
                         self._local.end_pipeline = None  # likewise
@@ -237,7 +241,9 @@ class PostgresBase:
                         self._local.planned = None  # by plan_build_reads
                     if not ended and owed_key_check() is not None:
                         # A block that read nothing still answers the key it owes.
+                        self._local.pipeline = pipeline
                         self._begin(conn)
+                        self._local.pipeline = None
                     check = self._local.check
                     self._local.check = None
                     owed = owed_key_check()
@@ -263,6 +269,7 @@ class PostgresBase:
         if getattr(self._local, "begun", True):
             return
         self._local.begun = True
+        self._local.pipeline.enter_context(conn.pipeline())
         conn.execute(SNAPSHOT_BEGIN)
         owed = owed_key_check()
         if owed is not None:
@@ -294,8 +301,8 @@ class PostgresBase:
         if getattr(self._local, "begun", True):
             conn.execute("COMMIT")
         else:
-            # Nothing was begun (`_unbegun`): the one statement sent ran in a snapshot of
-            # its own, its implicit transaction ended by the Sync.
+            # Nothing was begun (`_unbegun`): the one statement sent ran alone, outside
+            # the pipeline, in a snapshot of its own.
             self._local.begun = True
         self._local.end_pipeline = None
         self._local.ended = True

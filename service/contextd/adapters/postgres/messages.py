@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import weakref
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ import numpy.typing as npt
 import pyarrow as pa
 from psycopg import errors as pg_errors
 from psycopg import pq
+from psycopg.types.numeric import Int8
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import (
@@ -464,6 +466,9 @@ class MessagesMixin(PostgresBase):
     # The ref and summary's last id of each thread's last `window_bounds` call, by key:
     # what `_send_planned` sends the next build's bounds for.
     _bounds_guess: dict[ContextKey, tuple[ContextRef, int]]
+    # The connections that prepared `_read_in_one`'s statement (in a pipeline, so that
+    # its Parse went with its first run, not in a round trip of its own).
+    _one_prepared: weakref.WeakSet[Conn]
     # Threads this replica appended to since its last build of them, by key, each with
     # how many plain messages those appends added, or more than APPENDED_ROWS once one
     # was not plain (see `_appended_here`).
@@ -1041,18 +1046,35 @@ class MessagesMixin(PostgresBase):
         reads: BuildReads | None = self._local.planned
         self._local.planned = None
         status_sql, status_params = self._status_statement(status)
-        named = {f"r{i}": v for i, v in enumerate(params)}
-        cursor = conn.execute(_one_sql(appended, status_sql), named | status_params)
+        if not appended:
+            # One kind of statement, so one to prepare per connection: the appended
+            # rows' join finds none after the largest sequence (nor probes for them).
+            params = [_NO_SEQUENCE_AFTER, _NO_SEQUENCE_AFTER, 1, *params]
+        # The sequences as bigint whatever their size (the driver types an int by it,
+        # and prepares a statement per parameter types).
+        named = {f"r{i}": Int8(v) if i < 2 else v for i, v in enumerate(params)}
+        # Prepared at its first run on a connection, not at the driver's fifth (the runs
+        # before would each be planned afresh); that run in a pipeline, where the Parse
+        # goes with it (out of one, the driver prepares in a round trip of its own); the
+        # later ones alone, which spares the pipeline's own work. (Should the driver
+        # have dropped it from its cache since, one run takes that round trip more.)
+        sql, values = _one_sql(status_sql), named | status_params
+        if conn in self._one_prepared:
+            cursor = conn.execute(sql, values, prepare=True)
+        else:
+            with conn.pipeline():
+                cursor = conn.execute(sql, values, prepare=True)
+            self._one_prepared.add(conn)
         self._local.extend = key if reads is not None and reads.extend else None
         self._end_snapshot_early(conn)
         rows = cursor.fetchall()
-        n = _REF_WIDTH[appended]
+        n = _REF_WIDTH[True]
         # The status block's rows in its statement's order (part, then rank), which the
         # union need not keep; the thread's rows (its appended rows by sequence) come
         # from the join's inner side in order, as from `_REF_SQL` alone.
         found = sorted((r[n:] for r in rows if r[n] is not None), key=_status_order)
         self._local.status = (status, _TakenRows(found))
-        return [r[:n] for r in rows if r[n] is None]
+        return [r[: _REF_WIDTH[appended]] for r in rows if r[n] is None]
 
     def plan_build_reads(self, reads: BuildReads) -> None:
         """Inside a snapshot, the build's next read is its thread's ref (`context_ref`):
@@ -1791,17 +1813,20 @@ _REF_WIDTH = {
 _STATUS_WIDTH = 8  # status.py `status_query`'s columns
 
 
-@functools.lru_cache(maxsize=8)
-def _one_sql(appended: bool, status_sql: str) -> str:
-    """`_REF_SQL` and the status block's statement as one (`_read_in_one`): a row of
-    either padded with NULLs in the other's columns; a status row's first column is
-    never NULL. `_REF_SQL`'s parameters are named r0, r1, ... (the status block's are
-    named)."""
-    parts = _REF_SQL[appended].split("%s")
+_NO_SEQUENCE_AFTER = 2**63 - 1  # bigint's largest: no row's sequence is after it
+
+
+@functools.lru_cache(maxsize=4)
+def _one_sql(status_sql: str) -> str:
+    """`_REF_SQL` (with the appended rows) and the status block's statement as one
+    (`_read_in_one`): a row of either padded with NULLs in the other's columns; a
+    status row's first column is never NULL. `_REF_SQL`'s parameters are named r0, r1,
+    ... (the status block's are named)."""
+    parts = _REF_SQL[True].split("%s")
     ref = parts[0] + "".join(f"%(r{i})s{part}" for i, part in enumerate(parts[1:]))
     return (
         f"SELECT q.*, {', '.join(['NULL'] * _STATUS_WIDTH)} FROM ({ref}) q "
-        f"UNION ALL SELECT {', '.join(['NULL'] * _REF_WIDTH[appended])}, s.* "
+        f"UNION ALL SELECT {', '.join(['NULL'] * _REF_WIDTH[True])}, s.* "
         f"FROM ({status_sql}) s"
     )
 
