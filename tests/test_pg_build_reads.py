@@ -175,6 +175,54 @@ def test_a_hot_build_makes_one_round_trip(
         assert after[0].stamps == expected.stamps
 
 
+# PostgreSQL's plan cache plans a prepared statement's first five runs for their values
+# (custom plans), then keeps its generic plan when that is not estimated dearer.
+CUSTOM_PLANS = 5
+
+
+def test_a_hot_builds_statement_keeps_its_generic_plan(
+    store: PostgresStore, service: ContextService, postgres_dsn: str
+) -> None:
+    """The hot build's one statement (`_read_in_one`) is planned for its values only in
+    its first runs on a connection: after that every run, alone, after an append (the
+    appended rows' join) or between builds of other threads, of agents with other
+    windows, takes the generic plan, on a database with statistics (where, with its
+    values in sight, the planner estimated the custom plans cheaper and planned every
+    build afresh, about 2 ms each), and it is one prepared statement, whatever the
+    values' sizes or NULLs."""
+    service.create_agent(TENANT, "a2", AgentSettings(rolling_window_us=3_600_000_000))
+    for step in range(4):
+        for agent in (AGENT, "a2"):
+            service.append_messages(TENANT, agent, "", "main", _turns(f"main{step}", 2_500))
+        for other in range(3):
+            service.append_messages(TENANT, AGENT, "", f"o{other}", _turns("other", 5))
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE")
+    requests = [
+        BuildRequest(TENANT, agent, "", thread, overrides=BuildOverrides(budget_tokens=2_000))
+        for agent, thread in [(AGENT, "main"), ("a2", "main"), (AGENT, "o0"), (AGENT, "o1")]
+    ]
+    builds = 0
+    for step in range(12):
+        if step % 3 == 2:
+            service.append_messages(TENANT, AGENT, "", "main", _turns(f"after{step}", 1))
+        for request in requests:
+            for _ in range(2):
+                kinds: list[str] = []
+                _round_trips(store, functools.partial(service.build_context, request), kinds=kinds)
+                builds += kinds.count("Execute") == HOT_BUILD_STATEMENTS == kinds.count("Sync")
+    assert builds > 60  # most builds were hot: one statement alone
+    with store._pool.connection() as conn:
+        plans = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE 'SELECT q.*, NULL, %'"
+        ).fetchall()
+    assert len(plans) == 1  # one statement, prepared once
+    generic, custom = plans[0]
+    assert custom == CUSTOM_PLANS
+    assert generic + custom >= builds
+
+
 def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(
     store: PostgresStore, service: ContextService, postgres_dsn: str
 ) -> None:

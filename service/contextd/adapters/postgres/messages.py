@@ -16,6 +16,7 @@ leaves, having written nothing, to the transaction above.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import weakref
@@ -28,7 +29,6 @@ import numpy.typing as npt
 import pyarrow as pa
 from psycopg import errors as pg_errors
 from psycopg import pq
-from psycopg.types.numeric import Int8
 
 from contextd.adapters.postgres.agents import AGENT_VERSION_OF_THREAD, INSERT_AGENT
 from contextd.adapters.postgres.base import (
@@ -1039,18 +1039,14 @@ class MessagesMixin(PostgresBase):
         self, conn: Conn, key: ContextKey, params: list[Any], appended: bool, status: StatusArgs
     ) -> list[Any]:
         """The thread's read (`_REF_SQL`) and the status block's (taken by
-        `status_and_activity` with these very arguments) as one statement (`_ONE_SQL`),
+        `status_and_activity` with these very arguments) as one statement (`_one_sql`),
         ending the snapshot with it: one statement sees one state, so it needs no
         transaction of its own, and the Sync that ends the pipeline ends its implicit
         one. The thread's rows (the status block's stand apart, `_TakenRows`).
 
-        NOT READY (why this is on a branch of its own): PostgreSQL's plan cache may keep
-        custom plans for this statement (after its first five runs it compares the
-        generic plan's estimate with the custom ones', which the parameters make much
-        cheaper: the appended rows' LIMIT and sequence, the status block's NULL and 0
-        tests), and planning the union afresh costs about 2 ms a build (0.43 -> 2.4 ms
-        in process with plan_cache_mode = force_custom_plan; one `make bench` run of
-        two took 2.5-4.1 ms). It needs a plan that stays generic before it can land."""
+        Its plan is the generic one from its sixth run on a connection (`_one_sql`
+        hides the values from the planner): planned for its values, the union costs
+        about 2 ms a build, four times the rest of it."""
         reads: BuildReads | None = self._local.planned
         self._local.planned = None
         status_sql, status_params = self._status_statement(status)
@@ -1058,15 +1054,21 @@ class MessagesMixin(PostgresBase):
             # One kind of statement, so one to prepare per connection: the appended
             # rows' join finds none after the largest sequence (nor probes for them).
             params = [_NO_SEQUENCE_AFTER, _NO_SEQUENCE_AFTER, 1, *params]
-        # The sequences as bigint whatever their size (the driver types an int by it,
-        # and prepares a statement per parameter types).
-        named = {f"r{i}": Int8(v) if i < 2 else v for i, v in enumerate(params)}
+        # Every value as text (None as NULL), typed by the statement (`_ONE_TYPES`):
+        # the driver types an int by its size and a None not at all, and prepares a
+        # statement per parameter types; so one statement per connection.
+        values = {
+            name: None if value is None else str(value)
+            for name, value in itertools.chain(
+                zip(_REF_PARAMS, params, strict=True), status_params.items()
+            )
+        }
         # Prepared at its first run on a connection, not at the driver's fifth (the runs
         # before would each be planned afresh); that run in a pipeline, where the Parse
         # goes with it (out of one, the driver prepares in a round trip of its own); the
         # later ones alone, which spares the pipeline's own work. (Should the driver
         # have dropped it from its cache since, one run takes that round trip more.)
-        sql, values = _one_sql(status_sql), named | status_params
+        sql = _one_sql(status_sql)
         if conn in self._one_prepared:
             cursor = conn.execute(sql, values, prepare=True)
         else:
@@ -1824,19 +1826,57 @@ _STATUS_WIDTH = 8  # status.py `status_query`'s columns
 _NO_SEQUENCE_AFTER = 2**63 - 1  # bigint's largest: no row's sequence is after it
 
 
+# The names `_one_sql` gives `_REF_SQL[True]`'s parameters, in order.
+_REF_PARAMS = tuple(f"r{i}" for i in range(_REF_SQL[True].count("%s")))
+# The SQL type of each parameter of `_one_sql`'s statement: `_REF_SQL`'s, then the
+# status block's (status.py `status_query`, threads.py `activity_query`).
+_ONE_TYPES = {
+    **dict.fromkeys(_REF_PARAMS[:2], "bigint"),
+    _REF_PARAMS[2]: "integer",
+    **dict.fromkeys(_REF_PARAMS[3:], "text"),
+    **dict.fromkeys(("tenant", "agent", "scope", "after"), "text"),
+    **dict.fromkeys(("live_at", "clear", "age", "oldest", "expire", "cap"), "bigint"),
+    **dict.fromkeys(("entries", "limit"), "integer"),
+    "retains": "boolean",
+}
+_NAMED_PARAM = re.compile(r"%\((\w+)\)s")
+
+
 @functools.lru_cache(maxsize=4)
 def _one_sql(status_sql: str) -> str:
     """`_REF_SQL` (with the appended rows) and the status block's statement as one
     (`_read_in_one`): a row of either padded with NULLs in the other's columns; a
     status row's first column is never NULL. `_REF_SQL`'s parameters are named r0, r1,
-    ... (the status block's are named)."""
+    ... (the status block's are named).
+
+    Each parameter is read through a scalar subquery of its own, `(SELECT $n::type)`,
+    so that no plan of the statement sees a value: PostgreSQL plans an uncorrelated
+    subquery apart (an InitPlan, whose result is known only as the statement runs),
+    so a custom plan is estimated as the generic plan is, and its plan cache, which
+    plans the first five runs of a prepared statement for their values and then keeps
+    the generic plan unless the custom ones were estimated cheaper by more than the
+    cost of planning, keeps the generic plan from the sixth run on. With the values
+    in sight the appended rows' sequence and LIMIT, and the status block's NULL and
+    0 tests, made custom plans look cheaper: on a database with statistics every
+    build was planned afresh (about 2 ms, as long as the rest of the build four times
+    over). tests/test_pg_build_reads.py checks the plan cache's counters.
+
+    The price: each subquery is a node the executor starts (34 here, about 0.045 ms a
+    build against the same statement's generic plan, 0.40 against 0.36 ms in
+    process). Not a connection setting (plan_cache_mode = force_generic_plan): it
+    would reach every statement of the connection, unnamed ones too, and a search
+    needs a plan for its query; one row of the values joined laterally to both sides
+    cost twice as much (0.46 ms); a SET around the statement, two statements more."""
     parts = _REF_SQL[True].split("%s")
-    ref = parts[0] + "".join(f"%(r{i})s{part}" for i, part in enumerate(parts[1:]))
-    return (
+    ref = parts[0] + "".join(
+        f"%({name})s{part}" for name, part in zip(_REF_PARAMS, parts[1:], strict=True)
+    )
+    sql = (
         f"SELECT q.*, {', '.join(['NULL'] * _STATUS_WIDTH)} FROM ({ref}) q "
         f"UNION ALL SELECT {', '.join(['NULL'] * _REF_WIDTH[True])}, s.* "
         f"FROM ({status_sql}) s"
     )
+    return _NAMED_PARAM.sub(lambda m: f"(SELECT {m[0]}::{_ONE_TYPES[m[1]]})", sql)
 
 
 def _status_order(row: Sequence[Any]) -> tuple[int, int]:
