@@ -16,7 +16,6 @@ leaves, having written nothing, to the transaction above.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import re
 import weakref
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import psycopg
 import pyarrow as pa
 from psycopg import errors as pg_errors
 from psycopg import pq
@@ -1057,23 +1057,23 @@ class MessagesMixin(PostgresBase):
         # Every value as text (None as NULL), typed by the statement (`_ONE_TYPES`):
         # the driver types an int by its size and a None not at all, and prepares a
         # statement per parameter types; so one statement per connection.
-        values = {
-            name: None if value is None else str(value)
-            for name, value in itertools.chain(
-                zip(_REF_PARAMS, params, strict=True), status_params.items()
-            )
-        }
+        sql, names = _one_sql(status_sql)
+        named = dict(zip(_REF_PARAMS, params, strict=True)) | status_params
+        values = [None if (v := named[name]) is None else str(v) for name in names]
         # Prepared at its first run on a connection, not at the driver's fifth (the runs
         # before would each be planned afresh); that run in a pipeline, where the Parse
         # goes with it (out of one, the driver prepares in a round trip of its own); the
         # later ones alone, which spares the pipeline's own work. (Should the driver
         # have dropped it from its cache since, one run takes that round trip more.)
-        sql = _one_sql(status_sql)
+        # A raw cursor: the statement is in PostgreSQL's own form ($1, ...), which the
+        # driver sends as it is (it parsed the placeholders of a statement this long
+        # afresh at each run, about 0.02 ms: it caches statements of 4 KB at most).
+        cursor = psycopg.RawCursor(conn)
         if conn in self._one_prepared:
-            cursor = conn.execute(sql, values, prepare=True)
+            cursor.execute(sql, values, prepare=True)
         else:
             with conn.pipeline():
-                cursor = conn.execute(sql, values, prepare=True)
+                cursor.execute(sql, values, prepare=True)
             self._one_prepared.add(conn)
         self._local.extend = key if reads is not None and reads.extend else None
         self._end_snapshot_early(conn)
@@ -1843,11 +1843,12 @@ _NAMED_PARAM = re.compile(r"%\((\w+)\)s")
 
 
 @functools.lru_cache(maxsize=4)
-def _one_sql(status_sql: str) -> str:
+def _one_sql(status_sql: str) -> tuple[bytes, tuple[str, ...]]:
     """`_REF_SQL` (with the appended rows) and the status block's statement as one
     (`_read_in_one`): a row of either padded with NULLs in the other's columns; a
     status row's first column is never NULL. `_REF_SQL`'s parameters are named r0, r1,
-    ... (the status block's are named).
+    ... (the status block's are named). The statement with PostgreSQL's placeholders
+    ($1, ...), and the name of each parameter, in their order.
 
     Each parameter is read through a scalar subquery of its own, `(SELECT $n::type)`,
     so that no plan of the statement sees a value: PostgreSQL plans an uncorrelated
@@ -1861,12 +1862,13 @@ def _one_sql(status_sql: str) -> str:
     build was planned afresh (about 2 ms, as long as the rest of the build four times
     over). tests/test_pg_build_reads.py checks the plan cache's counters.
 
-    The price: each subquery is a node the executor starts (34 here, about 0.045 ms a
-    build against the same statement's generic plan, 0.40 against 0.36 ms in
-    process). Not a connection setting (plan_cache_mode = force_generic_plan): it
-    would reach every statement of the connection, unnamed ones too, and a search
-    needs a plan for its query; one row of the values joined laterally to both sides
-    cost twice as much (0.46 ms); a SET around the statement, two statements more."""
+    The price: each subquery is a node the executor starts (34 here), which measured
+    nothing in process (hot builds 0.33 against 0.35 ms p50 with the same statement,
+    values in sight, under plan_cache_mode = force_generic_plan; rounds alternating).
+    Not that setting for the connection: it would reach every statement run on it,
+    unnamed ones too, and a search needs a plan for its query; one row of the values
+    joined laterally to both sides cost 0.1 ms a build; a SET around the statement,
+    two statements more."""
     parts = _REF_SQL[True].split("%s")
     ref = parts[0] + "".join(
         f"%({name})s{part}" for name, part in zip(_REF_PARAMS, parts[1:], strict=True)
@@ -1876,7 +1878,15 @@ def _one_sql(status_sql: str) -> str:
         f"UNION ALL SELECT {', '.join(['NULL'] * _REF_WIDTH[True])}, s.* "
         f"FROM ({status_sql}) s"
     )
-    return _NAMED_PARAM.sub(lambda m: f"(SELECT {m[0]}::{_ONE_TYPES[m[1]]})", sql)
+    numbers: dict[str, int] = {}
+
+    def hidden(match: re.Match[str]) -> str:
+        number = numbers.setdefault(match[1], len(numbers) + 1)
+        return f"(SELECT ${number}::{_ONE_TYPES[match[1]]})"
+
+    text = _NAMED_PARAM.sub(hidden, sql)
+    assert "%" not in text  # no escaped %: the raw statement is sent as it is
+    return text.encode(), tuple(numbers)
 
 
 def _status_order(row: Sequence[Any]) -> tuple[int, int]:
