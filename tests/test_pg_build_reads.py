@@ -33,11 +33,13 @@ from contextd.domain.window import WindowSpec
 
 TENANT, AGENT = "default", "a1"
 # A hot build (the replica keeps a window of the thread): the thread (with its summary
-# and agent's version, after the snapshot's queued BEGIN), and with it the status block
-# and the rows appended since the window the replica saw (by any replica), sent with the
-# arguments the replica's last build of the thread had (`plan_build_reads`), then COMMIT
-# and Sync: its snapshot ends with the reads sent ahead (`_end_snapshot_early`).
+# and agent's version), and with it the status block and the rows appended since the
+# window the replica saw (by any replica), sent with the arguments the replica's last
+# build of the thread had (`plan_build_reads`), as one statement, then Sync: its
+# snapshot is that statement's, ended with it (`_end_snapshot_early`), with no BEGIN
+# and no COMMIT (`_read_in_one`).
 HOT_BUILD_ROUND_TRIPS = 1
+HOT_BUILD_STATEMENTS = 1
 # A build that reads its window's bounds afresh (more rows appended here than extend a
 # window): the thread, the status block, the bounds and the newest page; COMMIT.
 BOUNDS_BUILD_ROUND_TRIPS = 2
@@ -64,9 +66,15 @@ def _turns(prefix: str, n: int) -> list[NewMessage]:
     ]
 
 
-def _round_trips(store: PostgresStore, call: object, statements: list[str] | None = None) -> int:
+def _round_trips(
+    store: PostgresStore,
+    call: object,
+    statements: list[str] | None = None,
+    kinds: list[str] | None = None,
+) -> int:
     """Round trips the pool's one connection makes while `call()` runs (and the text of
-    each statement it sends, into `statements`)."""
+    each statement it parses, into `statements`; the type of each message it sends,
+    such as Execute and Sync, into `kinds`)."""
     assert callable(call)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace"
@@ -83,6 +91,8 @@ def _round_trips(store: PostgresStore, call: object, statements: list[str] | Non
     sides = [f[0] for f in sent if len(f) > 2 and f[0] in ("F", "B")]
     if statements is not None:
         statements += ["\t".join(f) for f in sent if f[0] == "F" and {"Parse", "Query"} & set(f)]
+    if kinds is not None:
+        kinds += [f[2] for f in sent if len(f) > 2 and f[0] == "F"]
     return sum(1 for a, b in itertools.pairwise(sides) if (a, b) == ("F", "B"))
 
 
@@ -114,12 +124,13 @@ def test_a_build_after_more_appended_rows_than_extend_a_window_reads_its_bounds_
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["alone", "interleaved"])
 def test_a_hot_build_makes_one_round_trip(
-    store: PostgresStore, service: ContextService, interleaved: bool
+    store: PostgresStore, service: ContextService, postgres_dsn: str, interleaved: bool
 ) -> None:
     """Whether the thread was written alone or in turns with others (its ids then jump:
     the ids it leaves out come from the replica's run of them, with their ordinals),
-    a hot build makes the same one round trip, and it does not grow with the thread;
-    the build right after an append too (three before `plan_build_reads`; interleaved,
+    a hot build makes the same one round trip, of one statement, and it does not grow
+    with the thread; the build right after an append too, and it equals a fresh
+    replica's (three before `plan_build_reads`; interleaved,
     three before a build extended its window by the appended rows; two before its
     snapshot ended with the reads sent ahead)."""
     for step in range(6):
@@ -131,7 +142,11 @@ def test_a_hot_build_makes_one_round_trip(
     for _ in range(2):
         first = service.build_context(request)
     assert first.context.stats.dropped_ids  # a window longer than the budget
-    assert _round_trips(store, lambda: service.build_context(request)) == HOT_BUILD_ROUND_TRIPS
+    kinds: list[str] = []
+    assert _round_trips(store, lambda: service.build_context(request), kinds=kinds) == (
+        HOT_BUILD_ROUND_TRIPS
+    )
+    assert (kinds.count("Execute"), kinds.count("Sync")) == (HOT_BUILD_STATEMENTS, 1)
     service.append_messages(TENANT, AGENT, "", "main", _turns("later", 300))
     service.build_context(request)
     assert _round_trips(store, lambda: service.build_context(request)) == HOT_BUILD_ROUND_TRIPS
@@ -139,12 +154,73 @@ def test_a_hot_build_makes_one_round_trip(
         service.append_messages(TENANT, AGENT, "", "main", _turns(f"after{step}", 1))
         after: list[Any] = []
         extended = service._builder.window_extensions
-        trips = _round_trips(store, functools.partial(_build_into, service, request, after))
+        kinds = []
+        trips = _round_trips(
+            store, functools.partial(_build_into, service, request, after), kinds=kinds
+        )
         assert after[0].context.history[-1].content.startswith(f"after{step} 0 ")
         # The window kept is extended by the appended row, read with the thread's: no
         # bounds, and (interleaved) no ids left out read past the replica's run of them.
         assert service._builder.window_extensions == extended + 1
         assert trips == HOT_BUILD_ROUND_TRIPS
+        assert kinds.count("Execute") == HOT_BUILD_STATEMENTS
+        # As a replica that never built before builds it (in a snapshot of reads that
+        # each take a round trip): the one statement read the same state.
+        fresh = PostgresStore.open(postgres_dsn, clock=store.clock, pool_size=1)
+        try:
+            expected = ContextService(fresh, ExtractiveSummarizer()).build_context(request)
+        finally:
+            fresh.close()
+        assert after[0].context == expected.context
+        assert after[0].stamps == expected.stamps
+
+
+# PostgreSQL's plan cache plans a prepared statement's first five runs for their values
+# (custom plans), then keeps its generic plan when that is not estimated dearer.
+CUSTOM_PLANS = 5
+
+
+def test_a_hot_builds_statement_keeps_its_generic_plan(
+    store: PostgresStore, service: ContextService, postgres_dsn: str
+) -> None:
+    """The hot build's one statement (`_read_in_one`) is planned for its values only in
+    its first runs on a connection: after that every run, alone, after an append (the
+    appended rows' join) or between builds of other threads, of agents with other
+    windows, takes the generic plan, on a database with statistics (where, with its
+    values in sight, the planner estimated the custom plans cheaper and planned every
+    build afresh, about 2 ms each), and it is one prepared statement, whatever the
+    values' sizes or NULLs."""
+    service.create_agent(TENANT, "a2", AgentSettings(rolling_window_us=3_600_000_000))
+    for step in range(4):
+        for agent in (AGENT, "a2"):
+            service.append_messages(TENANT, agent, "", "main", _turns(f"main{step}", 2_500))
+        for other in range(3):
+            service.append_messages(TENANT, AGENT, "", f"o{other}", _turns("other", 5))
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE")
+    requests = [
+        BuildRequest(TENANT, agent, "", thread, overrides=BuildOverrides(budget_tokens=2_000))
+        for agent, thread in [(AGENT, "main"), ("a2", "main"), (AGENT, "o0"), (AGENT, "o1")]
+    ]
+    builds = 0
+    for step in range(12):
+        if step % 3 == 2:
+            service.append_messages(TENANT, AGENT, "", "main", _turns(f"after{step}", 1))
+        for request in requests:
+            for _ in range(2):
+                kinds: list[str] = []
+                _round_trips(store, functools.partial(service.build_context, request), kinds=kinds)
+                builds += kinds.count("Execute") == HOT_BUILD_STATEMENTS == kinds.count("Sync")
+    assert builds > 60  # most builds were hot: one statement alone
+    with store._pool.connection() as conn:
+        plans = conn.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE 'SELECT q.*, NULL, %'"
+        ).fetchall()
+    assert len(plans) == 1  # one statement, prepared once
+    generic, custom = plans[0]
+    assert custom == CUSTOM_PLANS
+    assert generic + custom >= builds
 
 
 def test_cached_messages_are_used_only_at_the_version_the_snapshot_reads(
@@ -406,12 +482,13 @@ def test_a_hot_build_that_needs_another_read_runs_again_in_a_snapshot_that_ends_
         with psycopg.connect(postgres_dsn, autocommit=True) as conn:
             make(elsewhere, conn, ids)
         got: list[Any] = []
-        statements: list[str] = []
+        kinds: list[str] = []
         extended = service._builder.window_extensions
         trips = _round_trips(
-            store, functools.partial(_build_into, service, request, got), statements
+            store, functools.partial(_build_into, service, request, got), kinds=kinds
         )
-        snapshots = sum("BEGIN ISOLATION LEVEL REPEATABLE READ" in s for s in statements)
+        # Each snapshot ends with a Sync: the hot one-statement read's, or a BEGIN's.
+        snapshots = kinds.count("Sync")
         fresh = PostgresStore.open(postgres_dsn, clock=clock, pool_size=1)
         try:
             expected = ContextService(fresh, ExtractiveSummarizer()).build_context(request)

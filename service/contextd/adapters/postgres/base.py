@@ -153,6 +153,7 @@ class PostgresBase:
                 # `read_consistently`'s second run, makes no such guess.
                 self._local.no_early_end = True
                 raise SnapshotMoved("a read after the snapshot ended with its reads ahead")
+            self._begin(pinned)
             yield pinned
             return
         if self._closed:
@@ -186,13 +187,15 @@ class PostgresBase:
         """Reads of this thread inside the block see one consistent state: one READ ONLY
         REPEATABLE READ transaction on one connection. Nested blocks join the outer one.
 
-        The connection is in pipeline mode for the block, its BEGIN queued: it travels
-        with the block's first statement, and its COMMIT with the Sync that ends the
-        pipeline, so a snapshot costs no round trip of its own, and a read may queue a
-        statement whose result a later read of the block takes (`status_and_activity`
-        queues the bounds of the thread `context_ref` read). A build expected to need
-        only the reads it sends ahead may end the snapshot with them, COMMIT and Sync in
-        the same round trip (`_end_snapshot_early`). (No cache of windows on this
+        From the block's first read on (`_begin`) the connection is in pipeline mode,
+        its BEGIN queued: it travels with that read's statement, and its COMMIT with the
+        Sync that ends the pipeline, so a snapshot costs no round trip of its own, and a
+        read may queue a statement whose result a later read of the block takes
+        (`status_and_activity` queues the bounds of the thread `context_ref` read). A
+        build expected to need only the reads it sends ahead may end the snapshot with
+        them, COMMIT and Sync in the same round trip (`_end_snapshot_early`); when they
+        are one statement, sent before anything else, it goes alone, with no pipeline,
+        BEGIN or COMMIT (`_unbegun`): one statement sees one state. (No cache of windows on this
         engine: other replicas write too; the few shortcuts it keeps, the windows builds
         read among them, are validated by reads of the snapshot, see
         docs/architecture.md, The hot cache.)"""
@@ -209,23 +212,19 @@ class PostgresBase:
                 # Left by the pipeline's exit, which sends the Sync: at the block's end,
                 # or earlier (`_end_snapshot_early`).
                 with ExitStack() as pipeline:
-                    pipeline.enter_context(conn.pipeline())
-                    conn.execute(SNAPSHOT_BEGIN)
-                    # A key the call owes a check of is read with the snapshot's first
-                    # statement, so it costs no round trip; its answer is taken at the end,
-                    # before anything read is answered (`owed_key_check`).
-                    owed = owed_key_check()
-                    check = (
-                        conn.execute("SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
-                        if owed is not None
-                        else None
-                    )
+                    # The pipeline and its BEGIN go with the block's first read
+                    # (`_begin`), so that a build answered by one statement sends it
+                    # alone, in a round trip of its own (`_unbegun`).
+                    self._local.begun = False
+                    self._local.check = None
+                    self._local.pipeline = pipeline
                     self._local.conn = conn
                     self._local.end_pipeline = pipeline.close if early else None
                     try:
                         yield
                     finally:
                         self._local.conn = None
+                        self._local.pipeline = None
                         ended = bool(getattr(self._local, "ended", False))
                         self._local.ended = False  # by `_end_snapshot_early`
                         self._local.end_pipeline = None  # likewise
@@ -240,10 +239,18 @@ class PostgresBase:
                         self._local.bounds = None  # queued by status_and_activity
                         self._local.status = None  # sent with context_ref's read
                         self._local.planned = None  # by plan_build_reads
+                    if not ended and owed_key_check() is not None:
+                        # A block that read nothing still answers the key it owes.
+                        self._local.pipeline = pipeline
+                        self._begin(conn)
+                        self._local.pipeline = None
+                    check = self._local.check
+                    self._local.check = None
+                    owed = owed_key_check()
                     if owed is not None and check is not None:
                         stands = check.fetchone()
                         key_check_answered(owed, bool(stands and stands[0]))
-                    if not ended:
+                    if not ended and self._local.begun:
                         conn.execute("COMMIT")
             finally:
                 if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE and (
@@ -252,6 +259,33 @@ class PostgresBase:
                     conn.rollback()  # the block failed: its transaction ends unused
                 if not conn.closed:
                     conn.autocommit = False
+
+    def _begin(self, conn: Conn) -> None:
+        """Queue the snapshot's BEGIN before its first read (nothing after the first):
+        the READ ONLY REPEATABLE READ transaction the block's reads share. A key the
+        call owes a check of is read with it, in the same snapshot, so it costs no round
+        trip; its answer is taken at the block's end, before anything read is answered
+        (`owed_key_check`)."""
+        if getattr(self._local, "begun", True):
+            return
+        self._local.begun = True
+        self._local.pipeline.enter_context(conn.pipeline())
+        conn.execute(SNAPSHOT_BEGIN)
+        owed = owed_key_check()
+        if owed is not None:
+            self._local.check = conn.execute("SELECT " + KEY_STANDS, {"owed_key": owed.key_id})
+
+    def _unbegun(self, conn: Conn) -> bool:
+        """Whether `conn` is this thread's snapshot and nothing was read in it yet (no
+        BEGIN sent), no key check is owed and the snapshot may end with its reads ahead:
+        then one statement may make every read of a build, in its own snapshot, with
+        no BEGIN or COMMIT around it (messages.py `context_ref`)."""
+        return (
+            getattr(self._local, "conn", None) is conn
+            and not getattr(self._local, "begun", True)
+            and getattr(self._local, "end_pipeline", None) is not None
+            and owed_key_check() is None
+        )
 
     def _end_snapshot_early(self, conn: Conn) -> bool:
         """End this snapshot now, with the statements queued in it: COMMIT, then the
@@ -264,7 +298,12 @@ class PostgresBase:
         end: Callable[[], None] | None = getattr(self._local, "end_pipeline", None)
         if end is None or getattr(self._local, "conn", None) is not conn:
             return False
-        conn.execute("COMMIT")
+        if getattr(self._local, "begun", True):
+            conn.execute("COMMIT")
+        else:
+            # Nothing was begun (`_unbegun`): the one statement sent ran alone, outside
+            # the pipeline, in a snapshot of its own.
+            self._local.begun = True
         self._local.end_pipeline = None
         self._local.ended = True
         end()
@@ -277,6 +316,10 @@ class PostgresBase:
 
     def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue the status block's read a build will make (see status.py)."""
+
+    def _status_statement(self, args: StatusArgs) -> tuple[str, dict[str, Any]]:
+        """The status block's statement and its named parameters (see status.py)."""
+        raise NotImplementedError
 
     def _forget_old_requests(self) -> None:
         """Remove request records past their retention, a bounded chunk when one is due."""

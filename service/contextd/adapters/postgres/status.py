@@ -100,6 +100,9 @@ class StatusMixin(PostgresBase):
             rows = conn.execute(_LIST_STATUS, params).fetchall()
         return [status_from_row(r) for r in rows]
 
+    def _status_statement(self, args: StatusArgs) -> tuple[str, dict[str, Any]]:
+        return status_query(args)
+
     def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue `status_and_activity`'s statement with these arguments in this
         snapshot's pipeline; that call takes its result when made with the same ones."""

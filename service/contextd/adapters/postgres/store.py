@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import weakref
 from collections.abc import Callable
 
 import psycopg
@@ -65,6 +66,7 @@ class PostgresStore(
         self._id_runs = {}
         self._windows_seen = {}
         self._bounds_guess = {}
+        self._one_prepared = weakref.WeakSet()
         self._moved_here = {}
         self._label_models = {}
         self._retention_agents = set()
