@@ -514,7 +514,7 @@ class MessagesMixin(PostgresBase):
         what the window it kept lacks (it is of an older state), which `_send_planned`
         then sends with the thread's read: the rows appended since, when every append
         here since was of plain messages (a builder extends a window by those alone:
-        `ContextBuilder._extended_tail`) and they are at most APPENDED_ROWS (the most an
+        `WindowExtension._extended_tail`) and they are at most APPENDED_ROWS (the most an
         extension reads), else the window's bounds: sending the appended rows' read for
         a window they cannot extend would cost the bounds a round trip of their own."""
         if len(self._moved_here) >= WINDOWS_SEEN and key not in self._moved_here:
@@ -1402,7 +1402,7 @@ class MessagesMixin(PostgresBase):
         (the column the trimmer reads), when this snapshot's state of the thread differs
         from that one by appended plain messages alone and the window still starts where
         it did; None otherwise (the builder reads the window afresh:
-        `ContextBuilder._extended_tail`).
+        `WindowExtension._extended_tail`).
 
         The proof: schema version 15's `rewrites` is as it was (no stored message was
         changed or deleted, and none inserted but by the service's appends, which number
