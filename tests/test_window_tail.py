@@ -213,6 +213,49 @@ def test_newest_first_builds_what_the_whole_window_builds(
     assert found  # some runs of held ids were checked, not read
 
 
+@pytest.mark.parametrize("budget", [2_200, 6_500])
+def test_a_window_of_short_turns_loading_over_a_thousand_is_extended_and_built_the_same(
+    store: PostgresStore, service: ContextService, postgres_dsn: str, budget: int
+) -> None:
+    """In a thread of short turns a budget of a few thousand tokens loads thousands of
+    messages (the candidates the trimmer walks, by their stored counts); an append to it
+    still extends the window the builder keeps (the appended rows read with the
+    thread's row) instead of reading the window afresh at every build (tens of
+    milliseconds), and what the build answers is what a whole-window read of another
+    replica answers."""
+    for start in (0, 6_000):
+        turns = [
+            NewMessage(role=(Role.USER, Role.ASSISTANT)[i % 2], content=f"ok {i}")
+            for i in range(start, start + 6_000)
+        ]
+        service.append_messages(TENANT, AGENT, "", "t1", turns)
+    request = BuildRequest(TENANT, AGENT, "", "t1", overrides=BuildOverrides(budget_tokens=budget))
+    first = service.build_context(request)
+    # More loaded than four first pages (where the extension stopped before), less than
+    # the three pages a fresh read reads (256 + 1,024 + 4,096).
+    page = window_loading.FIRST_PAGE
+    assert 4 * page < first.messages_loaded < 21 * page
+    whole = PostgresStore.open(postgres_dsn, clock=ManualClock(store.clock.now_us()))
+    try:
+        whole.window_bounds = lambda *a: None  # type: ignore[method-assign]
+        whole_service = ContextService(whole, ExtractiveSummarizer())
+        for i in range(8):
+            # Some short, some long enough to move where the loaded part starts.
+            content = f"more {i} " + "and more words " * (40 * (i % 3))
+            service.append_messages(
+                TENANT, AGENT, "", "t1", [NewMessage(role=Role.USER, content=content)]
+            )
+            extended = service._builder.window_extensions
+            new = service.build_context(request)
+            assert service._builder.window_extensions == extended + 1
+            assert new.context.history[-1].content == content
+            assert isinstance(whole.clock, ManualClock)
+            whole.clock.set(store.clock.now_us())
+            _same(new, whole_service.build_context(request))
+    finally:
+        whole.close()
+
+
 def test_the_held_ids_cover_what_a_response_lists() -> None:
     from contextd.api.convert import MAX_LISTED_DROPPED_IDS
 

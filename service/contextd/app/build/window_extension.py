@@ -42,13 +42,20 @@ from contextd.ports.store import (
 
 # Stored counts an extended window may hold beyond twice its items (`_extended`).
 _KNOWN_SLACK = 64
-# `_extended_tail`: the longest kept part it extends (a fresh read of it reads at most
-# the first two pages, and a few rows of a straddling pair), the fewest held ids for
-# which that holds (a fresh read holds every id it read, past HELD_DROPPED_IDS before
-# the kept part when it read that far), and the rows it carries beyond twice the kept.
-_TAIL_KEPT = 4 * FIRST_PAGE
-_TAIL_HELD = 21 * FIRST_PAGE
+# `_extended_tail`: the most rows a fresh read of a window reads before it answers what
+# the extension answers, the first three pages (a fresh read holds every id it read,
+# past HELD_DROPPED_IDS before the loaded part when it read that far, where the
+# extension holds HELD_DROPPED_IDS); the longest loaded part it extends, the longest a
+# fresh read reads within those pages (one row past the loaded part, where the walk
+# stops); the rows it carries, at most twice the loaded part and `_TAIL_ROWS`, or a
+# fresh three pages' read and `_TAIL_ROWS` appended since: past that the window is read
+# afresh, once, and carries what that read read. (The bound before, a loaded part of at
+# most four first pages, left a thread of short turns, whose budget loads thousands of
+# messages, reading its window afresh at every build: tens of milliseconds on
+# PostgreSQL, more as the loaded part grows.)
 _TAIL_ROWS = 6 * FIRST_PAGE
+_TAIL_HELD = 21 * FIRST_PAGE
+_TAIL_KEPT = _TAIL_HELD - 1
 
 
 class WindowExtension(WindowLoading):
@@ -149,9 +156,9 @@ class WindowExtension(WindowLoading):
         `_load_tail` answers: the trimmer walks the rows that read read (`old.tail`)
         and the appended ones; where the walk stopped inside what was read, it stops
         there or later with more rows after it. The ids held are the window's from
-        `HELD_DROPPED_IDS` positions before the kept part on, as `_load_tail` holds
-        them when the kept part is short enough that its reads stop within the first
-        pages (`_TAIL_KEPT`); past that, or past a bound on the rows carried, the
+        `HELD_DROPPED_IDS` positions before the loaded part on, as `_load_tail` holds
+        them when the loaded part is short enough that its read stops within the first
+        three pages (`_TAIL_KEPT`); past that, or past a bound on the rows carried, the
         window is read afresh."""
         tail = old.tail
         if (
@@ -196,7 +203,7 @@ class WindowExtension(WindowLoading):
         loaded_from = tail.first + start
         if start < old_start or start > len(tail.roles) or n - loaded_from > _TAIL_KEPT:
             return None
-        if len(roles) > _TAIL_ROWS + 2 * (n - loaded_from):
+        if len(roles) > max(_TAIL_ROWS + 2 * (n - loaded_from), _TAIL_HELD + _TAIL_ROWS):
             return None  # what the window carries stays bounded: read it afresh
         carried = _carried_over(plan, old, start - old_start, appended)
         if carried is None:
