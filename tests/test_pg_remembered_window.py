@@ -1,4 +1,4 @@
-"""The window a PostgreSQL replica remembers (`MessagesMixin.build_token`): kept while
+"""The window a PostgreSQL replica remembers (`WindowReadsMixin.build_token`): kept while
 the snapshot reads the thread's row at the version it was read under, and the window's
 lower bound selects the same messages; every change made through another replica (or
 by an operator, in SQL) is in the very next build, which equals the build of a builder

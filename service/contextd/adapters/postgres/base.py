@@ -279,7 +279,7 @@ class PostgresBase:
         """Whether `conn` is this thread's snapshot and nothing was read in it yet (no
         BEGIN sent), no key check is owed and the snapshot may end with its reads ahead:
         then one statement may make every read of a build, in its own snapshot, with
-        no BEGIN or COMMIT around it (messages.py `context_ref`)."""
+        no BEGIN or COMMIT around it (build_reads.py `context_ref`)."""
         return (
             getattr(self._local, "conn", None) is conn
             and not getattr(self._local, "begun", True)
@@ -312,7 +312,7 @@ class PostgresBase:
     def _queue_bounds(
         self, conn: Conn, tenant: str, agent: str, scope: str, agent_window: WindowSpec
     ) -> None:
-        """Queue the window bounds read the build will make next (see messages.py)."""
+        """Queue the window bounds read the build will make next (see window_reads.py)."""
 
     def _send_status(self, conn: Conn, args: StatusArgs) -> None:
         """Queue the status block's read a build will make (see status.py)."""

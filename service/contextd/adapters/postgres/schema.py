@@ -366,7 +366,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         [
             # Running counts per thread, written at insert, so a build learns its
             # window's size, edges and tool rows from a few index lookups instead of
-            # reading the window (see messages.py `window_bounds`): each message's count
+            # reading the window (see window_reads.py `window_bounds`): each message's count
             # of non-summary messages through it (ordinal) and of tool rows through it (a
             # tool group or a tool_result role; tools_total). The thread row carries the
             # totals and the sequence through which they are exact (totals_through): an
@@ -417,7 +417,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
         13,
         [
             # The tool rows a newest-first build cannot count from `tools_total`: which of
-            # a window's unread rows are orphans (see messages.py `window_unread_orphans`).
+            # a window's unread rows are orphans (see window_reads.py `window_unread_orphans`).
             # tool_open holds each tool-using message none of whose results is stored yet
             # (kind 'c'; an answer removes it) and each tool_result that answers no
             # tool-using message of its thread (kind 's'); threads.tool_span is the
@@ -487,7 +487,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             # transaction, so the row's version (xmin and ctid, which `context_ref` reads)
             # names the state of the thread's messages: a replica keeps a build's window
             # while the version it read it under is the one its snapshot reads (see
-            # `MessagesMixin.build_token`). The service's writers all update the row
+            # `WindowReadsMixin.build_token`). The service's writers all update the row
             # already (appends, retention's deletes, clears); these triggers make it hold
             # for any writer (an operator's UPDATE or DELETE too) and touch the row only
             # when this transaction has not written it yet, so an append (whose last
@@ -534,7 +534,7 @@ MIGRATIONS: list[tuple[int, list[str]]] = [
             # read a thread's window at one value and finds it unchanged, with the same
             # clear and summary, knows the rows it read are stored as they were and only
             # rows after its last sequence were added: it reads just those and extends
-            # the window it keeps (see messages.py `appended_messages`). An append pays
+            # the window it keeps (see window_reads.py `appended_messages`). An append pays
             # nothing for it (the INSERT trigger's row is written by then).
             "ALTER TABLE threads ADD COLUMN rewrites bigint NOT NULL DEFAULT 0",
             """

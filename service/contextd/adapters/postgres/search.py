@@ -36,7 +36,7 @@ from typing import Any
 from psycopg import errors as pg_errors
 
 from contextd.adapters.postgres.base import PostgresBase
-from contextd.adapters.postgres.messages import _SELECT_MESSAGES, window_predicate
+from contextd.adapters.postgres.message_sql import SELECT_MESSAGES, window_predicate
 from contextd.adapters.rows import message_from_row
 from contextd.domain.limits import MAX_SEARCH_CANDIDATES
 from contextd.domain.model import StoredMessage
@@ -179,7 +179,7 @@ class SearchMixin(PostgresBase):
                     return []
                 rows = conn.execute(
                     f"""
-                    SELECT {_SELECT_MESSAGES}
+                    SELECT {SELECT_MESSAGES}
                     FROM messages m
                     JOIN threads t ON t.tenant = m.tenant AND t.context_id = m.context_id
                     WHERE m.tenant = %s AND m.id = ANY(%s)

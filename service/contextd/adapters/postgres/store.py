@@ -19,6 +19,7 @@ import psycopg_pool
 from contextd.adapters.postgres.access import AccessMixin
 from contextd.adapters.postgres.agents import AgentsMixin
 from contextd.adapters.postgres.base import Conn, _remembered, failures_translated, first
+from contextd.adapters.postgres.build_reads import BuildReadsMixin
 from contextd.adapters.postgres.message_cache import MessageCache
 from contextd.adapters.postgres.messages import MessagesMixin
 from contextd.adapters.postgres.pending_list import PendingListMerger
@@ -31,6 +32,7 @@ from contextd.adapters.postgres.status import StatusMixin
 from contextd.adapters.postgres.threads import ThreadsMixin
 from contextd.adapters.postgres.tool_outputs import ToolOutputsMixin
 from contextd.adapters.postgres.usage import UsageMixin
+from contextd.adapters.postgres.window_pages import WindowPagesMixin
 from contextd.domain.clock import MonotonicClock
 from contextd.domain.errors import StoreUnavailable
 from contextd.domain.idempotency import (
@@ -49,6 +51,8 @@ class PostgresStore(
     AccessMixin,
     AgentsMixin,
     MessagesMixin,
+    BuildReadsMixin,
+    WindowPagesMixin,
     ThreadsMixin,
     StatusMixin,
     SnapshotsMixin,

@@ -12,7 +12,7 @@ from typing import Any
 
 from contextd.adapters.postgres.agents import require_agent
 from contextd.adapters.postgres.base import Conn, PostgresBase, first
-from contextd.adapters.postgres.messages import window_predicate
+from contextd.adapters.postgres.message_sql import window_predicate
 from contextd.adapters.rows import THREAD_COLUMNS, thread_from_row
 from contextd.domain.context import ThreadActivity
 from contextd.domain.errors import NotFound
