@@ -235,6 +235,12 @@ def client(server: InProcessServer) -> Client:
     return server.client
 
 
+# The longest a signalled server may take to stop by design: the drain's grace (10 s),
+# the writer's last jobs and the purger, each bounded by the write timeout (30 s), and
+# the checkpoint at close.
+STOP_BOUND_S = 90
+
+
 @dataclass
 class ServerProcess:
     """`contextd serve` as a child process on a free loopback port."""
@@ -280,9 +286,23 @@ class ServerProcess:
         return self.log_path.read_text()
 
     def signal(self, signum: int) -> int:
+        """Send `signum` and wait for the process to exit; its exit status.
+
+        The wait is the longest a stop may take by design (the drain's grace, then the
+        writer's last jobs, each bounded by the write timeout, and a checkpoint), so a
+        loaded machine never fails a test here; past it the server is stuck: it is
+        killed and the failure shows its log's tail."""
         assert self.proc is not None
         self.proc.send_signal(signum)
-        return self.proc.wait(timeout=30)
+        try:
+            return self.proc.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            raise AssertionError(
+                f"the server did not stop within {STOP_BOUND_S} s of signal {signum}:\n"
+                + self.log()[-5000:]
+            ) from None
 
     def kill9(self) -> None:
         assert self.proc is not None
