@@ -55,7 +55,7 @@ _KNOWN_SLACK = 64
 # PostgreSQL, more as the loaded part grows.)
 _TAIL_ROWS = 6 * FIRST_PAGE
 _TAIL_HELD = 21 * FIRST_PAGE
-_TAIL_KEPT = _TAIL_HELD - 1
+_TAIL_LOADED = _TAIL_HELD - 1
 
 
 class WindowExtension(WindowLoading):
@@ -158,7 +158,7 @@ class WindowExtension(WindowLoading):
         there or later with more rows after it. The ids held are the window's from
         `HELD_DROPPED_IDS` positions before the loaded part on, as `_load_tail` holds
         them when the loaded part is short enough that its read stops within the first
-        three pages (`_TAIL_KEPT`); past that, or past a bound on the rows carried, the
+        three pages (`_TAIL_LOADED`); past that, or past a bound on the rows carried, the
         window is read afresh."""
         tail = old.tail
         if (
@@ -201,7 +201,7 @@ class WindowExtension(WindowLoading):
         start = self._candidates(plan, roles, tokens, chars, groups)
         n = n_old + k
         loaded_from = tail.first + start
-        if start < old_start or start > len(tail.roles) or n - loaded_from > _TAIL_KEPT:
+        if start < old_start or start > len(tail.roles) or n - loaded_from > _TAIL_LOADED:
             return None
         if len(roles) > max(_TAIL_ROWS + 2 * (n - loaded_from), _TAIL_HELD + _TAIL_ROWS):
             return None  # what the window carries stays bounded: read it afresh
